@@ -1,0 +1,204 @@
+"""Typed run configuration: presets, command-line overrides, validation.
+
+A preset is a Python file ``configs/<name>.py`` whose ``get_config()`` returns a :class:`Config`.
+Overrides look like ``--config.outer.sync_every=50``. :func:`validate` checks every value before
+anything is compiled; a bad value raises :class:`ConfigError` naming the key, the value and what is
+allowed. Library code never reads a Config: ``train`` and ``sim`` unpack it into named arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import pathlib
+from typing import Any, get_type_hints
+
+from diloco_jax.optim import ALGORITHMS
+
+DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
+RUNTIMES = ("auto", "sim", "mesh")
+
+
+class ConfigError(ValueError):
+    """A config value, key or preset is invalid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_ratio: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    corpus: str = "shakespeare"  # a shipped corpus name, or a .txt / .txt.gz / .txt.xz path
+    seq_len: int = 128
+    batch_size: int = 16  # per replica, per inner step
+    val_fraction: float = 0.05
+    eval_windows: int = 256  # validation windows per eval; <= 0 for the whole split
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerConfig:
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterConfig:
+    sync_every: int = 50
+    learning_rate: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    reset_inner_state: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    replicas: int = 4
+    runtime: str = "auto"  # auto: mesh when there are several devices, else sim (vmap)
+    replica_devices: int = 0  # 0: as many as divide `replicas` and the device count
+    data_devices: int = 0  # 0: the remaining devices that divide the batch
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    total_steps: int = 1000  # inner steps per replica
+    log_every: int = 25  # also the number of steps compiled into one call
+    eval_every: int = 250
+    sample_chars: int = 300  # printed at the end; 0 to skip
+    sample_prompt: str = "ROMEO.\n"
+    checkpoint: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    algorithm: str = "diloco"  # diloco | ddp | single
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    inner: InnerConfig = InnerConfig()
+    outer: OuterConfig = OuterConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainConfig = TrainConfig()
+
+
+def load_preset(path: str | pathlib.Path) -> Config:
+    """Runs ``get_config()`` of the preset file at ``path``."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config preset not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"diloco_preset_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ConfigError(f"cannot load config preset {path}: {type(e).__name__}: {e}") from None
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config preset {path} has no get_config() function")
+    cfg = module.get_config()
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"get_config() of {path} returned {type(cfg).__name__}, not Config")
+    return cfg
+
+
+def keys(cfg: Any = Config(), prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of ``cfg`` (``"outer.sync_every"``) with its value."""
+    out = {}
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if dataclasses.is_dataclass(value):
+            out.update(keys(value, f"{prefix}{field.name}."))
+        else:
+            out[f"{prefix}{field.name}"] = value
+    return out
+
+
+def _parse(text: str, kind: type, key: str) -> Any:
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"config key {key}: {text!r} is not a bool (use true or false)")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"config key {key}: {text!r} is not a valid {kind.__name__}") from None
+
+
+def override(cfg: Config, key: str, text: str) -> Config:
+    """Returns ``cfg`` with dotted ``key`` set to ``text`` parsed as the field's type."""
+    known = keys(cfg)
+    if key not in known:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r}{hint} (`--help` lists every key)")
+    *path, leaf = key.split(".")
+    nodes = [cfg]
+    for name in path:
+        nodes.append(getattr(nodes[-1], name))
+    kind = get_type_hints(type(nodes[-1]))[leaf]
+    value = _parse(text, kind, key)
+    for node, name in zip(reversed(nodes), reversed([*path, leaf]), strict=True):
+        value = dataclasses.replace(node, **{name: value})
+    return value
+
+
+def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
+    for key, text in overrides:
+        cfg = override(cfg, key, text)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+_POSITIVE = (
+    "model.d_model", "model.num_layers", "model.num_heads", "model.mlp_ratio", "data.seq_len",
+    "data.batch_size", "outer.sync_every", "parallel.replicas", "train.total_steps",
+    "train.log_every", "train.eval_every",
+)  # fmt: skip
+_NON_NEGATIVE = (
+    "parallel.replica_devices", "parallel.data_devices", "inner.warmup_steps", "train.sample_chars",
+)  # fmt: skip
+
+
+def validate(cfg: Config) -> None:
+    """Checks every value that does not depend on the devices; raises :class:`ConfigError`
+    naming the first bad key, its value and what is allowed."""
+    flat = keys(cfg)
+    rules = [(key, flat[key] >= 1, "must be an integer >= 1") for key in _POSITIVE]
+    rules += [(key, flat[key] >= 0, "must be >= 0") for key in _NON_NEGATIVE]
+    for key, ok, allowed in rules:
+        if not ok:
+            raise ConfigError(f"config key {key} = {flat[key]!r} is invalid: {allowed}")
+    m, p = cfg.model, cfg.parallel
+    rules = [
+        ("algorithm", cfg.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
+        ("parallel.runtime", p.runtime in RUNTIMES, f"must be one of {RUNTIMES}"),
+        ("model.d_model", m.d_model % m.num_heads == 0,
+         f"must be divisible by model.num_heads = {m.num_heads}"),
+        ("data.val_fraction", 0 < cfg.data.val_fraction < 1, "must be in (0, 1)"),
+        ("inner.learning_rate", cfg.inner.learning_rate > 0, "must be > 0"),
+        ("inner.final_lr_fraction", 0 <= cfg.inner.final_lr_fraction <= 1, "must be in [0, 1]"),
+        ("outer.learning_rate", cfg.outer.learning_rate > 0, "must be > 0"),
+        ("outer.momentum", 0 <= cfg.outer.momentum < 1, "must be in [0, 1)"),
+        ("parallel.replica_devices", p.replicas % max(p.replica_devices, 1) == 0,
+         f"must divide parallel.replicas = {p.replicas}"),
+        ("data.batch_size", cfg.data.batch_size % max(p.data_devices, 1) == 0,
+         f"must be divisible by parallel.data_devices = {p.data_devices}"),
+    ]  # fmt: skip
+    for key, ok, allowed in rules:
+        if not ok:
+            raise ConfigError(f"config key {key} = {flat[key]!r} is invalid: {allowed}")

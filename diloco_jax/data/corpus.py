@@ -1,0 +1,139 @@
+"""A text corpus as byte-level tokens, split by position, sampled per replica.
+
+Tokens are the UTF-8 bytes of the text (vocabulary 256; no tokenizer files). The last
+``val_fraction`` of the bytes is the validation split. The training split is cut into ``R``
+contiguous, disjoint shards, one per replica; the windows a replica trains on at a step are a pure
+function of ``(seed, replica, step)`` (:func:`sample_batch`), computed on device inside the
+compiled step, so a resumed or re-sharded run sees the same data.
+"""
+
+from __future__ import annotations
+
+import gzip
+import lzma
+import pathlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SHAKESPEARE = "shakespeare"
+_SHIPPED = {SHAKESPEARE: pathlib.Path(__file__).with_name("shakespeare.txt.xz")}
+VOCAB_SIZE = 256
+
+
+class DataError(ValueError):
+    """A data file is missing, unreadable or unusable."""
+
+
+class Corpus(NamedTuple):
+    """Byte tokens of a corpus split by position.
+
+    Attributes:
+      train_N: uint8 ``[N]`` tokens of the training split.
+      val_M: uint8 ``[M]`` tokens of the validation split.
+      source: where the text came from (path).
+    """
+
+    train_N: np.ndarray
+    val_M: np.ndarray
+    source: str
+
+
+def _read_bytes(path: pathlib.Path) -> bytes:
+    opener = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix, open)
+    try:
+        with opener(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise DataError(f"data file not found: {path}") from None
+    except (OSError, lzma.LZMAError, EOFError) as e:
+        raise DataError(f"cannot read data file {path}: {e}") from None
+
+
+def load_corpus(name_or_path: str, *, val_fraction: float) -> Corpus:
+    """Loads ``name_or_path`` (``"shakespeare"`` or a .txt/.txt.gz/.txt.xz file) as byte tokens."""
+    path = _SHIPPED.get(name_or_path, pathlib.Path(name_or_path).expanduser())
+    tokens = np.frombuffer(_read_bytes(path), dtype=np.uint8)
+    num_val = int(round(len(tokens) * val_fraction))
+    if len(tokens) < 2 or num_val < 2 or len(tokens) - num_val < 2:
+        raise DataError(
+            f"data file {path} has {len(tokens)} bytes: too small to split with "
+            f"val_fraction={val_fraction}"
+        )
+    return Corpus(tokens[:-num_val], tokens[-num_val:], str(path))
+
+
+def shard_bounds(num_train: int, replicas: int, seq_len: int) -> int:
+    """Length of each replica's contiguous shard of the training split.
+
+    Replica ``r`` owns ``train[r * shard_len : (r + 1) * shard_len]``. Raises if a shard cannot
+    hold one window of ``seq_len + 1`` tokens.
+    """
+    shard_len = num_train // replicas
+    if shard_len < seq_len + 1:
+        raise DataError(
+            f"training split of {num_train} tokens is too small for {replicas} replica shards "
+            f"of at least seq_len + 1 = {seq_len + 1} tokens"
+        )
+    return shard_len
+
+
+def sample_batch(
+    train_N: jax.Array,
+    *,
+    seed: int | jax.Array,
+    replica: jax.Array,
+    step: jax.Array,
+    batch_size: int,
+    seq_len: int,
+    shard_len: int,
+) -> jax.Array:
+    """The ``batch_size`` windows of ``seq_len + 1`` tokens that ``replica`` trains on at ``step``.
+
+    Window starts are uniform over the replica's shard, drawn from
+    ``fold_in(fold_in(key(seed), step), replica)``. Returns int32 ``tokens_BxL1`` (inputs are
+    ``[:, :-1]``, targets ``[:, 1:]``).
+    """
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), replica)
+    starts_B = replica * shard_len + jax.random.randint(
+        key, (batch_size,), 0, shard_len - seq_len, dtype=jnp.int32
+    )
+    idx_BxL1 = starts_B[:, None] + jnp.arange(seq_len + 1, dtype=jnp.int32)[None, :]
+    return train_N[idx_BxL1].astype(jnp.int32)
+
+
+def eval_windows(val_M: np.ndarray, *, seq_len: int, max_windows: int) -> np.ndarray:
+    """Up to ``max_windows`` non-overlapping windows ``[W, seq_len + 1]`` spread evenly over the
+    validation split (all of them when ``max_windows <= 0``)."""
+    total = (len(val_M) - 1) // seq_len
+    if total < 1:
+        raise DataError(
+            f"validation split of {len(val_M)} tokens is shorter than one window of "
+            f"seq_len + 1 = {seq_len + 1} tokens"
+        )
+    count = total if max_windows <= 0 else min(total, max_windows)
+    picks = np.floor(np.arange(count) * (total / count)).astype(np.int64)
+    starts = picks * seq_len
+    return np.stack([val_M[s : s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy in nats of the byte distribution of ``tokens`` (a no-context baseline loss)."""
+    counts = np.bincount(tokens, minlength=VOCAB_SIZE).astype(np.float64)
+    probs = counts[counts > 0] / counts.sum()
+    return float(-(probs * np.log(probs)).sum())
+
+
+__all__ = [
+    "SHAKESPEARE",
+    "VOCAB_SIZE",
+    "Corpus",
+    "DataError",
+    "eval_windows",
+    "load_corpus",
+    "sample_batch",
+    "shard_bounds",
+    "unigram_entropy",
+]

@@ -1,0 +1,94 @@
+"""A small decoder-only Transformer LM in Flax NNX, and its pure functional form.
+
+Pre-norm blocks (RMSNorm -> causal self-attention -> residual; RMSNorm -> GELU MLP -> residual),
+learned absolute positions, untied output head. The model is defined as an NNX object and split
+once into ``(graphdef, params)``; training works on the ``params`` pytree only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Attention(nnx.Module):
+    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
+        self.num_heads = num_heads
+        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        b, seq, d = x_BxLxD.shape
+        qkv_BxLx3xNxK = self.qkv(x_BxLxD).reshape(b, seq, 3, self.num_heads, d // self.num_heads)
+        q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = (qkv_BxLx3xNxK[:, :, i] for i in range(3))
+        y_BxLxNxK = jax.nn.dot_product_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, is_causal=True)
+        return self.out(y_BxLxNxK.reshape(b, seq, d))
+
+
+class Block(nnx.Module):
+    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, *, rngs: nnx.Rngs):
+        self.norm1 = nnx.RMSNorm(d_model, rngs=rngs)
+        self.attn = Attention(d_model, num_heads, rngs=rngs)
+        self.norm2 = nnx.RMSNorm(d_model, rngs=rngs)
+        self.up = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
+        self.down = nnx.Linear(mlp_ratio * d_model, d_model, rngs=rngs)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x_BxLxD = x_BxLxD + self.attn(self.norm1(x_BxLxD))
+        return x_BxLxD + self.down(jax.nn.gelu(self.up(self.norm2(x_BxLxD))))
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM: ``tokens_BxL`` (int) -> ``logits_BxLxV``."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        mlp_ratio: int,
+        rngs: nnx.Rngs,
+    ):
+        self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
+        self.pos_LxD = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, d_model)))
+        self.blocks = nnx.List(
+            [Block(d_model, num_heads, mlp_ratio, rngs=rngs) for _ in range(num_layers)]
+        )
+        self.norm = nnx.RMSNorm(d_model, rngs=rngs)
+        self.head = nnx.Linear(d_model, vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        seq = tokens_BxL.shape[1]
+        x_BxLxD = self.embed(tokens_BxL) + self.pos_LxD[:seq]
+        for block in self.blocks:
+            x_BxLxD = block(x_BxLxD)
+        return self.head(self.norm(x_BxLxD))
+
+
+def init_model(seed: int, **model_kwargs) -> tuple[nnx.GraphDef, Any]:
+    """Builds the model and splits it once into a graph definition and a pure params pytree."""
+    model = Transformer(**model_kwargs, rngs=nnx.Rngs(params=seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(params)
+
+
+def apply(graphdef: nnx.GraphDef, params: Any, tokens_BxL: jax.Array) -> jax.Array:
+    """Pure forward pass: ``logits_BxLxV`` of ``tokens_BxL`` under ``params``."""
+    state = nnx.State(params) if not isinstance(params, nnx.State) else params
+    return nnx.merge(graphdef, state)(tokens_BxL)
+
+
+def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+    """Next-token negative log-likelihood ``nll_BxL`` in nats (computed in float32)."""
+    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+
+
+def count_params(params: Any) -> int:
+    return sum(x.size for x in jax.tree.leaves(params))

@@ -1,0 +1,72 @@
+"""The optimizers, built in one place from named arguments.
+
+``inner_adamw`` is DiLoCo's inner optimizer (and the baselines' only one), ``outer_nesterov`` its
+outer optimizer; ``make_tx`` assembles the transform for an algorithm: ``diloco``, ``ddp``
+(synchronous data parallelism) or ``single`` (one replica, inner optimizer only).
+"""
+
+from __future__ import annotations
+
+import optax
+
+from diloco_jax.diloco import AxisName, data_parallel, diloco
+
+ALGORITHMS = ("diloco", "ddp", "single")
+
+
+def inner_adamw(
+    *,
+    learning_rate: float,
+    total_steps: int,
+    warmup_steps: int,
+    final_lr_fraction: float = 0.1,
+    weight_decay: float = 0.1,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    clip_norm: float = 1.0,
+) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay to ``final_lr_fraction * learning_rate``, after
+    clipping gradients to global norm ``clip_norm`` (``clip_norm <= 0`` disables clipping)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=learning_rate,
+        warmup_steps=warmup_steps,
+        decay_steps=max(total_steps, warmup_steps + 1),
+        end_value=learning_rate * final_lr_fraction,
+    )
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
+    if clip_norm <= 0:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+
+
+def outer_nesterov(
+    *, learning_rate: float = 0.7, momentum: float = 0.9, nesterov: bool = True
+) -> optax.GradientTransformation:
+    """DiLoCo's outer optimizer: SGD with (Nesterov) momentum; plain SGD when ``momentum == 0``."""
+    return optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov and momentum > 0)
+
+
+def make_tx(
+    algorithm: str,
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    axis_name: AxisName,
+    reset_inner_state: bool = False,
+) -> optax.GradientTransformation:
+    """The per-replica transform for ``algorithm`` (one of :data:`ALGORITHMS`)."""
+    if algorithm == "diloco":
+        return diloco(
+            inner,
+            outer,
+            sync_every=sync_every,
+            axis_name=axis_name,
+            reset_inner_state=reset_inner_state,
+        )
+    if algorithm == "ddp":
+        return data_parallel(inner, axis_name=axis_name)
+    if algorithm == "single":
+        return inner
+    raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")

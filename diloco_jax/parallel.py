@@ -1,0 +1,148 @@
+"""Running the one replica step on many replicas: ``vmap`` (simulator) or ``shard_map`` (mesh).
+
+* Simulator: ``jax.vmap(replica_step, axis_name=REPLICA)`` on one device; shared state (step,
+  anchor, outer state) is unmapped, so 64 virtual workers hold one anchor.
+* Mesh: ``jax.shard_map`` over a ``Mesh`` with axes ``(REPLICA, DATA)``. Each replica-device holds
+  ``replicas / replica_devices`` virtual replicas, run by ``vmap`` over ``LOCAL_REPLICA`` inside
+  the shard_map; each replica's batch is split over ``DATA``. DiLoCo's mean then runs over
+  ``(LOCAL_REPLICA, REPLICA)``.
+
+Both compile ``num_steps`` inner steps into one call (``lax.scan``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diloco_jax.axes import DATA, LOCAL_REPLICA, REPLICA
+from diloco_jax.config import ConfigError
+from diloco_jax.step import TrainState, scan_steps
+
+
+class Layout(NamedTuple):
+    """How replicas map to devices. ``runtime`` is ``"sim"`` (vmap on one device) or ``"mesh"``."""
+
+    runtime: str
+    replicas: int
+    replica_devices: int
+    data_devices: int
+
+    @property
+    def replica_axis_names(self) -> str | tuple[str, ...]:
+        """The axis (or axes, reduced in this order) that the DiLoCo mean runs over."""
+        return REPLICA if self.runtime == "sim" else (LOCAL_REPLICA, REPLICA)
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def resolve_layout(
+    *,
+    replicas: int,
+    batch_size: int,
+    runtime: str = "auto",
+    replica_devices: int = 0,
+    data_devices: int = 0,
+    num_devices: int | None = None,
+) -> Layout:
+    """Chooses how to place ``replicas`` on the devices; 0 means "choose for me".
+
+    ``auto`` uses the simulator on one device and the mesh otherwise, giving each replica as many
+    devices as divide the count (replicas first, then the batch). Raises :class:`ConfigError`.
+    """
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    if runtime == "auto":
+        runtime = "mesh" if num_devices > 1 or replica_devices or data_devices else "sim"
+    if runtime == "sim":
+        return Layout("sim", replicas, 1, 1)
+    rdev = replica_devices or _largest_divisor(replicas, num_devices)
+    if replicas % rdev:
+        raise ConfigError(
+            f"config key parallel.replica_devices = {rdev} is invalid: must divide "
+            f"parallel.replicas = {replicas}"
+        )
+    ddev = data_devices or _largest_divisor(batch_size, max(1, num_devices // rdev))
+    if batch_size % ddev:
+        raise ConfigError(
+            f"config key data.batch_size = {batch_size} is invalid: must be divisible by "
+            f"parallel.data_devices = {ddev}"
+        )
+    if rdev * ddev > num_devices:
+        raise ConfigError(
+            f"config keys parallel.replica_devices x parallel.data_devices = {rdev} x {ddev} "
+            f"need {rdev * ddev} devices, but only {num_devices} exist"
+        )
+    return Layout("mesh", replicas, rdev, ddev)
+
+
+def make_mesh(layout: Layout) -> Mesh:
+    """A ``(REPLICA, DATA)`` mesh over the first ``replica_devices * data_devices`` devices.
+
+    Axes are ``Auto`` (``jax.make_mesh`` would default to ``Explicit``); we place data ourselves.
+    """
+    count = layout.replica_devices * layout.data_devices
+    devices = np.asarray(jax.devices()[:count]).reshape(layout.replica_devices, layout.data_devices)
+    return Mesh(devices, (REPLICA, DATA), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _specs(axes_prefix):
+    return jax.tree.map(
+        lambda a: P() if a is None else P(REPLICA), axes_prefix, is_leaf=lambda x: x is None
+    )
+
+
+def simulator_steps(replica_step, axes: TrainState, num_steps: int):
+    """``run(state, replicas_R, train_N) -> (state, loss_NxR)``: ``num_steps`` vmapped steps."""
+    step_R = jax.vmap(replica_step, in_axes=(axes, 0, None), out_axes=(axes, 0), axis_name=REPLICA)
+    return jax.jit(scan_steps(step_R, num_steps), donate_argnums=0)
+
+
+def mesh_steps(replica_step, axes: TrainState, mesh: Mesh, num_steps: int):
+    """Like :func:`simulator_steps`, on ``mesh`` with ``shard_map``.
+
+    ``check_vma=False``: jax 0.10 cannot ``pmean`` over a ``vmap`` axis inside a ``shard_map``
+    with vma checks on (an assertion in ``pvary``). The step therefore averages over ``DATA``
+    explicitly and differentiates only its own replica's (replica-varying) parameters.
+    """
+    step_R = jax.vmap(
+        replica_step, in_axes=(axes, 0, None), out_axes=(axes, 0), axis_name=LOCAL_REPLICA
+    )
+    specs = _specs(axes)
+    run = jax.shard_map(
+        scan_steps(step_R, num_steps),
+        mesh=mesh,
+        in_specs=(specs, P(REPLICA), P()),
+        out_specs=(specs, P(None, REPLICA)),
+        check_vma=False,
+    )
+    return jax.jit(run, donate_argnums=0)
+
+
+def place(tree, axes, mesh: Mesh | None):
+    """Puts a replica-stacked tree on ``mesh`` (per-replica leaves split over ``REPLICA``, shared
+    ones replicated); a no-op for the simulator (``mesh is None``)."""
+    if mesh is None:
+        return tree
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), _specs(axes), is_leaf=lambda x: isinstance(x, P)
+    )
+    return jax.device_put(tree, shardings)
+
+
+def replicated(x, mesh: Mesh | None):
+    """``x`` replicated on every device of ``mesh`` (unchanged for the simulator)."""
+    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
+
+
+def split_over_replicas(x, mesh: Mesh | None):
+    """``x`` with its leading ``[R]`` axis split over ``REPLICA``."""
+    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P(REPLICA)))
+
+
+__all__ = ["Layout", "make_mesh", "mesh_steps", "place", "resolve_layout", "simulator_steps"]

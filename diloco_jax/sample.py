@@ -1,0 +1,62 @@
+"""Text generation from a trained byte-level model."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from diloco_jax import model as model_lib
+
+
+@partial(jax.jit, static_argnames=("graphdef", "num_tokens", "seq_len", "temperature"))
+def _generate(graphdef, params, prompt_P, key, *, num_tokens, seq_len, temperature):
+    prompt_len = prompt_P.shape[0]
+    total = prompt_len + num_tokens
+    buf_T = jnp.zeros([total], jnp.int32).at[:prompt_len].set(prompt_P)
+
+    def body(t, carry):
+        buf_T, key = carry
+        start = jnp.clip(t - seq_len, 0, total - seq_len)
+        window_L = lax.dynamic_slice_in_dim(buf_T, start, seq_len)
+        logits_V = model_lib.apply(graphdef, params, window_L[None])[0, t - 1 - start]
+        key, sub = jax.random.split(key)
+        token = jax.random.categorical(sub, logits_V / temperature)
+        return buf_T.at[t].set(token), key
+
+    buf_T, _ = lax.fori_loop(prompt_len, total, body, (buf_T, key))
+    return buf_T
+
+
+def generate_text(
+    graphdef: nnx.GraphDef,
+    params,
+    prompt: str,
+    *,
+    num_chars: int,
+    seq_len: int,
+    seed: int = 0,
+    temperature: float = 0.8,
+) -> str:
+    """``prompt`` followed by ``num_chars`` bytes sampled from the model at ``temperature``."""
+    prompt_bytes = prompt.encode("utf-8") or b"\n"
+    total = len(prompt_bytes) + num_chars
+    if total < seq_len:
+        # The window must hold seq_len tokens; pad the front with newlines.
+        prompt_bytes = b"\n" * (seq_len - total) + prompt_bytes
+    prompt_P = jnp.asarray(np.frombuffer(prompt_bytes, np.uint8).astype(np.int32))
+    out_T = _generate(
+        graphdef,
+        params,
+        prompt_P,
+        jax.random.key(seed),
+        num_tokens=num_chars,
+        seq_len=seq_len,
+        temperature=temperature,
+    )
+    text = bytes(np.asarray(out_T, np.uint8)).decode("utf-8", errors="replace")
+    return text.lstrip("\n") if total < seq_len else text

@@ -1,0 +1,147 @@
+"""The train step, written once for one replica, and the evaluation of the anchor.
+
+``make_replica_step`` returns ``replica_step(state, replica, train_N) -> (state, loss)`` for a
+single replica. The simulator runs it under ``jax.vmap`` and the mesh runtime under
+``jax.shard_map`` (``diloco_jax.parallel``); no other implementation of the algorithm exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+
+from diloco_jax import model as model_lib
+from diloco_jax.data import sample_batch
+from diloco_jax.diloco import find_anchor, replica_axes
+
+
+class TrainState(NamedTuple):
+    """Everything that evolves during training.
+
+    Attributes:
+      step: int32 scalar, shared: inner steps taken by every replica. Drives data sampling.
+      params: per-replica (``[R, ...]`` when replica-stacked) parameters.
+      opt_state: the transform's state; which parts are per-replica is given by
+        :func:`diloco_jax.diloco.replica_axes` (DiLoCo keeps its anchor and outer state once).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def state_axes(state: TrainState) -> TrainState:
+    """``vmap`` axes prefix of a replica-stacked TrainState: 0 per-replica, None shared."""
+    return TrainState(step=None, params=0, opt_state=replica_axes(state.opt_state))
+
+
+def init_state(params: Any, tx: optax.GradientTransformation, replicas: int) -> TrainState:
+    """The replica-stacked initial state: every replica starts from ``params``; shared parts
+    (step, DiLoCo's anchor and outer state) are stored once. The result owns fresh buffers, so
+    donating it to a step never invalidates the caller's ``params``."""
+    state = TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
+
+    def stack(axis, subtree):
+        if axis is None:
+            return jax.tree.map(jnp.copy, subtree)
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *jnp.shape(x))), subtree)
+
+    return jax.tree.map(stack, state_axes(state), state, is_leaf=lambda x: x is None)
+
+
+def make_replica_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    *,
+    seed: int,
+    batch_size: int,
+    seq_len: int,
+    shard_len: int,
+    data_axis: str | None = None,
+    data_shards: int = 1,
+):
+    """One inner step of one replica.
+
+    The replica draws its batch ``tokens_BxL1 = sample_batch(seed, replica, step)``; with a
+    ``data_axis`` each of its ``data_shards`` devices takes its ``B / data_shards`` rows and the
+    loss and gradients are averaged over ``data_axis`` (explicitly: the mesh runtime runs
+    ``shard_map`` with ``check_vma=False``, so nothing is summed behind our back). Then
+    ``params += tx.update(grads)``; with DiLoCo, ``tx`` syncs the replicas every ``sync_every``
+    steps.
+    """
+    if batch_size % data_shards:
+        raise ValueError(f"batch_size {batch_size} is not divisible by data_shards {data_shards}")
+    rows = batch_size // data_shards
+
+    def loss_fn(params, tokens_BxL1):
+        logits_BxLxV = model_lib.apply(graphdef, params, tokens_BxL1[:, :-1])
+        return model_lib.token_nll(logits_BxLxV, tokens_BxL1[:, 1:]).mean()
+
+    def replica_step(state: TrainState, replica: jax.Array, train_N: jax.Array):
+        tokens_BxL1 = sample_batch(
+            train_N,
+            seed=seed,
+            replica=replica,
+            step=state.step,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            shard_len=shard_len,
+        )
+        if data_axis is not None:
+            start = lax.axis_index(data_axis) * rows
+            tokens_BxL1 = lax.dynamic_slice_in_dim(tokens_BxL1, start, rows)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BxL1)
+        if data_axis is not None:
+            loss, grads = lax.pmean((loss, grads), data_axis)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, opt_state), loss
+
+    return replica_step
+
+
+def scan_steps(step_fn, num_steps: int):
+    """Runs ``step_fn(state, *args) -> (state, metrics)`` ``num_steps`` times in one compiled loop
+    (small models on CPU are dispatch-bound); metrics come back stacked ``[num_steps, ...]``."""
+
+    def run(state, *args):
+        return lax.scan(lambda s, _: step_fn(s, *args), state, None, length=num_steps)
+
+    return run
+
+
+def outer_params(state: TrainState) -> Any:
+    """The parameters to evaluate: DiLoCo's anchor, else replica 0's parameters."""
+    anchor = find_anchor(state.opt_state)
+    if anchor is not None:
+        return anchor
+    return jax.tree.map(lambda x: x[0], state.params)
+
+
+def make_eval_fn(graphdef: nnx.GraphDef, *, chunk: int = 64):
+    """``eval_fn(params, windows_WxL1) -> mean nats per token`` over all windows, in chunks of
+    ``chunk`` windows (padded and masked) to bound memory."""
+
+    @jax.jit
+    def eval_fn(params, windows_WxL1):
+        count = windows_WxL1.shape[0]
+        pad = -count % chunk
+        padded = jnp.pad(windows_WxL1, ((0, pad), (0, 0)))
+        mask = jnp.arange(count + pad) < count
+        chunks_CxKxL1 = padded.reshape(-1, chunk, padded.shape[-1])
+
+        def chunk_loss(args):
+            tokens_KxL1, mask_K = args
+            logits_KxLxV = model_lib.apply(graphdef, params, tokens_KxL1[:, :-1])
+            nll_KxL = model_lib.token_nll(logits_KxLxV, tokens_KxL1[:, 1:])
+            return (nll_KxL.mean(axis=-1) * mask_K).sum()
+
+        totals = lax.map(chunk_loss, (chunks_CxKxL1, mask.reshape(-1, chunk)))
+        return totals.sum() / count
+
+    return eval_fn

@@ -1,0 +1,230 @@
+"""``python -m diloco_jax.train``: train a byte-level Transformer LM with DiLoCo (or a baseline).
+
+    python -m diloco_jax.train [--config PRESET.py] [--workdir DIR] [--config.KEY=VALUE ...]
+
+Writes ``metrics.jsonl``, TensorBoard events, ``config.json`` and orbax checkpoints into the
+workdir, and resumes from the workdir's latest checkpoint if there is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from diloco_jax import checkpoint, cli, optim, parallel, reporting
+from diloco_jax import config as config_lib
+from diloco_jax import model as model_lib
+from diloco_jax.data import (
+    VOCAB_SIZE,
+    DataError,
+    eval_windows,
+    load_corpus,
+    shard_bounds,
+    unigram_entropy,
+)
+from diloco_jax.reporting import log
+from diloco_jax.sample import generate_text
+from diloco_jax.step import init_state, make_eval_fn, make_replica_step, outer_params, state_axes
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything built from a config before the loop: validated, loaded, compiled."""
+
+    cfg: config_lib.Config
+    layout: parallel.Layout
+    graphdef: Any
+    state: Any
+    mesh: Any
+    run_chunk: Any  # (state, replicas_R, train_N) -> (state, loss_NxR), log_every steps per call
+    replicas_R: jax.Array
+    train_N: jax.Array
+    eval_windows: jax.Array
+    eval_fn: Any
+    unigram_nats: float
+
+
+def effective_replicas(cfg: config_lib.Config) -> int:
+    return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
+
+
+def build(cfg: config_lib.Config) -> Setup:
+    """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
+    DataError before anything is compiled."""
+    config_lib.validate(cfg)
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    replicas = effective_replicas(cfg)
+    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction)
+    shard_len = shard_bounds(len(corpus.train_N), replicas, d.seq_len)
+    windows = eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows)
+    layout = parallel.resolve_layout(
+        replicas=replicas,
+        batch_size=d.batch_size,
+        runtime=p.runtime,
+        replica_devices=p.replica_devices,
+        data_devices=p.data_devices,
+    )
+    graphdef, params = model_lib.init_model(
+        cfg.seed, vocab_size=VOCAB_SIZE, seq_len=d.seq_len, **dataclasses.asdict(m)
+    )
+    inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
+    outer = optim.outer_nesterov(
+        learning_rate=cfg.outer.learning_rate,
+        momentum=cfg.outer.momentum,
+        nesterov=cfg.outer.nesterov,
+    )
+    tx = optim.make_tx(
+        cfg.algorithm,
+        inner,
+        outer,
+        sync_every=cfg.outer.sync_every,
+        axis_name=layout.replica_axis_names,
+        reset_inner_state=cfg.outer.reset_inner_state,
+    )
+    state = init_state(params, tx, replicas)
+    axes = state_axes(state)
+    mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
+    replica_step = make_replica_step(
+        graphdef,
+        tx,
+        seed=cfg.seed,
+        batch_size=d.batch_size,
+        seq_len=d.seq_len,
+        shard_len=shard_len,
+        data_axis=None if mesh is None else parallel.DATA,
+        data_shards=layout.data_devices,
+    )
+    steps = cfg.train.log_every
+    if mesh is None:
+        run_chunk = parallel.simulator_steps(replica_step, axes, steps)
+    else:
+        run_chunk = parallel.mesh_steps(replica_step, axes, mesh, steps)
+    return Setup(
+        cfg=cfg,
+        layout=layout,
+        graphdef=graphdef,
+        state=parallel.place(state, axes, mesh),
+        mesh=mesh,
+        run_chunk=run_chunk,
+        replicas_R=parallel.split_over_replicas(jnp.arange(replicas, dtype=jnp.int32), mesh),
+        train_N=parallel.replicated(jnp.asarray(corpus.train_N), mesh),
+        eval_windows=jnp.asarray(windows),
+        eval_fn=make_eval_fn(graphdef),
+        unigram_nats=unigram_entropy(corpus.val_M),
+    )
+
+
+def outer_steps(cfg: config_lib.Config, step: int) -> int:
+    """Syncs completed after ``step`` inner steps (ddp syncs every step, single never)."""
+    return {"diloco": step // cfg.outer.sync_every, "ddp": step, "single": 0}[cfg.algorithm]
+
+
+def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True):
+    """Trains ``cfg`` into ``workdir``; returns a summary dict (final eval loss, steps, time)."""
+    reporting.setup_logging()
+    workdir = pathlib.Path(workdir)
+    s = build(cfg)
+    t = cfg.train
+    mngr = checkpoint.manager(workdir) if t.checkpoint else None
+    state, start = s.state, 0
+    if mngr is not None and mngr.latest_step() is not None:
+        state = checkpoint.restore(mngr, state)
+        start = int(state.step)
+        log.info("resumed from %s at step %d", workdir / "checkpoints", start)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
+    runlog = reporting.RunLog(workdir, enabled=jax.process_index() == 0)
+    replicas = s.layout.replicas
+    tokens_per_step = replicas * cfg.data.batch_size * cfg.data.seq_len
+    log.info(
+        "%s: %d replicas on %s (%d replica x %d data devices), %d params, %d tokens per step",
+        cfg.algorithm, replicas, s.layout.runtime, s.layout.replica_devices,
+        s.layout.data_devices, model_lib.count_params(outer_params(state)), tokens_per_step,
+    )  # fmt: skip
+    log.info("compiling %d steps per call ...", t.log_every)
+    t0 = time.time()
+    run = s.run_chunk.lower(state, s.replicas_R, s.train_N).compile()
+    log.info("compiled in %.1fs; validation unigram entropy %.3f nats", time.time() - t0,
+             s.unigram_nats)  # fmt: skip
+    total = -(-t.total_steps // t.log_every) * t.log_every
+    if total != t.total_steps:
+        log.info("running %d steps: train.total_steps rounded up to whole calls", total)
+    bar = reporting.progress_bar(total, initial=start, enabled=show_progress)
+    eval_loss = None
+    train_start = time.time()
+    step = start
+    while step < total:
+        tick = time.time()
+        state, loss_NxR = run(state, s.replicas_R, s.train_N)
+        loss_NxR = jax.device_get(loss_NxR)
+        step += t.log_every
+        seconds = time.time() - tick
+        tokens_per_s = tokens_per_step * t.log_every / seconds
+        runlog.write("train", step, loss=float(loss_NxR[-1].mean()),
+                     replica_loss=loss_NxR[-1], tokens_per_s=tokens_per_s,
+                     outer_steps=outer_steps(cfg, step))  # fmt: skip
+        bar.update(t.log_every)
+        bar.set_postfix(loss=f"{loss_NxR[-1].mean():.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                        outer=outer_steps(cfg, step))  # fmt: skip
+        if step // t.eval_every > (step - t.log_every) // t.eval_every or step >= total:
+            eval_loss = float(s.eval_fn(outer_params(state), s.eval_windows))
+            runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer_steps(cfg, step),
+                         tokens=step * tokens_per_step)  # fmt: skip
+            log.info("step %d/%d, outer step %d: eval_loss %.4f nats/token (outer params)",
+                     step, total, outer_steps(cfg, step), eval_loss)  # fmt: skip
+    bar.close()
+    if eval_loss is None:  # resumed a run that had already finished
+        eval_loss = float(s.eval_fn(outer_params(state), s.eval_windows))
+    seconds = time.time() - train_start
+    if mngr is not None:
+        if mngr.latest_step() != step:
+            checkpoint.save(mngr, step, state)
+        log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
+    summary = {
+        "final_eval_loss": eval_loss,
+        "steps": step,
+        "outer_steps": outer_steps(cfg, step),
+        "tokens": step * tokens_per_step,
+        "train_seconds": round(seconds, 2),
+        "unigram_entropy": s.unigram_nats,
+    }
+    if t.sample_chars and jax.process_index() == 0:
+        summary["sample"] = generate_text(
+            s.graphdef, outer_params(state), t.sample_prompt,
+            num_chars=t.sample_chars, seq_len=cfg.data.seq_len, seed=cfg.seed,
+        )  # fmt: skip
+    runlog.write("done", step, **{k: v for k, v in summary.items() if k != "sample"})
+    runlog.close()
+    summary["state"] = state
+    return summary
+
+
+def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.train") -> int:
+    args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog)
+    if args is None:
+        return 0
+    cfg, workdir = args
+    try:
+        summary = train(cfg, workdir)
+    except (config_lib.ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"\nfinal eval loss {summary['final_eval_loss']:.4f} nats/token after "
+        f"{summary['steps']} inner / {summary['outer_steps']} outer steps "
+        f"({summary['tokens']:,} tokens, {summary['train_seconds']:.0f}s); outputs in {workdir}"
+    )
+    if "sample" in summary:
+        print("\n--- sample from the outer parameters ---\n" + summary["sample"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

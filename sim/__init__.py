@@ -1,0 +1,6 @@
+"""The single-host simulator: DiLoCo's replicas as ``vmap``-ped virtual workers on one device.
+
+``python -m sim --config PRESET.py [--workdir DIR] [--config.KEY=VALUE ...]`` trains a preset
+with every replica on one device (``parallel.runtime=sim``), whatever devices exist, using the
+same train step as ``python -m diloco_jax.train``.
+"""

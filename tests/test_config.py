@@ -1,0 +1,92 @@
+"""Presets, overrides and validation: every bad value stops with one clear line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from diloco_jax import config as config_lib
+from diloco_jax.config import Config, ConfigError, apply_overrides, load_preset, validate
+
+
+def test_presets_load_and_validate():
+    for name in ("default", "tiny"):
+        cfg = load_preset(f"configs/{name}.py")
+        validate(cfg)
+    assert load_preset(config_lib.DEFAULT_PRESET) == Config()
+
+
+def test_overrides_parse_by_field_type():
+    cfg = apply_overrides(Config(), [("outer.sync_every", "7"), ("inner.learning_rate", "1e-4"),
+                                     ("outer.nesterov", "false"), ("data.corpus", "x.txt"),
+                                     ("algorithm", "ddp")])  # fmt: skip
+    assert cfg.outer.sync_every == 7 and cfg.inner.learning_rate == 1e-4
+    assert cfg.outer.nesterov is False and cfg.data.corpus == "x.txt" and cfg.algorithm == "ddp"
+    assert cfg.model == Config().model  # untouched sections stay
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        (
+            "outer.sync_evry",
+            "5",
+            "unknown config key 'outer.sync_evry'; did you mean outer.sync_every",
+        ),
+        ("outer.sync_every", "five", "outer.sync_every: 'five' is not a valid int"),
+        ("outer.nesterov", "maybe", "not a bool"),
+    ],
+)
+def test_bad_overrides(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(Config(), [(key, value)])
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("outer.sync_every", "0", r"outer.sync_every = 0 is invalid: must be an integer >= 1"),
+        ("parallel.replica_devices", "3", "must divide parallel.replicas = 4"),
+        ("parallel.data_devices", "3", "data.batch_size = 16 .*divisible by parallel.data_devices"),
+        ("algorithm", "fedavg", "one of"),
+        ("model.num_heads", "3", "model.d_model = 128 .*divisible by model.num_heads = 3"),
+        ("outer.momentum", "1.5", r"outer.momentum = 1.5 .*\[0, 1\)"),
+    ],
+)
+def test_validate_names_key_value_and_rule(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(apply_overrides(Config(), [(key, value)]))
+
+
+def _train_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "diloco_jax.train", "--config", "configs/tiny.py", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--config.outer.sync_every=0"], "error: config key outer.sync_every = 0 is invalid"),
+        (["--config.bogus=1"], "error: unknown config key 'bogus'"),
+        (["--config.data.corpus=/no/such.txt"], "error: data file not found: /no/such.txt"),
+        (["--config.parallel.replica_devices=3"], "must divide parallel.replicas = 4"),
+        (["--config.data.batch_size=5", "--config.parallel.data_devices=2"],
+         "data.batch_size = 5 is invalid"),
+        (["--config", "configs/nope.py"], "error: config preset not found: configs/nope.py"),
+        (["--frobnicate=1"], "error: unknown flag --frobnicate"),
+    ],
+)  # fmt: skip
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    result = _train_cli("--workdir", str(tmp_path / "w"), *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_cli_help_lists_keys():
+    result = _train_cli("--help")
+    assert result.returncode == 0
+    assert "outer.sync_every = 5" in result.stdout and "--config.KEY=VALUE" in result.stdout

@@ -1,0 +1,198 @@
+"""The DiLoCo transform: hand-computed trajectories and degenerate equivalences."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from diloco_jax import diloco, optim
+from diloco_jax.diloco import DilocoState, data_parallel, replica_axes
+from tests import helpers
+
+CENTERS_RxD = np.array([[1.0, -2.0], [3.0, 0.5]], np.float32)
+
+
+def run_quadratic(tx, num_steps, centers_RxD=CENTERS_RxD, x0_D=(0.0, 0.0)):
+    """Replica r minimises 0.5 * |x - c_r|^2 (gradient x - c_r) with ``tx`` under vmap."""
+    replicas = centers_RxD.shape[0]
+    x_D = jnp.asarray(x0_D, jnp.float32)
+    state = tx.init(x_D)
+    axes = replica_axes(state)
+    x_RxD = jnp.broadcast_to(x_D, (replicas, x_D.shape[0]))
+    state = jax.tree.map(
+        lambda a, s: s if a is None else jax.tree.map(
+            lambda leaf: jnp.broadcast_to(leaf, (replicas, *leaf.shape)), s),
+        axes, state, is_leaf=lambda x: x is None,
+    )  # fmt: skip
+
+    def one(x_D, state, c_D):
+        updates, state = tx.update(x_D - c_D, state, x_D)
+        return optax.apply_updates(x_D, updates), state
+
+    step = jax.jit(jax.vmap(one, in_axes=(0, axes, 0), out_axes=(0, axes), axis_name="replica"))
+    trajectory = []
+    for _ in range(num_steps):
+        x_RxD, state = step(x_RxD, state, jnp.asarray(centers_RxD))
+        trajectory.append(np.asarray(x_RxD))
+    return np.stack(trajectory), state
+
+
+def reference_quadratic(num_syncs, *, inner_lr, sync_every, outer_lr, momentum):
+    """Plain-numpy DiLoCo with inner SGD and outer Nesterov SGD (optax's convention:
+    m' = g + mu m; update = -lr (g + mu m'))."""
+    anchor = np.zeros(2)
+    m = np.zeros(2)
+    anchors = []
+    for _ in range(num_syncs):
+        local = np.tile(anchor, (len(CENTERS_RxD), 1))
+        for _ in range(sync_every):
+            local = local - inner_lr * (local - CENTERS_RxD)
+        g = (anchor - local).mean(axis=0)
+        m = g + momentum * m
+        anchor = anchor - outer_lr * (g + momentum * m)
+        anchors.append(anchor)
+    return np.array(anchors)
+
+
+def test_hand_computed_quadratic_trajectory():
+    tx = diloco(optax.sgd(0.1), optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=2)
+    traj, state = run_quadratic(tx, num_steps=6)
+    # First sync by hand: each replica moves to 0.19 c_r after two steps of x -= 0.1 (x - c);
+    # delta = -0.19 mean(c) = -0.19 * [2, -0.75]; Nesterov's first update is -0.7 * 1.9 * delta.
+    np.testing.assert_allclose(traj[1], np.tile([[0.5054, -0.189525]], (2, 1)), rtol=1e-5)
+    expected = reference_quadratic(3, inner_lr=0.1, sync_every=2, outer_lr=0.7, momentum=0.9)
+    np.testing.assert_allclose(traj[1::2], np.repeat(expected[:, None], 2, axis=1), rtol=1e-5)
+    np.testing.assert_allclose(state.anchor, expected[-1], rtol=1e-5)
+    # between syncs the replicas diverge: each follows its own objective
+    assert not np.allclose(traj[2][0], traj[2][1])
+    assert int(state.step) == 6 and state.step.shape == ()
+
+
+def test_pseudo_gradient_sign_mean_over_replicas_only_and_outer_step_not_a_noop():
+    # One inner step of sgd(1.0) lands replica r exactly on c_r; outer plain sgd(0.5).
+    tx = diloco(optax.sgd(1.0), optax.sgd(0.5), sync_every=1)
+    traj, state = run_quadratic(tx, num_steps=1)
+    mean_c = CENTERS_RxD.mean(axis=0)  # per coordinate: the mean runs over replicas only
+    # delta = anchor - mean(params) = -mean_c; anchor' = 0 - 0.5 * delta = 0.5 mean_c
+    np.testing.assert_allclose(state.anchor, 0.5 * mean_c, rtol=1e-6)
+    np.testing.assert_allclose(traj[0], np.tile(0.5 * mean_c, (2, 1)), rtol=1e-6)
+    # outer Nesterov moves further than plain averaging (sgd(1.0)) would
+    tx = diloco(optax.sgd(1.0), optim.outer_nesterov(), sync_every=1)
+    _, state = run_quadratic(tx, num_steps=1)
+    np.testing.assert_allclose(state.anchor, 1.33 * mean_c, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 7])
+def test_one_replica_with_outer_sgd1_is_the_inner_optimizer(sync_every):
+    inner = optim.inner_adamw(learning_rate=0.05, total_steps=20, warmup_steps=3)
+    centers = CENTERS_RxD[:1]
+    traj, _ = run_quadratic(diloco(inner, optax.sgd(1.0), sync_every=sync_every), 20, centers)
+    plain, _ = run_quadratic(inner, 20, centers)
+    # At a sync the replica is set to anchor' = anchor - (anchor - p) = p, up to float rounding.
+    np.testing.assert_allclose(traj, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_syncs_happen_only_every_sync_every_steps():
+    tx = diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=3)
+    traj, state = run_quadratic(tx, num_steps=5)
+    # step 3 is a sync: both replicas equal their average; steps 1, 2, 4, 5 are not
+    np.testing.assert_allclose(traj[2][0], traj[2][1])
+    np.testing.assert_allclose(traj[2][0], traj[2].mean(0))
+    for t in (0, 1, 3, 4):
+        assert not np.allclose(traj[t][0], traj[t][1])
+    np.testing.assert_allclose(state.anchor, traj[2][0], rtol=1e-6)
+
+
+def test_reset_inner_state_reinitialises_at_sync():
+    inner = optax.adam(0.1)
+    tx = diloco(inner, optax.sgd(1.0), sync_every=2, reset_inner_state=True)
+    _, state = run_quadratic(tx, num_steps=2)
+    fresh = inner.init(jnp.zeros(2))
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], state.inner_state), fresh)
+    _, kept = run_quadratic(diloco(inner, optax.sgd(1.0), sync_every=2), num_steps=2)
+    assert int(kept.inner_state[0].count[0]) == 2
+
+
+def test_step_counter_is_shared_and_the_sync_stays_a_branch():
+    tx = diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=4)
+    state = tx.init(jnp.zeros(2))
+    axes = replica_axes(state)
+    stacked = state._replace(inner_state=jax.tree.map(lambda x: x[None], state.inner_state))
+
+    def one(x, state, c):
+        return tx.update(x - c, state, x)
+
+    jaxpr = jax.make_jaxpr(
+        jax.vmap(one, in_axes=(0, axes, 0), out_axes=(0, axes), axis_name="replica")
+    )(jnp.zeros((1, 2)), stacked, jnp.zeros((1, 2)))
+    primitives = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+    assert "cond" in primitives  # a select_n would run the outer step on every inner step
+
+
+def test_inner_sgd_sync1_outer_sgd1_is_synchronous_data_parallel_sgd():
+    """DiLoCo(sgd, sgd(1.0), sync_every=1) with R replicas of batch B == SGD at batch R*B ==
+    the ddp baseline."""
+    replicas, steps, lr = 4, 3, 0.5
+    dil, _ = helpers.run(
+        lambda ax: diloco(optax.sgd(lr), optax.sgd(1.0), sync_every=1, axis_name=ax),
+        helpers.sim(replicas), steps,
+    )  # fmt: skip
+    ddp, _ = helpers.run(
+        lambda ax: data_parallel(optax.sgd(lr), axis_name=ax), helpers.sim(replicas), steps
+    )
+    reference = big_batch_sgd(replicas, steps, lr)
+    anchor = dil.opt_state.anchor
+    chex.assert_trees_all_close(anchor, reference, atol=2e-6)
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], ddp.params), reference, atol=2e-6)
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[3], dil.params), reference, atol=2e-6)
+
+
+def big_batch_sgd(replicas, steps, lr):
+    """One model, plain SGD on the concatenation of every replica's batch."""
+    from diloco_jax import model as model_lib
+    from diloco_jax.data import sample_batch, shard_bounds
+
+    graphdef, params = helpers.tiny_model()
+    train_N = jnp.asarray(helpers.corpus_train())
+    shard_len = shard_bounds(len(train_N), replicas, helpers.SEQ_LEN)
+
+    def loss(params, tokens):
+        logits = model_lib.apply(graphdef, params, tokens[:, :-1])
+        return model_lib.token_nll(logits, tokens[:, 1:]).mean()
+
+    for step in range(steps):
+        tokens = jnp.concatenate([
+            sample_batch(train_N, seed=0, replica=jnp.int32(r), step=jnp.int32(step),
+                         batch_size=helpers.BATCH, seq_len=helpers.SEQ_LEN, shard_len=shard_len)
+            for r in range(replicas)
+        ])  # fmt: skip
+        grads = jax.grad(loss)(params, tokens)
+        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    return params
+
+
+def test_every_replica_fed_the_same_data_equals_one_replica():
+    tx = lambda ax: diloco(helpers.adamw(), optim.outer_nesterov(), sync_every=3, axis_name=ax)  # noqa: E731
+    four, _ = helpers.run(tx, helpers.sim(4), 7, replica_ids=[0, 0, 0, 0])
+    one, _ = helpers.run(tx, helpers.sim(1), 7, shards=4)
+    chex.assert_trees_all_close(four.opt_state.anchor, one.opt_state.anchor, atol=1e-6)
+    for r in range(4):
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda x, r=r: x[r], four.params),
+            jax.tree.map(lambda x: x[0], one.params), atol=1e-6,
+        )  # fmt: skip
+
+
+def test_replica_axes_marks_only_diloco_shared_fields():
+    tx = optax.chain(optax.scale_by_adam(), diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2))
+    axes = replica_axes(tx.init({"w": jnp.zeros(3)}))
+    assert jax.tree.leaves(axes[0]) == [0, 0, 0]  # adam's count, mu, nu: per replica
+    assert axes[1] == DilocoState(step=None, inner_state=0, anchor=None, outer_state=None)
+    assert jax.tree.leaves(replica_axes(optax.adam(0.1).init(jnp.zeros(2)))) == [0, 0, 0]
+
+
+def test_sync_every_below_one_is_rejected():
+    with pytest.raises(ValueError, match="sync_every must be >= 1"):
+        diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=0)
