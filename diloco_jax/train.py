@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from diloco_jax import checkpoint, cli, optim, parallel, reporting
 from diloco_jax import config as config_lib
@@ -55,6 +56,24 @@ def effective_replicas(cfg: config_lib.Config) -> int:
     return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
 
 
+def make_tx(cfg: config_lib.Config, axis_name) -> optax.GradientTransformation:
+    """The per-replica transform that ``cfg`` asks for, reducing over ``axis_name``."""
+    inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
+    outer = optim.outer_nesterov(
+        learning_rate=cfg.outer.learning_rate,
+        momentum=cfg.outer.momentum,
+        nesterov=cfg.outer.nesterov,
+    )
+    return optim.make_tx(
+        cfg.algorithm,
+        inner,
+        outer,
+        sync_every=cfg.outer.sync_every,
+        axis_name=axis_name,
+        reset_inner_state=cfg.outer.reset_inner_state,
+    )
+
+
 def build(cfg: config_lib.Config) -> Setup:
     """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
     DataError before anything is compiled."""
@@ -74,20 +93,7 @@ def build(cfg: config_lib.Config) -> Setup:
     graphdef, params = model_lib.init_model(
         cfg.seed, vocab_size=VOCAB_SIZE, seq_len=d.seq_len, **dataclasses.asdict(m)
     )
-    inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
-    outer = optim.outer_nesterov(
-        learning_rate=cfg.outer.learning_rate,
-        momentum=cfg.outer.momentum,
-        nesterov=cfg.outer.nesterov,
-    )
-    tx = optim.make_tx(
-        cfg.algorithm,
-        inner,
-        outer,
-        sync_every=cfg.outer.sync_every,
-        axis_name=layout.replica_axis_names,
-        reset_inner_state=cfg.outer.reset_inner_state,
-    )
+    tx = make_tx(cfg, layout.replica_axis_names)
     state = init_state(params, tx, replicas)
     axes = state_axes(state)
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
@@ -126,26 +132,53 @@ def outer_steps(cfg: config_lib.Config, step: int) -> int:
     return {"diloco": step // cfg.outer.sync_every, "ddp": step, "single": 0}[cfg.algorithm]
 
 
+def _resume(mngr, state, workdir: pathlib.Path):
+    """The latest checkpoint in ``workdir`` if there is one, else ``state``."""
+    if mngr is None or mngr.latest_step() is None:
+        return state
+    state = checkpoint.restore(mngr, state)
+    log.info("resumed from %s at step %d", workdir / "checkpoints", int(state.step))
+    return state
+
+
+def _finish(s: Setup, state, step: int, eval_loss: float, seconds: float, mngr, workdir):
+    """Final checkpoint and text sample; returns the run's summary."""
+    cfg = s.cfg
+    if mngr is not None:
+        if mngr.latest_step() != step:
+            checkpoint.save(mngr, step, state)
+        log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
+    summary = {
+        "final_eval_loss": eval_loss,
+        "steps": step,
+        "outer_steps": outer_steps(cfg, step),
+        "tokens": step * s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len,
+        "train_seconds": round(seconds, 2),
+        "unigram_entropy": s.unigram_nats,
+    }
+    if cfg.train.sample_chars and jax.process_index() == 0:
+        summary["sample"] = generate_text(
+            s.graphdef, outer_params(state), cfg.train.sample_prompt,
+            num_chars=cfg.train.sample_chars, seq_len=cfg.data.seq_len, seed=cfg.seed,
+        )  # fmt: skip
+    return summary
+
+
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True):
-    """Trains ``cfg`` into ``workdir``; returns a summary dict (final eval loss, steps, time)."""
+    """Trains ``cfg`` into ``workdir`` (resuming from its latest checkpoint); returns a summary
+    dict (final eval loss, steps, tokens, time, sample, and the final ``state``)."""
     reporting.setup_logging()
     workdir = pathlib.Path(workdir)
-    s = build(cfg)
-    t = cfg.train
+    s, t = build(cfg), cfg.train
     mngr = checkpoint.manager(workdir) if t.checkpoint else None
-    state, start = s.state, 0
-    if mngr is not None and mngr.latest_step() is not None:
-        state = checkpoint.restore(mngr, state)
-        start = int(state.step)
-        log.info("resumed from %s at step %d", workdir / "checkpoints", start)
+    state = _resume(mngr, s.state, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
     runlog = reporting.RunLog(workdir, enabled=jax.process_index() == 0)
-    replicas = s.layout.replicas
-    tokens_per_step = replicas * cfg.data.batch_size * cfg.data.seq_len
+    tokens_per_step = s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len
     log.info(
         "%s: %d replicas on %s (%d replica x %d data devices), %d params, %d tokens per step",
-        cfg.algorithm, replicas, s.layout.runtime, s.layout.replica_devices,
+        cfg.algorithm, s.layout.replicas, s.layout.runtime, s.layout.replica_devices,
         s.layout.data_devices, model_lib.count_params(outer_params(state)), tokens_per_step,
     )  # fmt: skip
     log.info("compiling %d steps per call ...", t.log_every)
@@ -156,54 +189,33 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)
-    bar = reporting.progress_bar(total, initial=start, enabled=show_progress)
-    eval_loss = None
-    train_start = time.time()
-    step = start
+    step = int(state.step)
+    bar = reporting.progress_bar(total, initial=step, enabled=show_progress)
+    eval_loss, train_start = None, time.time()
     while step < total:
         tick = time.time()
         state, loss_NxR = run(state, s.replicas_R, s.train_N)
-        loss_NxR = jax.device_get(loss_NxR)
+        loss_R = jax.device_get(loss_NxR)[-1]
         step += t.log_every
-        seconds = time.time() - tick
-        tokens_per_s = tokens_per_step * t.log_every / seconds
-        runlog.write("train", step, loss=float(loss_NxR[-1].mean()),
-                     replica_loss=loss_NxR[-1], tokens_per_s=tokens_per_s,
-                     outer_steps=outer_steps(cfg, step))  # fmt: skip
+        tokens_per_s = tokens_per_step * t.log_every / (time.time() - tick)
+        outer = outer_steps(cfg, step)
+        runlog.write("train", step, loss=float(loss_R.mean()), replica_loss=loss_R,
+                     tokens_per_s=tokens_per_s, outer_steps=outer)  # fmt: skip
         bar.update(t.log_every)
-        bar.set_postfix(loss=f"{loss_NxR[-1].mean():.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                        outer=outer_steps(cfg, step))  # fmt: skip
+        bar.set_postfix(loss=f"{loss_R.mean():.3f}", tok_s=f"{tokens_per_s:,.0f}", outer=outer)
         if step // t.eval_every > (step - t.log_every) // t.eval_every or step >= total:
             eval_loss = float(s.eval_fn(outer_params(state), s.eval_windows))
-            runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer_steps(cfg, step),
+            runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer,
                          tokens=step * tokens_per_step)  # fmt: skip
             log.info("step %d/%d, outer step %d: eval_loss %.4f nats/token (outer params)",
-                     step, total, outer_steps(cfg, step), eval_loss)  # fmt: skip
+                     step, total, outer, eval_loss)  # fmt: skip
     bar.close()
     if eval_loss is None:  # resumed a run that had already finished
         eval_loss = float(s.eval_fn(outer_params(state), s.eval_windows))
-    seconds = time.time() - train_start
-    if mngr is not None:
-        if mngr.latest_step() != step:
-            checkpoint.save(mngr, step, state)
-        log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
-    summary = {
-        "final_eval_loss": eval_loss,
-        "steps": step,
-        "outer_steps": outer_steps(cfg, step),
-        "tokens": step * tokens_per_step,
-        "train_seconds": round(seconds, 2),
-        "unigram_entropy": s.unigram_nats,
-    }
-    if t.sample_chars and jax.process_index() == 0:
-        summary["sample"] = generate_text(
-            s.graphdef, outer_params(state), t.sample_prompt,
-            num_chars=t.sample_chars, seq_len=cfg.data.seq_len, seed=cfg.seed,
-        )  # fmt: skip
+    summary = _finish(s, state, step, eval_loss, time.time() - train_start, mngr, workdir)
     runlog.write("done", step, **{k: v for k, v in summary.items() if k != "sample"})
     runlog.close()
-    summary["state"] = state
-    return summary
+    return {**summary, "state": state}
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.train") -> int:
