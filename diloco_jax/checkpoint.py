@@ -27,3 +27,24 @@ def restore(mngr: ocp.CheckpointManager, like, step: int | None = None):
     step = mngr.latest_step() if step is None else step
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     return mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+
+
+def save_params(path: pathlib.Path, params) -> None:
+    """Writes ``params`` (e.g. the final outer parameters) as a standalone orbax checkpoint."""
+    path = path.resolve()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, params, force=True)
+
+
+def load_params(path: pathlib.Path, like):
+    """Reads parameters written by :func:`save_params` into the structure of ``like``; raises
+    ``ValueError`` naming the path if they are missing or do not fit."""
+    path = path.resolve()
+    if not path.is_dir():
+        raise ValueError(f"no saved parameters at {path}")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            return ckptr.restore(path, abstract)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"parameters at {path} do not fit this model: {e}") from None

@@ -77,6 +77,24 @@ class TrainConfig:
     sample_chars: int = 300  # printed at the end; 0 to skip
     sample_prompt: str = "ROMEO.\n"
     checkpoint: bool = True
+    init_from: str = ""  # a workdir of an earlier run: start from its final outer params
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """Simulated conditions: stragglers, failures, the network. See ``diloco_jax/schedule.py``
+    and ``sim/clock.py``."""
+
+    speeds: str = ""  # per-replica compute speed factors, e.g. "1,1,0.5,0.25"; "" = all 1
+    dylu: bool = False  # Dynamic Local Updates: slow replicas take fewer inner steps per round
+    drop_prob: float = 0.0  # each replica independently dropped at each sync
+    drop: str = ""  # "r:a-b;...": replica r dropped for outer steps [a, b) (0-based)
+    network: str = "datacenter"  # datacenter | wan_1gbit
+    bandwidth_gbps: float = 0.0  # 0: the network preset's
+    latency_ms: float = -1.0  # < 0: the network preset's
+    topology: str = "ring"  # ring | parameter_server
+    step_time_s: float = 0.0  # one replica's inner step on its own device; 0: measured
+    diagnostics: bool = True  # mean pairwise cosine of pseudo-gradients at each sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +107,7 @@ class Config:
     outer: OuterConfig = OuterConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
+    sim: SimConfig = SimConfig()
 
 
 def load_preset(path: str | pathlib.Path) -> Config:
@@ -202,3 +221,26 @@ def validate(cfg: Config) -> None:
     for key, ok, allowed in rules:
         if not ok:
             raise ConfigError(f"config key {key} = {flat[key]!r} is invalid: {allowed}")
+    _validate_sim(cfg)
+
+
+def _validate_sim(cfg: Config) -> None:
+    from diloco_jax import comms, schedule
+
+    sim = cfg.sim
+    try:
+        schedule.parse_speeds(sim.speeds, cfg.parallel.replicas)
+        schedule.parse_drops(sim.drop, cfg.parallel.replicas)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    rules = [
+        ("sim.drop_prob", 0 <= sim.drop_prob < 1, "must be in [0, 1)"),
+        ("sim.network", sim.network in comms.NETWORKS, f"must be one of {tuple(comms.NETWORKS)}"),
+        ("sim.topology", sim.topology in comms.TOPOLOGIES, f"must be one of {comms.TOPOLOGIES}"),
+        ("sim.step_time_s", sim.step_time_s >= 0, "must be >= 0 (0: measured)"),
+        ("sim.bandwidth_gbps", sim.bandwidth_gbps >= 0, "must be >= 0 (0: the network preset's)"),
+    ]  # fmt: skip
+    for key, ok, allowed in rules:
+        if not ok:
+            value = getattr(sim, key.split(".")[1])
+            raise ConfigError(f"config key {key} = {value!r} is invalid: {allowed}")

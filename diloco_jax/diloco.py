@@ -28,6 +28,28 @@ from jax import lax
 AxisName = str | Sequence[str]
 
 
+class SyncStats(NamedTuple):
+    """Diagnostics of the last sync (zeros before the first one).
+
+    Attributes:
+      drift: per-replica. ``|anchor - params_r|``: how far the replica moved from the anchor
+        during the round (the norm of its pseudo-gradient).
+      cosine_to_mean: per-replica. Cosine between the replica's pseudo-gradient and the mean one.
+      weight: per-replica. The replica's weight in the mean (0: left out).
+      pairwise_cosine: shared. Mean cosine similarity over pairs of contributing replicas'
+        pseudo-gradients (NaN unless ``diagnostics``; it costs one more all-reduce).
+      outer_update_norm: shared. ``|anchor' - anchor|``.
+      contributors: shared. How many replicas entered the mean.
+    """
+
+    drift: jax.Array
+    cosine_to_mean: jax.Array
+    weight: jax.Array
+    pairwise_cosine: jax.Array
+    outer_update_norm: jax.Array
+    contributors: jax.Array
+
+
 class DilocoState(NamedTuple):
     """State of :func:`diloco`.
 
@@ -38,12 +60,18 @@ class DilocoState(NamedTuple):
         kept across syncs unless ``reset_inner_state``.
       anchor: shared. The outer ("global") parameters after the last sync.
       outer_state: shared. The outer optimizer's state (e.g. its Nesterov momentum).
+      stats: :class:`SyncStats` of the last sync (per-replica and shared fields).
     """
 
     step: jax.Array
     inner_state: optax.OptState
     anchor: optax.Params
     outer_state: optax.OptState
+    stats: SyncStats
+
+
+def _names(axis_name: AxisName) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def replica_mean(tree: Any, axis_name: AxisName) -> Any:
@@ -53,10 +81,53 @@ def replica_mean(tree: Any, axis_name: AxisName) -> Any:
     global mean). One ``pmean`` over a tuple mixing a ``vmap`` axis and a ``shard_map`` axis is not
     lowered by jax 0.10, so we never ask for one.
     """
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    for name in names:
+    for name in _names(axis_name):
         tree = lax.pmean(tree, name)
     return tree
+
+
+def replica_sum(tree: Any, axis_name: AxisName) -> Any:
+    """Sum of ``tree`` over the replica axis (or axes); see :func:`replica_mean`."""
+    for name in _names(axis_name):
+        tree = lax.psum(tree, name)
+    return tree
+
+
+def _dot(a: Any, b: Any) -> jax.Array:
+    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def _where(cond: jax.Array, a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
+
+
+def maskable(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``inner`` that takes an extra ``active`` argument: when False the step is skipped (zero
+    updates, state unchanged). Used for stragglers' idle steps (Dynamic Local Updates)."""
+    inner = optax.with_extra_args_support(inner)
+
+    def update_fn(updates, state, params=None, *, active=True, **extra):
+        new_updates, new_state = inner.update(updates, state, params, **extra)
+        if active is True:
+            return new_updates, new_state
+        zeros = jax.tree.map(jnp.zeros_like, new_updates)
+        return _where(active, new_updates, zeros), _where(active, new_state, state)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def _sync_stats(delta, mean_delta, weight, outer_norm, axis_name, diagnostics) -> SyncStats:
+    norm = optax.tree.norm(delta)
+    unit = jax.tree.map(lambda d: d / jnp.maximum(norm, 1e-30), delta)
+    cosine = _dot(unit, mean_delta) / jnp.maximum(optax.tree.norm(mean_delta), 1e-30)
+    included = (weight > 0).astype(jnp.float32)
+    count = replica_sum(included, axis_name)
+    pairwise = jnp.float32(jnp.nan)
+    if diagnostics:
+        # mean over pairs i != j of u_i . u_j = (|sum_i u_i|^2 - n) / (n (n - 1)), u unit vectors
+        total = replica_sum(jax.tree.map(lambda u: included * u, unit), axis_name)
+        pairwise = (_dot(total, total) - count) / jnp.maximum(count * (count - 1), 1.0)
+    return SyncStats(norm, cosine, jnp.asarray(weight, jnp.float32), pairwise, outer_norm, count)
 
 
 def diloco(
@@ -66,7 +137,8 @@ def diloco(
     sync_every: int,
     axis_name: AxisName = "replica",
     reset_inner_state: bool = False,
-) -> optax.GradientTransformation:
+    diagnostics: bool = False,
+) -> optax.GradientTransformationExtraArgs:
     """DiLoCo: ``sync_every`` local steps of ``inner``, then one ``outer`` step on the anchor.
 
     Args:
@@ -78,6 +150,15 @@ def diloco(
       reset_inner_state: re-initialise the inner state from the new anchor at every sync. The
         paper keeps it; note that a reset also restarts any step count inside ``inner`` (and so its
         learning-rate schedule).
+      diagnostics: also compute the mean pairwise cosine of pseudo-gradients at each sync (one
+        more all-reduce of parameter size).
+
+    ``update(grads, state, params, *, active=True, weight=1.0, take_anchor=True)``, all optional
+    and per replica: ``active=False`` skips this replica's inner step (a straggler idling);
+    at a sync the mean is weighted, ``mean = sum_r w_r delta_r / sum_r w_r`` (``weight=0`` leaves
+    a replica out: dropped, or its values are bad); ``take_anchor=False`` leaves the replica on its
+    own parameters instead of restarting from the new anchor. If every weight is 0 the outer step
+    is skipped and the anchor stays.
 
     Returns:
       A transform whose ``update`` returns the inner update on ordinary steps and, on a sync step,
@@ -86,43 +167,55 @@ def diloco(
     """
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+    inner = maskable(inner)
 
     def init_fn(params):
+        zero = jnp.zeros([], jnp.float32)
         return DilocoState(
             step=jnp.zeros([], jnp.int32),
             inner_state=inner.init(params),
             anchor=params,
             outer_state=outer.init(params),
+            stats=SyncStats(zero, zero, zero, zero, zero, zero),
         )
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, *, active=True, weight=1.0, take_anchor=True):
         if params is None:
             raise ValueError("diloco needs params: call tx.update(grads, state, params)")
-        inner_updates, inner_state = inner.update(updates, state.inner_state, params)
+        inner_updates, inner_state = inner.update(updates, state.inner_state, params, active=active)
         step = state.step + 1
 
         def sync(operand):
             inner_updates, inner_state = operand
             local = optax.apply_updates(params, inner_updates)
             delta = jax.tree.map(lambda a, p: a - p, state.anchor, local)
-            delta = replica_mean(delta, axis_name)
-            outer_updates, outer_state = outer.update(delta, state.outer_state, state.anchor)
+            w = jnp.asarray(weight, jnp.float32)
+            total_w = replica_mean(w, axis_name)
+            weighted = replica_mean(jax.tree.map(lambda d: w * d, delta), axis_name)
+            mean_delta = jax.tree.map(lambda d: d / jnp.maximum(total_w, 1e-30), weighted)
+            outer_updates, outer_state = outer.update(mean_delta, state.outer_state, state.anchor)
             anchor = optax.apply_updates(state.anchor, outer_updates)
+            anyone = total_w > 0  # else: no outer step at all
+            anchor = _where(anyone, anchor, state.anchor)
+            outer_state = _where(anyone, outer_state, state.outer_state)
             if reset_inner_state:
-                inner_state = inner.init(anchor)
+                inner_state = _where(take_anchor, inner.init(anchor), inner_state)
             to_anchor = jax.tree.map(lambda a, p: (a - p).astype(p.dtype), anchor, params)
-            return to_anchor, inner_state, anchor, outer_state
+            new_updates = _where(take_anchor, to_anchor, inner_updates)
+            outer_norm = optax.tree.norm(jax.tree.map(jnp.subtract, anchor, state.anchor))
+            stats = _sync_stats(delta, mean_delta, w, outer_norm, axis_name, diagnostics)
+            return new_updates, inner_state, anchor, outer_state, stats
 
         def local_step(operand):
             inner_updates, inner_state = operand
-            return inner_updates, inner_state, state.anchor, state.outer_state
+            return inner_updates, inner_state, state.anchor, state.outer_state, state.stats
 
-        new_updates, inner_state, anchor, outer_state = lax.cond(
+        new_updates, inner_state, anchor, outer_state, stats = lax.cond(
             step % sync_every == 0, sync, local_step, (inner_updates, inner_state)
         )
-        return new_updates, DilocoState(step, inner_state, anchor, outer_state)
+        return new_updates, DilocoState(step, inner_state, anchor, outer_state, stats)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def data_parallel(
@@ -138,7 +231,7 @@ def data_parallel(
         return replica_mean(updates, axis_name), state
 
     mean_grads = optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
-    return optax.chain(mean_grads, inner)
+    return optax.with_extra_args_support(optax.chain(mean_grads, inner))
 
 
 def replica_axes(opt_state: Any) -> Any:
@@ -150,16 +243,20 @@ def replica_axes(opt_state: Any) -> Any:
 
     def axes(node):
         if isinstance(node, DilocoState):
-            return DilocoState(step=None, inner_state=0, anchor=None, outer_state=None)
+            stats = SyncStats(0, 0, 0, None, None, None)
+            return DilocoState(step=None, inner_state=0, anchor=None, outer_state=None, stats=stats)
         return 0
 
     return jax.tree.map(axes, opt_state, is_leaf=lambda x: isinstance(x, DilocoState))
 
 
+def find_diloco_state(opt_state: Any) -> DilocoState | None:
+    """The (first) :class:`DilocoState` inside ``opt_state``, or None if there is none."""
+    leaves = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DilocoState))
+    return next((leaf for leaf in leaves if isinstance(leaf, DilocoState)), None)
+
+
 def find_anchor(opt_state: Any) -> optax.Params | None:
     """The anchor of the (first) :class:`DilocoState` in ``opt_state``, or None if there is none."""
-    leaves = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DilocoState))
-    for leaf in leaves:
-        if isinstance(leaf, DilocoState):
-            return leaf.anchor
-    return None
+    state = find_diloco_state(opt_state)
+    return None if state is None else state.anchor

@@ -55,8 +55,10 @@ def make_tx(
     sync_every: int,
     axis_name: AxisName,
     reset_inner_state: bool = False,
-) -> optax.GradientTransformation:
-    """The per-replica transform for ``algorithm`` (one of :data:`ALGORITHMS`)."""
+    diagnostics: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """The per-replica transform for ``algorithm`` (one of :data:`ALGORITHMS`). Every one takes
+    the :class:`~diloco_jax.step.StepControl` extra arguments (the baselines ignore them)."""
     if algorithm == "diloco":
         return diloco(
             inner,
@@ -64,9 +66,10 @@ def make_tx(
             sync_every=sync_every,
             axis_name=axis_name,
             reset_inner_state=reset_inner_state,
+            diagnostics=diagnostics,
         )
     if algorithm == "ddp":
         return data_parallel(inner, axis_name=axis_name)
     if algorithm == "single":
-        return inner
+        return optax.with_extra_args_support(inner)
     raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")

@@ -98,8 +98,11 @@ def _specs(axes_prefix):
 
 
 def simulator_steps(replica_step, axes: TrainState, num_steps: int):
-    """``run(state, replicas_R, train_N) -> (state, loss_NxR)``: ``num_steps`` vmapped steps."""
-    step_R = jax.vmap(replica_step, in_axes=(axes, 0, None), out_axes=(axes, 0), axis_name=REPLICA)
+    """``run(state, replicas_R, train_N, control_NxR) -> (state, metrics_NxR)``: ``num_steps``
+    vmapped steps in one compiled call."""
+    step_R = jax.vmap(
+        replica_step, in_axes=(axes, 0, None, 0), out_axes=(axes, 0), axis_name=REPLICA
+    )
     return jax.jit(scan_steps(step_R, num_steps), donate_argnums=0)
 
 
@@ -111,13 +114,13 @@ def mesh_steps(replica_step, axes: TrainState, mesh: Mesh, num_steps: int):
     explicitly and differentiates only its own replica's (replica-varying) parameters.
     """
     step_R = jax.vmap(
-        replica_step, in_axes=(axes, 0, None), out_axes=(axes, 0), axis_name=LOCAL_REPLICA
+        replica_step, in_axes=(axes, 0, None, 0), out_axes=(axes, 0), axis_name=LOCAL_REPLICA
     )
     specs = _specs(axes)
     run = jax.shard_map(
         scan_steps(step_R, num_steps),
         mesh=mesh,
-        in_specs=(specs, P(REPLICA), P()),
+        in_specs=(specs, P(REPLICA), P(), P(None, REPLICA)),
         out_specs=(specs, P(None, REPLICA)),
         check_vma=False,
     )
@@ -140,9 +143,11 @@ def replicated(x, mesh: Mesh | None):
     return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
 
 
-def split_over_replicas(x, mesh: Mesh | None):
-    """``x`` with its leading ``[R]`` axis split over ``REPLICA``."""
-    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P(REPLICA)))
+def split_over_replicas(x, mesh: Mesh | None, *, axis: int = 0):
+    """``x`` (a pytree) with its ``[R]`` axis number ``axis`` split over ``REPLICA``."""
+    if mesh is None:
+        return x
+    return jax.device_put(x, NamedSharding(mesh, P(*([None] * axis), REPLICA)))
 
 
 __all__ = ["Layout", "make_mesh", "mesh_steps", "place", "resolve_layout", "simulator_steps"]

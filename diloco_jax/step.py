@@ -17,7 +17,7 @@ from jax import lax
 
 from diloco_jax import model as model_lib
 from diloco_jax.data import sample_batch
-from diloco_jax.diloco import find_anchor, replica_axes
+from diloco_jax.diloco import find_anchor, find_diloco_state, replica_axes
 
 
 class TrainState(NamedTuple):
@@ -33,6 +33,29 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: Any
     opt_state: Any
+
+
+class StepControl(NamedTuple):
+    """Per-replica inputs of one step, set by the simulator's straggler and failure schedules.
+
+    Attributes (each ``[R]`` per step, ``[N, R]`` for a call of N steps):
+      active: bool. False: the replica skips its inner step (idle straggler).
+      weight: float32. The replica's weight in the pseudo-gradient mean at a sync (0: left out).
+      take_anchor: bool. False: at a sync the replica keeps its own parameters.
+    """
+
+    active: jax.Array
+    weight: jax.Array
+    take_anchor: jax.Array
+
+
+def full_control(num_steps: int, replicas: int) -> StepControl:
+    """Every replica active, weight 1, restarting from the anchor: plain DiLoCo."""
+    return StepControl(
+        active=jnp.ones((num_steps, replicas), bool),
+        weight=jnp.ones((num_steps, replicas), jnp.float32),
+        take_anchor=jnp.ones((num_steps, replicas), bool),
+    )
 
 
 def state_axes(state: TrainState) -> TrainState:
@@ -65,7 +88,8 @@ def make_replica_step(
     data_axis: str | None = None,
     data_shards: int = 1,
 ):
-    """One inner step of one replica.
+    """One inner step of one replica: ``replica_step(state, replica, train_N, control) ->
+    (state, metrics)``, ``control`` a :class:`StepControl` for this replica.
 
     The replica draws its batch ``tokens_BxL1 = sample_batch(seed, replica, step)``; with a
     ``data_axis`` each of its ``data_shards`` devices takes its ``B / data_shards`` rows and the
@@ -82,7 +106,7 @@ def make_replica_step(
         logits_BxLxV = model_lib.apply(graphdef, params, tokens_BxL1[:, :-1])
         return model_lib.token_nll(logits_BxLxV, tokens_BxL1[:, 1:]).mean()
 
-    def replica_step(state: TrainState, replica: jax.Array, train_N: jax.Array):
+    def replica_step(state: TrainState, replica: jax.Array, train_N: jax.Array, control):
         tokens_BxL1 = sample_batch(
             train_N,
             seed=seed,
@@ -98,19 +122,27 @@ def make_replica_step(
         loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BxL1)
         if data_axis is not None:
             loss, grads = lax.pmean((loss, grads), data_axis)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, **control._asdict())
         params = optax.apply_updates(state.params, updates)
-        return TrainState(state.step + 1, params, opt_state), loss
+        metrics = {"loss": loss}
+        diloco_state = find_diloco_state(opt_state)
+        if diloco_state is not None:
+            metrics.update(diloco_state.stats._asdict())
+        return TrainState(state.step + 1, params, opt_state), metrics
 
     return replica_step
 
 
 def scan_steps(step_fn, num_steps: int):
-    """Runs ``step_fn(state, *args) -> (state, metrics)`` ``num_steps`` times in one compiled loop
-    (small models on CPU are dispatch-bound); metrics come back stacked ``[num_steps, ...]``."""
+    """``run(state, replicas_R, train_N, control_NxR)``: ``step_fn(state, replicas_R, train_N,
+    control_R) -> (state, metrics)`` ``num_steps`` times in one compiled loop (small models on
+    CPU are dispatch-bound); metrics come back stacked ``[num_steps, ...]``."""
 
-    def run(state, *args):
-        return lax.scan(lambda s, _: step_fn(s, *args), state, None, length=num_steps)
+    def run(state, replicas_R, train_N, control_NxR):
+        def body(state, control_R):
+            return step_fn(state, replicas_R, train_N, control_R)
+
+        return lax.scan(body, state, control_NxR, length=num_steps)
 
     return run
 

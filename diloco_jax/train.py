@@ -17,9 +17,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 
-from diloco_jax import checkpoint, cli, optim, parallel, reporting
+from diloco_jax import checkpoint, cli, optim, parallel, reporting, schedule
 from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
 from diloco_jax.data import (
@@ -32,7 +32,14 @@ from diloco_jax.data import (
 )
 from diloco_jax.reporting import log
 from diloco_jax.sample import generate_text
-from diloco_jax.step import init_state, make_eval_fn, make_replica_step, outer_params, state_axes
+from diloco_jax.step import (
+    StepControl,
+    init_state,
+    make_eval_fn,
+    make_replica_step,
+    outer_params,
+    state_axes,
+)
 
 
 @dataclasses.dataclass
@@ -44,7 +51,7 @@ class Setup:
     graphdef: Any
     state: Any
     mesh: Any
-    run_chunk: Any  # (state, replicas_R, train_N) -> (state, loss_NxR), log_every steps per call
+    run_chunk: Any  # (state, replicas_R, train_N, control_NxR) -> (state, metrics_NxR)
     replicas_R: jax.Array
     train_N: jax.Array
     eval_windows: jax.Array
@@ -56,7 +63,7 @@ def effective_replicas(cfg: config_lib.Config) -> int:
     return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
 
 
-def make_tx(cfg: config_lib.Config, axis_name) -> optax.GradientTransformation:
+def make_tx(cfg: config_lib.Config, axis_name, *, diagnostics: bool = False):
     """The per-replica transform that ``cfg`` asks for, reducing over ``axis_name``."""
     inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
     outer = optim.outer_nesterov(
@@ -71,6 +78,7 @@ def make_tx(cfg: config_lib.Config, axis_name) -> optax.GradientTransformation:
         sync_every=cfg.outer.sync_every,
         axis_name=axis_name,
         reset_inner_state=cfg.outer.reset_inner_state,
+        diagnostics=diagnostics,
     )
 
 
@@ -93,7 +101,11 @@ def build(cfg: config_lib.Config) -> Setup:
     graphdef, params = model_lib.init_model(
         cfg.seed, vocab_size=VOCAB_SIZE, seq_len=d.seq_len, **dataclasses.asdict(m)
     )
-    tx = make_tx(cfg, layout.replica_axis_names)
+    # The pairwise cosine costs one more all-reduce: worth it only in the simulator.
+    diagnostics = cfg.sim.diagnostics and layout.runtime == "sim"
+    tx = make_tx(cfg, layout.replica_axis_names, diagnostics=diagnostics)
+    if cfg.train.init_from:
+        params = _warm_start(cfg.train.init_from, params)
     state = init_state(params, tx, replicas)
     axes = state_axes(state)
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
@@ -127,6 +139,41 @@ def build(cfg: config_lib.Config) -> Setup:
     )
 
 
+def _warm_start(workdir: str, params):
+    try:
+        params = checkpoint.load_params(pathlib.Path(workdir) / "params", params)
+    except ValueError as e:
+        raise config_lib.ConfigError(f"config key train.init_from = {workdir!r}: {e}") from None
+    log.info("warm start from the final outer parameters of %s", workdir)
+    return params
+
+
+def chunk_control(cfg: config_lib.Config, s: Setup, start: int) -> StepControl:
+    """Stragglers' and failures' masks for the ``log_every`` steps from ``start``."""
+    replicas = s.layout.replicas
+    masks = schedule.control(
+        start, cfg.train.log_every, replicas=replicas, sync_every=cfg.outer.sync_every,
+        speeds=schedule.parse_speeds(cfg.sim.speeds, replicas), dylu=cfg.sim.dylu,
+        drops=schedule.parse_drops(cfg.sim.drop, replicas), drop_prob=cfg.sim.drop_prob,
+        seed=cfg.seed,
+    )  # fmt: skip
+    return parallel.split_over_replicas(StepControl(**masks), s.mesh, axis=1)
+
+
+def _log_syncs(runlog, cfg: config_lib.Config, first_step: int, metrics_NxR) -> None:
+    """One ``sync`` event per DiLoCo sync in a call: per-replica loss and drift diagnostics."""
+    if cfg.algorithm != "diloco":
+        return
+    for i in range(len(metrics_NxR["loss"])):
+        step = first_step + i + 1
+        if step % cfg.outer.sync_every:
+            continue
+        shared = ("pairwise_cosine", "outer_update_norm", "contributors")
+        values = {k: v[i] for k, v in metrics_NxR.items() if k not in shared}
+        values.update({k: float(metrics_NxR[k][i, 0]) for k in shared})
+        runlog.write("sync", step, outer_step=step // cfg.outer.sync_every, **values)
+
+
 def outer_steps(cfg: config_lib.Config, step: int) -> int:
     """Syncs completed after ``step`` inner steps (ddp syncs every step, single never)."""
     return {"diloco": step // cfg.outer.sync_every, "ddp": step, "single": 0}[cfg.algorithm]
@@ -148,6 +195,8 @@ def _finish(s: Setup, state, step: int, eval_loss: float, seconds: float, mngr, 
         if mngr.latest_step() != step:
             checkpoint.save(mngr, step, state)
         log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
+    if jax.process_index() == 0:
+        checkpoint.save_params(workdir / "params", jax.device_get(outer_params(state)))
     summary = {
         "final_eval_loss": eval_loss,
         "steps": step,
@@ -183,7 +232,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     )  # fmt: skip
     log.info("compiling %d steps per call ...", t.log_every)
     t0 = time.time()
-    run = s.run_chunk.lower(state, s.replicas_R, s.train_N).compile()
+    run = s.run_chunk.lower(state, s.replicas_R, s.train_N, chunk_control(cfg, s, 0)).compile()
     log.info("compiled in %.1fs; validation unigram entropy %.3f nats", time.time() - t0,
              s.unigram_nats)  # fmt: skip
     total = -(-t.total_steps // t.log_every) * t.log_every
@@ -191,13 +240,17 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)
     step = int(state.step)
     bar = reporting.progress_bar(total, initial=step, enabled=show_progress)
-    eval_loss, train_start = None, time.time()
+    eval_loss, train_start, call_seconds = None, time.time(), []
     while step < total:
+        control = chunk_control(cfg, s, step)
         tick = time.time()
-        state, loss_NxR = run(state, s.replicas_R, s.train_N)
-        loss_R = jax.device_get(loss_NxR)[-1]
+        state, metrics_NxR = run(state, s.replicas_R, s.train_N, control)
+        metrics_NxR = jax.device_get(metrics_NxR)
+        call_seconds.append(time.time() - tick)
+        _log_syncs(runlog, cfg, step, metrics_NxR)
+        loss_R = metrics_NxR["loss"][-1]
         step += t.log_every
-        tokens_per_s = tokens_per_step * t.log_every / (time.time() - tick)
+        tokens_per_s = tokens_per_step * t.log_every / call_seconds[-1]
         outer = outer_steps(cfg, step)
         runlog.write("train", step, loss=float(loss_R.mean()), replica_loss=loss_R,
                      tokens_per_s=tokens_per_s, outer_steps=outer)  # fmt: skip
@@ -213,6 +266,9 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     if eval_loss is None:  # resumed a run that had already finished
         eval_loss = float(s.eval_fn(outer_params(state), s.eval_windows))
     summary = _finish(s, state, step, eval_loss, time.time() - train_start, mngr, workdir)
+    # the first call can include one-off work; the median of the rest is the steady state
+    steady = call_seconds[1:] or call_seconds
+    summary["step_seconds"] = float(np.median(steady)) / t.log_every if steady else None
     runlog.write("done", step, **{k: v for k, v in summary.items() if k != "sample"})
     runlog.close()
     return {**summary, "state": state}

@@ -34,7 +34,7 @@ def measure(mode: str, preset: str, calls: int) -> dict:
     import jax
 
     from diloco_jax.config import apply_overrides, load_preset
-    from diloco_jax.train import build
+    from diloco_jax.train import build, chunk_control
 
     cfg = load_preset(preset)
     replicas, batch = cfg.parallel.replicas, cfg.data.batch_size
@@ -47,13 +47,14 @@ def measure(mode: str, preset: str, calls: int) -> dict:
     }[mode]  # fmt: skip
     cfg = apply_overrides(cfg, [(k, str(v)) for k, v in overrides.items()])
     s = build(cfg)
-    compiled = s.run_chunk.lower(s.state, s.replicas_R, s.train_N).compile()
+    control = chunk_control(cfg, s, 0)
+    compiled = s.run_chunk.lower(s.state, s.replicas_R, s.train_N, control).compile()
     mem = compiled.memory_analysis()
-    state, loss = compiled(s.state, s.replicas_R, s.train_N)  # warm-up
+    state, loss = compiled(s.state, s.replicas_R, s.train_N, control)  # warm-up
     jax.block_until_ready(loss)
     start = time.perf_counter()
     for _ in range(calls):
-        state, loss = compiled(state, s.replicas_R, s.train_N)
+        state, loss = compiled(state, s.replicas_R, s.train_N, control)
     jax.block_until_ready(loss)
     seconds = time.perf_counter() - start
     steps = calls * cfg.train.log_every

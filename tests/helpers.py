@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from diloco_jax import model as model_lib
 from diloco_jax import optim, parallel
 from diloco_jax.data import VOCAB_SIZE, load_corpus, shard_bounds
-from diloco_jax.step import init_state, make_replica_step, state_axes
+from diloco_jax.step import StepControl, full_control, init_state, make_replica_step, state_axes
 
 SEQ_LEN = 16
 BATCH = 4
@@ -30,9 +29,10 @@ def tiny_model(seed=0):
 
 
 def run(tx_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0, replica_ids=None,
-        batch=BATCH, shards=None):  # fmt: skip
+        batch=BATCH, shards=None, control=None):  # fmt: skip
     """Runs ``num_steps`` of the tiny model under ``layout``; returns the final TrainState and
-    the losses. ``shards``: how many shards to cut the corpus into (default: one per replica)."""
+    the metrics. ``shards``: how many shards to cut the corpus into (default: one per replica);
+    ``control``: a dict of StepControl masks ``[num_steps, R]`` (default: plain DiLoCo)."""
     graphdef, params = tiny_model(seed)
     tx = tx_for_axis(layout.replica_axis_names)
     state = init_state(params, tx, layout.replicas)
@@ -49,12 +49,14 @@ def run(tx_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0, replica
     else:
         fn = parallel.mesh_steps(step, axes, mesh, num_steps)
     ids = jnp.arange(layout.replicas) if replica_ids is None else jnp.asarray(replica_ids)
-    state, loss = fn(
+    ctrl = full_control(num_steps, layout.replicas) if control is None else StepControl(**control)
+    state, metrics = fn(
         parallel.place(state, axes, mesh),
         parallel.split_over_replicas(ids.astype(jnp.int32), mesh),
         parallel.replicated(jnp.asarray(train_N), mesh),
+        parallel.split_over_replicas(ctrl, mesh, axis=1),
     )
-    return jax.device_get(state), np.asarray(loss)
+    return jax.device_get(state), jax.device_get(metrics)
 
 
 def sim(replicas):

@@ -8,10 +8,19 @@ import optax
 import pytest
 
 from diloco_jax import diloco, optim
-from diloco_jax.diloco import DilocoState, data_parallel, replica_axes
+from diloco_jax.diloco import DilocoState, SyncStats, data_parallel, replica_axes
 from tests import helpers
 
 CENTERS_RxD = np.array([[1.0, -2.0], [3.0, 0.5]], np.float32)
+
+
+def stack(state, axes, replicas):
+    """Gives the per-replica parts of ``state`` a leading replica axis."""
+    return jax.tree.map(
+        lambda a, s: s if a is None else jax.tree.map(
+            lambda leaf: jnp.broadcast_to(leaf, (replicas, *leaf.shape)), s),
+        axes, state, is_leaf=lambda x: x is None,
+    )  # fmt: skip
 
 
 def run_quadratic(tx, num_steps, centers_RxD=CENTERS_RxD, x0_D=(0.0, 0.0)):
@@ -21,11 +30,7 @@ def run_quadratic(tx, num_steps, centers_RxD=CENTERS_RxD, x0_D=(0.0, 0.0)):
     state = tx.init(x_D)
     axes = replica_axes(state)
     x_RxD = jnp.broadcast_to(x_D, (replicas, x_D.shape[0]))
-    state = jax.tree.map(
-        lambda a, s: s if a is None else jax.tree.map(
-            lambda leaf: jnp.broadcast_to(leaf, (replicas, *leaf.shape)), s),
-        axes, state, is_leaf=lambda x: x is None,
-    )  # fmt: skip
+    state = stack(state, axes, replicas)
 
     def one(x_D, state, c_D):
         updates, state = tx.update(x_D - c_D, state, x_D)
@@ -119,7 +124,7 @@ def test_step_counter_is_shared_and_the_sync_stays_a_branch():
     tx = diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=4)
     state = tx.init(jnp.zeros(2))
     axes = replica_axes(state)
-    stacked = state._replace(inner_state=jax.tree.map(lambda x: x[None], state.inner_state))
+    stacked = stack(state, axes, 1)
 
     def one(x, state, c):
         return tx.update(x - c, state, x)
@@ -189,7 +194,11 @@ def test_replica_axes_marks_only_diloco_shared_fields():
     tx = optax.chain(optax.scale_by_adam(), diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2))
     axes = replica_axes(tx.init({"w": jnp.zeros(3)}))
     assert jax.tree.leaves(axes[0]) == [0, 0, 0]  # adam's count, mu, nu: per replica
-    assert axes[1] == DilocoState(step=None, inner_state=0, anchor=None, outer_state=None)
+    stats = SyncStats(drift=0, cosine_to_mean=0, weight=0, pairwise_cosine=None,
+                      outer_update_norm=None, contributors=None)  # fmt: skip
+    assert axes[1] == DilocoState(
+        step=None, inner_state=0, anchor=None, outer_state=None, stats=stats
+    )
     assert jax.tree.leaves(replica_axes(optax.adam(0.1).init(jnp.zeros(2)))) == [0, 0, 0]
 
 

@@ -1,0 +1,72 @@
+"""Communication accounting: exact bytes per reduce and a network model of its time.
+
+Bytes come from each leaf's size and wire dtype. Per replica and per reduce of ``P`` bytes:
+
+* ring all-reduce (reduce-scatter then all-gather, each ``R - 1`` steps of ``P / R``): every
+  replica sends ``2 (R - 1) / R * P`` bytes (and receives as many); time
+  ``2 (R - 1) * (latency + P / (R * bandwidth))``;
+* parameter server: every replica sends ``P`` and receives ``P`` (``2 P``); the server's link
+  carries ``R * P`` each way, so the time is ``2 * (latency + R * P / bandwidth)``.
+
+DiLoCo reduces its pseudo-gradient once per sync; ``ddp`` reduces its gradient every step;
+``single`` never communicates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+TOPOLOGIES = ("ring", "parameter_server")
+
+
+class Network(NamedTuple):
+    bandwidth_gbps: float  # per link, gigabits per second
+    latency_ms: float  # per message
+
+
+NETWORKS = {
+    "datacenter": Network(bandwidth_gbps=100.0, latency_ms=0.01),
+    "wan_1gbit": Network(bandwidth_gbps=1.0, latency_ms=50.0),
+}
+
+
+def payload_bytes(tree: Any, wire_dtype: Any = None) -> int:
+    """Bytes of ``tree`` on the wire: sum over leaves of size x itemsize (of ``wire_dtype`` if
+    given, else each leaf's own dtype)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        itemsize = np.dtype(wire_dtype or leaf.dtype).itemsize
+        total += int(np.prod(np.shape(leaf))) * itemsize
+    return total
+
+
+def bytes_per_replica(payload: int, replicas: int, topology: str = "ring") -> float:
+    """Bytes one replica sends in one reduce of ``payload`` bytes (0 for a single replica)."""
+    if replicas <= 1:
+        return 0.0
+    if topology == "ring":
+        return 2 * (replicas - 1) / replicas * payload
+    if topology == "parameter_server":
+        return 2.0 * payload
+    raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+
+
+def reduce_seconds(payload: int, replicas: int, network: Network, topology: str = "ring") -> float:
+    """Time of one reduce of ``payload`` bytes over ``network`` (0 for a single replica)."""
+    if replicas <= 1:
+        return 0.0
+    bytes_per_s = network.bandwidth_gbps * 1e9 / 8
+    latency = network.latency_ms / 1e3
+    if topology == "ring":
+        return 2 * (replicas - 1) * (latency + payload / replicas / bytes_per_s)
+    if topology == "parameter_server":
+        return 2 * (latency + replicas * payload / bytes_per_s)
+    raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+
+
+def reduces(algorithm: str, steps: int, sync_every: int) -> int:
+    """How many reduces a run of ``steps`` inner steps makes."""
+    return {"diloco": steps // sync_every, "ddp": steps, "single": 0}[algorithm]

@@ -1,0 +1,108 @@
+"""Who computes and who communicates at each step: stragglers and failures as masks.
+
+Everything here is host-side numpy and a pure function of the config, the seed and the step, so
+the compiled step stays one function and a resumed run sees the same schedule. The masks feed
+:class:`diloco_jax.step.StepControl` (``[N, R]`` for a call of N steps).
+
+* Speeds: replica ``r`` computes at ``speeds[r]`` relative speed. With fixed ``sync_every`` every
+  replica takes every step (fast ones then wait at the sync: see ``sim/clock.py``). With Dynamic
+  Local Updates (DyLU, Liu et al., 2024, arXiv 2401.09135) replica ``r`` takes
+  ``H_r = max(1, floor(sync_every * speeds[r] / max(speeds)))`` steps per round and its
+  pseudo-gradient is weighted by ``H_r`` in the mean.
+* Failures: at outer step ``k`` (0-based: the sync ending round ``k``) a replica may be dropped,
+  by a schedule ``r:a-b`` (dropped for ``a <= k < b``) or independently with probability ``p``
+  (drawn from ``(seed, k)``). A dropped replica is left out of the mean and keeps its own
+  parameters (DiLoCo paper, Fig. 8). At the next sync where it is connected its parameters are
+  relative to an old anchor, so it is still left out of the mean but restarts from the anchor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def parse_speeds(text: str, replicas: int) -> np.ndarray:
+    """``"1,0.5,..."`` -> float64 ``[R]`` (all ones for ``""``)."""
+    if not text.strip():
+        return np.ones(replicas)
+    try:
+        speeds = np.array([float(x) for x in text.split(",")])
+    except ValueError:
+        raise ValueError(f"config key sim.speeds = {text!r} is invalid: not numbers") from None
+    if len(speeds) != replicas or (speeds <= 0).any():
+        raise ValueError(
+            f"config key sim.speeds = {text!r} is invalid: needs {replicas} positive numbers "
+            "(one per replica)"
+        )
+    return speeds
+
+
+def parse_drops(text: str, replicas: int) -> list[tuple[int, int, int]]:
+    """``"r:a-b;..."`` -> ``[(r, a, b), ...]``."""
+    drops = []
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        try:
+            r, span = item.split(":")
+            a, b = span.split("-")
+            r, a, b = int(r), int(a), int(b)
+        except ValueError:
+            raise ValueError(
+                f"config key sim.drop = {text!r} is invalid: use 'replica:first-end;...' "
+                "(e.g. '1:2-5' drops replica 1 for outer steps 2, 3 and 4)"
+            ) from None
+        if not (0 <= r < replicas and 0 <= a < b):
+            raise ValueError(
+                f"config key sim.drop = {text!r} is invalid: item {item!r} needs "
+                f"0 <= replica < {replicas} and 0 <= first < end"
+            )
+        drops.append((r, a, b))
+    return drops
+
+
+def local_steps(speeds: np.ndarray, sync_every: int, dylu: bool) -> np.ndarray:
+    """Inner steps each replica takes per round: ``sync_every`` or, with DyLU, ``H_r``."""
+    if not dylu:
+        return np.full(len(speeds), sync_every)
+    return np.maximum(1, np.floor(sync_every * speeds / speeds.max() + 1e-9)).astype(int)
+
+
+def connected(outer_step: int, *, replicas: int, drops, drop_prob: float, seed: int) -> np.ndarray:
+    """bool ``[R]``: which replicas take part in the sync ending round ``outer_step``."""
+    up = np.ones(replicas, bool)
+    for r, a, b in drops:
+        if a <= outer_step < b:
+            up[r] = False
+    if drop_prob > 0:
+        rng = np.random.default_rng([seed, outer_step, 0x5EED])
+        up &= rng.random(replicas) >= drop_prob
+    return up
+
+
+def control(
+    start: int,
+    num_steps: int,
+    *,
+    replicas: int,
+    sync_every: int,
+    speeds: np.ndarray,
+    dylu: bool,
+    drops,
+    drop_prob: float,
+    seed: int,
+) -> dict[str, np.ndarray]:
+    """The ``StepControl`` fields for steps ``start .. start + num_steps - 1`` as ``[N, R]``."""
+    steps_R = local_steps(speeds, sync_every, dylu)
+    weight_R = steps_R.astype(np.float32) if dylu else np.ones(replicas, np.float32)
+    active = np.ones((num_steps, replicas), bool)
+    weight = np.ones((num_steps, replicas), np.float32)
+    take_anchor = np.ones((num_steps, replicas), bool)
+    kw = dict(replicas=replicas, drops=drops, drop_prob=drop_prob, seed=seed)
+    for i, t in enumerate(range(start, start + num_steps)):
+        active[i] = t % sync_every < steps_R
+        if (t + 1) % sync_every == 0:
+            k = t // sync_every
+            up = connected(k, **kw)
+            was_up = connected(k - 1, **kw) if k > 0 else np.ones(replicas, bool)
+            weight[i] = weight_R * (up & was_up)
+            take_anchor[i] = up
+    return {"active": active, "weight": weight, "take_anchor": take_anchor}
