@@ -26,13 +26,17 @@ class _TqdmHandler(logging.Handler):
         tqdm.tqdm.write(self.format(record), file=sys.stderr)
 
 
-def setup_logging(level: int = logging.INFO) -> None:
+def setup_logging(level: int | None = None) -> None:
+    """Log lines to stderr (once). ``level`` None keeps a level set earlier (default INFO)."""
     if not log.handlers:
         handler = _TqdmHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
         log.propagate = False
-    log.setLevel(level)
+    if level is not None:
+        log.setLevel(level)
+    elif log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
 
 
 class RunLog:

@@ -8,7 +8,7 @@ the compiled step stays one function and a resumed run sees the same schedule. T
   replica takes every step (fast ones then wait at the sync: see ``sim/clock.py``). With Dynamic
   Local Updates (DyLU, Liu et al., 2024, arXiv 2401.09135) replica ``r`` takes
   ``H_r = max(1, floor(sync_every * speeds[r] / max(speeds)))`` steps per round and its
-  pseudo-gradient is weighted by ``H_r`` in the mean.
+  pseudo-gradient is weighted by ``H_r / sync_every`` in the mean.
 * Failures: at outer step ``k`` (0-based: the sync ending round ``k``) a replica may be dropped,
   by a schedule ``r:a-b`` (dropped for ``a <= k < b``) or independently with probability ``p``
   (drawn from ``(seed, k)``). A dropped replica is left out of the mean and keeps its own
@@ -92,7 +92,8 @@ def control(
 ) -> dict[str, np.ndarray]:
     """The ``StepControl`` fields for steps ``start .. start + num_steps - 1`` as ``[N, R]``."""
     steps_R = local_steps(speeds, sync_every, dylu)
-    weight_R = steps_R.astype(np.float32) if dylu else np.ones(replicas, np.float32)
+    # weights proportional to steps taken, 1.0 for a full round (so equal speeds give plain DiLoCo)
+    weight_R = (steps_R / sync_every).astype(np.float32)
     active = np.ones((num_steps, replicas), bool)
     weight = np.ones((num_steps, replicas), np.float32)
     take_anchor = np.ones((num_steps, replicas), bool)

@@ -1,14 +1,60 @@
-"""``python -m sim``: run a preset as virtual workers on one device (see ``sim/__init__.py``)."""
+"""``python -m sim``: a sweep of DiLoCo variants as virtual workers on one device.
+
+    python -m sim --config PRESET.py --workdir DIR [--sweep KEY=V1,V2,...]... \\
+        [--baselines single,ddp] [--seeds 0,1,2] [--config.KEY=VALUE ...]
+
+Every ``--sweep`` adds a grid axis; every run uses ``parallel.runtime=sim``. Writes
+``results.csv`` (a row per run), ``summary.csv`` (mean and spread over seeds), ``curves.png``,
+``tradeoff.png`` and ``runs/<name>/metrics.jsonl``, and prints the table. Finished runs are not
+recomputed when the command runs again.
+"""
 
 import sys
 
-from diloco_jax import train
+from diloco_jax import cli
+from diloco_jax import config as config_lib
+
+
+def _pop_flags(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, list[str]], list[str]]:
+    found, rest, i = {n: [] for n in names}, [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name.lstrip("-") in names and name.startswith("--"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise config_lib.ConfigError(f"flag {name} needs a value")
+                value, i = argv[i + 1], i + 1
+            found[name.lstrip("-")].append(value)
+        else:
+            rest.append(argv[i])
+        i += 1
+    return found, rest
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # First so that an explicit --config.parallel.runtime on the command line still wins.
-    return train.main(["--config.parallel.runtime=sim", *argv], prog="python -m sim")
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+    try:
+        flags, rest = _pop_flags(argv, ("sweep", "baselines", "seeds"))
+        seeds = [int(s) for v in flags["seeds"] for s in v.split(",")] or [0]
+        baselines = [b.strip() for v in flags["baselines"] for b in v.split(",") if b.strip()]
+    except (config_lib.ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    parsed = cli.parse(rest, prog="python -m sim")
+    if parsed is None:
+        return 0
+    base, workdir = parsed
+    from sim.sweep import format_table, sweep
+
+    try:
+        table = sweep(base, workdir, sweeps=flags["sweep"], baselines=baselines, seeds=seeds)
+    except config_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(table))
+    return 0
 
 
 if __name__ == "__main__":

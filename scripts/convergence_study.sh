@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The convergence study of docs/convergence.md: warm start, then DiLoCo at sync_every 1..100
+# against single and ddp, and an outer learning-rate sweep. ~20 minutes on 2 CPU cores.
+#   bash scripts/convergence_study.sh [WORKDIR]     (default runs/study)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-runs/study}
+preset=configs/study.py
+# 1. warm start: one worker, 300 steps from scratch
+uv run python -m diloco_jax.train --config "$preset" --workdir "$out/pretrain" \
+    --config.algorithm=single --config.train.total_steps=300 --config.train.eval_every=300
+warm="--config.train.init_from=$out/pretrain"
+# 2. sync_every against the baselines, all from the warm start
+uv run python -m sim --config "$preset" --workdir "$out/sync_every" $warm \
+    --sweep outer.sync_every=1,10,50,100 --baselines single,ddp
+# 3. outer learning rate at sync_every=50
+uv run python -m sim --config "$preset" --workdir "$out/outer_lr" $warm \
+    --sweep outer.learning_rate=0.3,0.5,0.7,1.0

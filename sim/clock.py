@@ -1,0 +1,60 @@
+"""A network clock: simulated wall-clock and compute utilization of a run.
+
+Each replica computes one inner step in ``step_time / speed_r`` seconds on its own device; a
+reduce of ``P`` bytes takes :func:`diloco_jax.comms.reduce_seconds` over the network. Replicas
+work in rounds that end at a sync, and everyone waits for the slowest:
+
+    round time = max_r(steps_r * step_time / speed_r) + reduce time
+    utilization = sum over replicas and rounds of compute time / (R * wall-clock)
+
+With fixed ``sync_every`` every replica takes ``sync_every`` steps per round (fast ones idle at
+the barrier); with Dynamic Local Updates slow replicas take fewer (``schedule.local_steps``).
+``ddp`` is the same with a round of one step; ``single`` never waits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from diloco_jax import comms, schedule
+
+
+class Clock(NamedTuple):
+    wallclock_s: float
+    compute_s: float  # summed over replicas
+    comm_s: float  # time spent in reduces (every replica waits for them)
+    utilization: float  # compute_s / (replicas * wallclock_s)
+
+
+def simulate(
+    *,
+    algorithm: str,
+    steps: int,
+    sync_every: int,
+    replicas: int,
+    speeds: np.ndarray,
+    dylu: bool,
+    step_time_s: float,
+    payload_bytes: int,
+    network: comms.Network,
+    topology: str = "ring",
+) -> Clock:
+    """The wall-clock of ``steps`` inner steps per replica under the model above."""
+    reduce_s = comms.reduce_seconds(payload_bytes, replicas, network, topology)
+    if algorithm == "single":
+        compute = steps * step_time_s / speeds[0]
+        return Clock(compute, compute, 0.0, 1.0)
+    round_steps = 1 if algorithm == "ddp" else sync_every
+    per_round = schedule.local_steps(speeds, round_steps, dylu and algorithm == "diloco")
+    full_rounds, leftover = divmod(steps, round_steps)
+    compute_R = per_round * step_time_s / speeds
+    wall = full_rounds * (compute_R.max() + reduce_s)
+    busy = full_rounds * compute_R.sum()
+    if leftover:  # a last round that ends before its sync
+        left_R = np.minimum(per_round, leftover) * step_time_s / speeds
+        wall += left_R.max()
+        busy += left_R.sum()
+    comm = full_rounds * reduce_s
+    return Clock(float(wall), float(busy), float(comm), float(busy / (replicas * wall)))

@@ -1,0 +1,216 @@
+"""Sweeps: run config variants as vmapped virtual workers, account bytes and time, tabulate.
+
+Every run is ``diloco_jax.train.train`` with ``parallel.runtime=sim``: the same train step as
+multi-device training, never a copy. A run whose ``summary.json`` exists with the same config is
+not recomputed.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import logging
+import pathlib
+import shutil
+from collections import defaultdict
+
+import numpy as np
+
+from diloco_jax import comms, schedule
+from diloco_jax import config as config_lib
+from diloco_jax.reporting import log
+from sim import clock, plots
+
+COLUMNS = [
+    "run", "algorithm", "replicas", "sync_every", "outer_lr", "outer_momentum", "codec", "seed",
+    "tokens", "steps", "final_eval_loss", "best_eval_loss", "syncs", "bytes_per_replica",
+    "bytes_per_token", "bytes_vs_ddp", "sim_wallclock_s", "utilization", "comm_fraction",
+    "step_time_s",
+]  # fmt: skip
+
+
+def parse_sweep(text: str) -> tuple[str, list[str]]:
+    """``"outer.sync_every=1,10,50"`` -> ``("outer.sync_every", ["1", "10", "50"])``."""
+    key, eq, values = text.partition("=")
+    if not eq or not values:
+        raise config_lib.ConfigError(
+            f"--sweep {text!r}: use KEY=V1,V2,... (e.g. outer.sync_every=1,10)"
+        )
+    return key.strip(), [v.strip() for v in values.split(",") if v.strip()]
+
+
+def plan(base: config_lib.Config, sweeps: list[str], baselines: list[str], seeds: list[int]):
+    """``[(name, group, config)]`` for the grid of ``sweeps`` x ``seeds`` plus the baselines;
+    every config is validated here, before anything runs."""
+    axes = [parse_sweep(s) for s in sweeps]
+    variants = []
+    for point in itertools.product(*[[(k, v) for v in vals] for k, vals in axes]):
+        group = ",".join(f"{k.split('.')[-1]}={v}" for k, v in point) or "diloco"
+        variants.append((group, list(point)))
+    for name in baselines:
+        if name not in ("single", "ddp"):
+            raise config_lib.ConfigError(f"--baselines: {name!r} is not one of single, ddp")
+        variants.append((name, [("algorithm", name)]))
+    runs = []
+    for (group, overrides), seed in itertools.product(variants, seeds):
+        cfg = config_lib.apply_overrides(
+            base, [*overrides, ("seed", str(seed)), ("parallel.runtime", "sim")]
+        )
+        config_lib.validate(cfg)
+        name = group if len(seeds) == 1 else f"{group},seed={seed}"
+        runs.append((name, group, cfg))
+    return runs
+
+
+def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
+    """Trains one variant into ``rundir`` unless it already finished there with this config."""
+    from diloco_jax.train import train
+
+    summary_path = rundir / "summary.json"
+    cfg_dict = config_lib.to_dict(cfg)
+    if summary_path.exists():
+        done = json.loads(summary_path.read_text())
+        if done["config"] == cfg_dict:
+            return done
+        raise config_lib.ConfigError(
+            f"{rundir} holds run {name!r} with another config; use another --workdir"
+        )
+    if rundir.exists():  # an unfinished attempt: start it again from scratch
+        shutil.rmtree(rundir)
+    summary = train(cfg, rundir, show_progress=False)
+    summary.pop("state")
+    summary.pop("sample", None)
+    events = [json.loads(line) for line in (rundir / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in events if e["event"] == "eval"]
+    done = {"name": name, "config": cfg_dict, **summary, "evals": evals}
+    summary_path.write_text(json.dumps(done, indent=1) + "\n")
+    return done
+
+
+def account(done: dict, cfg: config_lib.Config, payload: int) -> dict:
+    """A results row: losses, exact bytes, and the network clock."""
+    replicas = 1 if cfg.algorithm == "single" else cfg.parallel.replicas
+    steps, sim = done["steps"], cfg.sim
+    per_reduce = comms.bytes_per_replica(payload, replicas, sim.topology)
+    syncs = comms.reduces(cfg.algorithm, steps, cfg.outer.sync_every)
+    sent = syncs * per_reduce
+    ddp_sent = steps * comms.bytes_per_replica(payload, cfg.parallel.replicas, sim.topology)
+    preset = comms.NETWORKS[sim.network]
+    network = comms.Network(
+        sim.bandwidth_gbps or preset.bandwidth_gbps,
+        sim.latency_ms if sim.latency_ms >= 0 else preset.latency_ms,
+    )
+    # one device ran all replicas: one replica on its own device takes 1/R of that time
+    step_time = sim.step_time_s or done["step_seconds"] / replicas
+    c = clock.simulate(
+        algorithm=cfg.algorithm, steps=steps, sync_every=cfg.outer.sync_every, replicas=replicas,
+        speeds=schedule.parse_speeds(sim.speeds, cfg.parallel.replicas)[:replicas],
+        dylu=sim.dylu, step_time_s=step_time, payload_bytes=payload, network=network,
+        topology=sim.topology,
+    )  # fmt: skip
+    losses = [e["eval_loss"] for e in done["evals"]]
+    return {
+        "run": done["name"], "algorithm": cfg.algorithm, "replicas": replicas,
+        "sync_every": cfg.outer.sync_every if cfg.algorithm == "diloco" else 1,
+        "outer_lr": cfg.outer.learning_rate, "outer_momentum": cfg.outer.momentum,
+        "codec": "none", "seed": cfg.seed, "tokens": done["tokens"], "steps": steps,
+        "final_eval_loss": done["final_eval_loss"], "best_eval_loss": min(losses),
+        "syncs": syncs, "bytes_per_replica": sent,
+        "bytes_per_token": sent * replicas / done["tokens"],
+        "bytes_vs_ddp": sent / ddp_sent if ddp_sent else 0.0,
+        "sim_wallclock_s": c.wallclock_s, "utilization": c.utilization,
+        "comm_fraction": c.comm_s / c.wallclock_s, "step_time_s": step_time,
+    }  # fmt: skip
+
+
+def summarize(rows: list[dict], groups: dict[str, str]) -> list[dict]:
+    """Mean and spread (std over seeds) per group."""
+    by_group = defaultdict(list)
+    for row in rows:
+        by_group[groups[row["run"]]].append(row)
+    table = []
+    for group, members in by_group.items():
+        losses = np.array([m["final_eval_loss"] for m in members])
+        first = members[0]
+        table.append({
+            "run": group, "seeds": len(members), "replicas": first["replicas"],
+            "sync_every": first["sync_every"], "outer_lr": first["outer_lr"],
+            "tokens": first["tokens"], "final_eval_loss": float(losses.mean()),
+            "final_eval_loss_std": float(losses.std()),
+            "best_eval_loss": float(np.mean([m["best_eval_loss"] for m in members])),
+            "bytes_per_replica": first["bytes_per_replica"], "bytes_vs_ddp": first["bytes_vs_ddp"],
+            "sim_wallclock_s": float(np.mean([m["sim_wallclock_s"] for m in members])),
+            "utilization": float(np.mean([m["utilization"] for m in members])),
+        })  # fmt: skip
+    return table
+
+
+def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def format_table(table: list[dict]) -> str:
+    head = ("run", "final loss", "best", "tokens", "bytes/replica", "vs ddp", "sim wall-clock",
+            "util")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in table:
+        spread = f" ± {t['final_eval_loss_std']:.3f}" if t["seeds"] > 1 else ""
+        lines.append(
+            f"| {t['run']} | {t['final_eval_loss']:.3f}{spread} | {t['best_eval_loss']:.3f} | "
+            f"{t['tokens']:,} | {t['bytes_per_replica']:.3g} | {t['bytes_vs_ddp']:.3g} | "
+            f"{t['sim_wallclock_s']:.4g}s | {t['utilization']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def mean_curves(dones: list[dict], groups: dict[str, str]) -> dict[str, dict]:
+    by_group = defaultdict(list)
+    for done in dones:
+        by_group[groups[done["name"]]].append(done["evals"])
+    curves = {}
+    for group, runs in by_group.items():
+        n = min(len(r) for r in runs)
+        curves[group] = {
+            "tokens": [e["tokens"] for e in runs[0][:n]],
+            "steps": [e["step"] for e in runs[0][:n]],
+            "loss": np.mean([[e["eval_loss"] for e in r[:n]] for r in runs], axis=0).tolist(),
+        }
+    return curves
+
+
+def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progress=True) -> list:
+    """Runs the plan, writes results.csv, summary.csv, curves.png, tradeoff.png; returns the
+    summary table (a row per group: mean and spread over seeds)."""
+    from diloco_jax import model as model_lib
+    from diloco_jax.data import VOCAB_SIZE
+    from diloco_jax.reporting import progress_bar, setup_logging
+
+    runs = plan(base, sweeps, baselines, seeds)
+    setup_logging(logging.WARNING)  # the sweep's bar and table say enough
+    _, params = model_lib.init_model(0, vocab_size=VOCAB_SIZE, seq_len=base.data.seq_len,
+                                     **config_lib.to_dict(base)["model"])  # fmt: skip
+    payload = comms.payload_bytes(params)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows, dones, groups = [], [], {}
+    bar = progress_bar(len(runs), enabled=show_progress)
+    bar.unit = "run"
+    for name, group, cfg in runs:
+        bar.set_postfix_str(name)
+        done = run_one(name, cfg, workdir / "runs" / name.replace("/", "_"))
+        groups[name] = group
+        dones.append(done)
+        rows.append(account(done, cfg, payload))
+        bar.update(1)
+    bar.close()
+    write_csv(workdir / "results.csv", rows)
+    table = summarize(rows, groups)
+    write_csv(workdir / "summary.csv", table)
+    plots.curves(mean_curves(dones, groups), workdir / "curves.png")
+    plots.tradeoff(table, workdir / "tradeoff.png")
+    log.warning("wrote %s", ", ".join(str(workdir / f) for f in
+                ("results.csv", "summary.csv", "curves.png", "tradeoff.png")))  # fmt: skip
+    return table

@@ -1,0 +1,207 @@
+"""The simulator: bytes, the network clock, stragglers (DyLU), failures, and the sweep CLI."""
+
+import csv
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from diloco_jax import comms, diloco, optim, schedule
+from diloco_jax.config import Config, ConfigError, apply_overrides, validate
+from diloco_jax.diloco import replica_axes
+from sim import clock
+from tests import helpers
+from tests.test_diloco import stack
+
+
+def test_payload_and_bytes_hand_computed():
+    tree = {"w": jnp.zeros((3, 4), jnp.float32), "b": jnp.zeros(5, jnp.bfloat16)}
+    assert comms.payload_bytes(tree) == 3 * 4 * 4 + 5 * 2
+    assert comms.payload_bytes(tree, jnp.bfloat16) == 17 * 2
+    # ring: 2 (R - 1) / R * P; parameter server: 2 P; one replica sends nothing
+    assert comms.bytes_per_replica(1000, 4, "ring") == 1500
+    assert comms.bytes_per_replica(1000, 4, "parameter_server") == 2000
+    assert comms.bytes_per_replica(1000, 1, "ring") == 0
+    assert comms.reduces("diloco", 100, 10) == 10 and comms.reduces("ddp", 100, 10) == 100
+    assert comms.reduces("single", 100, 10) == 0
+
+
+def test_reduce_time_hand_computed():
+    net = comms.Network(bandwidth_gbps=8.0, latency_ms=1.0)  # 1e9 bytes/s
+    # ring, R=2, P=1e6: 2 * (2 - 1) * (1 ms + 0.5e6 B / 1e9 B/s) = 2 * 1.5 ms
+    assert comms.reduce_seconds(10**6, 2, net, "ring") == pytest.approx(3e-3)
+    # server: 2 * (1 ms + 2 * 1e6 / 1e9) = 6 ms
+    assert comms.reduce_seconds(10**6, 2, net, "parameter_server") == pytest.approx(6e-3)
+
+
+def test_network_clock_two_replicas_hand_computed():
+    net = comms.Network(bandwidth_gbps=8.0, latency_ms=1.0)
+    kw = dict(steps=20, sync_every=10, replicas=2, step_time_s=0.1, payload_bytes=10**6,
+              network=net)  # fmt: skip
+    # replica 1 at half speed: a round computes max(10 * 0.1, 10 * 0.2) = 2 s, reduce 3 ms
+    c = clock.simulate(algorithm="diloco", speeds=np.array([1.0, 0.5]), dylu=False, **kw)
+    assert c.wallclock_s == pytest.approx(2 * (2.0 + 3e-3))
+    assert c.utilization == pytest.approx((2 * (1.0 + 2.0)) / (2 * c.wallclock_s))
+    # DyLU: the slow replica takes 5 steps (1 s) per round: nobody idles
+    d = clock.simulate(algorithm="diloco", speeds=np.array([1.0, 0.5]), dylu=True, **kw)
+    assert d.wallclock_s == pytest.approx(2 * (1.0 + 3e-3))
+    assert d.utilization == pytest.approx(4.0 / (2 * d.wallclock_s))
+    # ddp reduces every step: 20 * (0.1 + 3 ms) at equal speeds
+    e = clock.simulate(algorithm="ddp", speeds=np.ones(2), dylu=False, **kw)
+    assert e.wallclock_s == pytest.approx(20 * 0.103)
+
+
+def test_dylu_steps_and_masks():
+    speeds = np.array([1.0, 0.5, 0.26])
+    np.testing.assert_array_equal(schedule.local_steps(speeds, 10, True), [10, 5, 2])
+    masks = schedule.control(0, 10, replicas=3, sync_every=10, speeds=speeds, dylu=True,
+                             drops=[], drop_prob=0.0, seed=0)  # fmt: skip
+    np.testing.assert_array_equal(masks["active"].sum(0), [10, 5, 2])
+    np.testing.assert_allclose(masks["weight"][9], [1.0, 0.5, 0.2])
+
+
+def _quadratic_tx_run(control, replicas=3, steps=4, sync_every=2, outer=None):
+    """Replicas minimise 0.5 |x - c_r|^2 with inner sgd(0.5) under explicit step controls."""
+    centers = jnp.array([[1.0], [3.0], [-2.0]])[:replicas]
+    tx = diloco(optax.sgd(0.5), outer or optax.sgd(1.0), sync_every=sync_every)
+    state = tx.init(jnp.zeros(1))
+    axes = replica_axes(state)
+    state = stack(state, axes, replicas)
+    x = jnp.zeros((replicas, 1))
+
+    def one(x, state, c, active, weight, take_anchor):
+        u, state = tx.update(x - c, state, x, active=active, weight=weight,
+                             take_anchor=take_anchor)  # fmt: skip
+        return optax.apply_updates(x, u), state
+
+    step = jax.vmap(one, in_axes=(0, axes, 0, 0, 0, 0), out_axes=(0, axes), axis_name="replica")
+    xs = []
+    for t in range(steps):
+        ctrl = [jnp.asarray(control[k][t]) for k in ("active", "weight", "take_anchor")]
+        x, state = step(x, state, centers, *ctrl)
+        xs.append(np.asarray(x))
+    return np.stack(xs), state
+
+
+def test_weighted_mean_and_inactive_steps_hand_computed():
+    # replica 2 idles on step 0; sync at step 1 with weights [2, 2, 1]
+    control = {
+        "active": np.array([[1, 1, 0], [1, 1, 1]], bool),
+        "weight": np.array([[1, 1, 1], [2, 2, 1]], np.float32),
+        "take_anchor": np.ones((2, 3), bool),
+    }
+    xs, state = _quadratic_tx_run(control, steps=2)
+    # after two sgd(0.5) steps from 0: x = 0.75 c; one step: 0.5 c
+    local = np.array([0.75 * 1.0, 0.75 * 3.0, 0.5 * -2.0])
+    expected = (2 * local[0] + 2 * local[1] + 1 * local[2]) / 5  # outer sgd(1.0): weighted mean
+    np.testing.assert_allclose(state.anchor, [expected], rtol=1e-6)
+    np.testing.assert_allclose(xs[0][2], [0.0])  # the idle replica did not move
+    assert float(state.stats.contributors) == 3.0
+
+
+def test_dropped_replica_keeps_params_then_rejoins_from_anchor():
+    masks = schedule.control(0, 6, replicas=3, sync_every=2, speeds=np.ones(3), dylu=False,
+                             drops=[(2, 0, 1)], drop_prob=0.0, seed=0)  # fmt: skip
+    # outer step 0 (t=1): replica 2 out, keeps params; outer step 1 (t=3): back, restarts from
+    # the anchor but its stale pseudo-gradient is left out; outer step 2 (t=5): contributes
+    np.testing.assert_array_equal(masks["weight"][[1, 3, 5], 2], [0, 0, 1])
+    np.testing.assert_array_equal(masks["take_anchor"][[1, 3, 5], 2], [False, True, True])
+    xs, state = _quadratic_tx_run(masks, steps=6)
+    np.testing.assert_allclose(xs[1][0], xs[1][1])  # replicas 0, 1 on the anchor
+    np.testing.assert_allclose(xs[1][2], [0.75 * -2.0], rtol=1e-6)  # replica 2 kept its own
+    np.testing.assert_allclose(xs[3][2], xs[3][0])  # rejoined at the anchor
+    assert float(state.stats.contributors) == 3.0
+
+
+def test_all_dropped_skips_the_outer_step():
+    control = {"active": np.ones((2, 2), bool), "weight": np.zeros((2, 2), np.float32),
+               "take_anchor": np.ones((2, 2), bool)}  # fmt: skip
+    xs, state = _quadratic_tx_run(control, replicas=2, steps=2,
+                                  outer=optim.outer_nesterov())  # fmt: skip
+    np.testing.assert_allclose(state.anchor, [0.0])  # anchor and momentum untouched
+    np.testing.assert_allclose(xs[1], np.zeros((2, 1)))  # everyone back on the anchor
+    assert float(np.abs(state.outer_state[0].trace).sum()) == 0.0
+
+
+def _lm_tx(ax):
+    return diloco(helpers.adamw(), optax.sgd(1.0), sync_every=3, axis_name=ax)
+
+
+def test_replica_dropped_for_all_syncs_equals_a_run_without_it():
+    steps, replicas = 9, 3
+    masks = schedule.control(0, steps, replicas=replicas, sync_every=3, speeds=np.ones(3),
+                             dylu=False, drops=[(2, 0, 100)], drop_prob=0.0, seed=0)  # fmt: skip
+    with_drop, _ = helpers.run(_lm_tx, helpers.sim(replicas), steps, control=masks)
+    without, _ = helpers.run(_lm_tx, helpers.sim(2), steps, shards=replicas)
+    chex.assert_trees_all_close(with_drop.opt_state.anchor, without.opt_state.anchor, atol=1e-6)
+
+
+def test_drop_probability_zero_and_dylu_equal_speeds_equal_plain_run():
+    steps = 6
+    plain, _ = helpers.run(_lm_tx, helpers.sim(2), steps)
+    for dylu, p in ((True, 0.0), (False, 0.0)):
+        masks = schedule.control(0, steps, replicas=2, sync_every=3, speeds=np.ones(2),
+                                 dylu=dylu, drops=[], drop_prob=p, seed=0)  # fmt: skip
+        other, _ = helpers.run(_lm_tx, helpers.sim(2), steps, control=masks)
+        for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(other), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_drop_probability_is_seeded():
+    kw = dict(replicas=8, drops=[], drop_prob=0.5)
+    a = [schedule.connected(k, seed=0, **kw) for k in range(20)]
+    assert all((x == y).all() for x, y in zip(a, [schedule.connected(k, seed=0, **kw)
+                                                   for k in range(20)], strict=True))  # fmt: skip
+    frac = np.mean(a)
+    assert 0.35 < frac < 0.65
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [("sim.speeds", "1,2", "needs 4 positive numbers"), ("sim.drop", "9:0-1", "0 <= replica < 4"),
+     ("sim.drop", "x", "use 'replica:first-end"), ("sim.network", "carrier-pigeon", "one of"),
+     ("sim.drop_prob", "1.0", r"\[0, 1\)")],
+)  # fmt: skip
+def test_sim_config_errors(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(apply_overrides(Config(), [(key, value)]))
+
+
+def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys):
+    from sim.__main__ import main
+
+    args = ["--config", "configs/tiny.py", "--workdir", str(tmp_path), "--sweep",
+            "outer.sync_every=1,5", "--baselines", "single,ddp", "--seeds", "0,1",
+            "--config.train.sample_chars=0", "--config.train.checkpoint=false"]  # fmt: skip
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "| sync_every=5 |" in table and "±" in table
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert len(rows) == 8
+    for col in ("run", "replicas", "sync_every", "tokens", "final_eval_loss",
+                "bytes_per_replica", "sim_wallclock_s", "utilization"):  # fmt: skip
+        assert col in rows[0]
+    by_run = {r["run"]: r for r in rows}
+    assert float(by_run["single,seed=0"]["bytes_per_replica"]) == 0
+    assert float(by_run["sync_every=5,seed=0"]["bytes_vs_ddp"]) == pytest.approx(0.2)
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert (tmp_path / "tradeoff.png").stat().st_size > 0
+    assert (tmp_path / "runs" / "ddp,seed=1" / "metrics.jsonl").exists()
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/summary.json")}
+    assert main(args) == 0  # everything finished: nothing is trained again
+    assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/summary.json")}
+    assert json.loads(next(iter(stamps)).read_text())["evals"]
+
+
+def test_sweep_bad_value_fails_before_training(tmp_path, capsys):
+    from sim.__main__ import main
+
+    code = main(["--config", "configs/tiny.py", "--workdir", str(tmp_path),
+                 "--sweep", "outer.sync_every=5,0"])  # fmt: skip
+    assert code == 2
+    assert "outer.sync_every = 0 is invalid" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
