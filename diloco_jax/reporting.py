@@ -75,11 +75,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def progress_bar(total: int, *, initial: int = 0, enabled: bool = True) -> tqdm.tqdm:
+def progress_bar(
+    total: int, *, initial: int = 0, enabled: bool = True, unit: str = "step"
+) -> tqdm.tqdm:
     return tqdm.tqdm(
         total=total,
         initial=initial,
-        unit="step",
+        unit=unit,
         dynamic_ncols=True,
         disable=not enabled,
         mininterval=0.5,

@@ -59,6 +59,11 @@ def parse_drops(text: str, replicas: int) -> list[tuple[int, int, int]]:
     return drops
 
 
+def needs_control(*, speeds: str, dylu: bool, drop: str, drop_prob: float) -> bool:
+    """Whether any mask can differ from plain DiLoCo (else the step skips the masking work)."""
+    return bool(speeds.strip() or dylu or drop.strip() or drop_prob > 0)
+
+
 def local_steps(speeds: np.ndarray, sync_every: int, dylu: bool) -> np.ndarray:
     """Inner steps each replica takes per round: ``sync_every`` or, with DyLU, ``H_r``."""
     if not dylu:

@@ -87,9 +87,11 @@ def make_replica_step(
     shard_len: int,
     data_axis: str | None = None,
     data_shards: int = 1,
+    controlled: bool = True,
 ):
     """One inner step of one replica: ``replica_step(state, replica, train_N, control) ->
-    (state, metrics)``, ``control`` a :class:`StepControl` for this replica.
+    (state, metrics)``, ``control`` a :class:`StepControl` for this replica. With
+    ``controlled=False`` the control is ignored (plain DiLoCo, no per-step masking work).
 
     The replica draws its batch ``tokens_BxL1 = sample_batch(seed, replica, step)``; with a
     ``data_axis`` each of its ``data_shards`` devices takes its ``B / data_shards`` rows and the
@@ -122,7 +124,8 @@ def make_replica_step(
         loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BxL1)
         if data_axis is not None:
             loss, grads = lax.pmean((loss, grads), data_axis)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params, **control._asdict())
+        extra = control._asdict() if controlled else {}
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss}
         diloco_state = find_diloco_state(opt_state)

@@ -118,6 +118,9 @@ def build(cfg: config_lib.Config) -> Setup:
         shard_len=shard_len,
         data_axis=None if mesh is None else parallel.DATA,
         data_shards=layout.data_devices,
+        controlled=schedule.needs_control(
+            speeds=cfg.sim.speeds, dylu=cfg.sim.dylu, drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob
+        ),
     )
     steps = cfg.train.log_every
     if mesh is None:

@@ -63,6 +63,16 @@ def plan(base: config_lib.Config, sweeps: list[str], baselines: list[str], seeds
     return runs
 
 
+# Keys that only change the accounting (bytes, clock), not what is trained: a finished run is
+# reused when they change, so one sweep can be re-accounted for another network.
+ACCOUNTING_KEYS = ("network", "bandwidth_gbps", "latency_ms", "topology", "step_time_s")
+
+
+def _training_part(cfg_dict: dict) -> dict:
+    sim = {k: v for k, v in cfg_dict["sim"].items() if k not in ACCOUNTING_KEYS}
+    return {**cfg_dict, "sim": sim}
+
+
 def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
     """Trains one variant into ``rundir`` unless it already finished there with this config."""
     from diloco_jax.train import train
@@ -71,8 +81,8 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
     cfg_dict = config_lib.to_dict(cfg)
     if summary_path.exists():
         done = json.loads(summary_path.read_text())
-        if done["config"] == cfg_dict:
-            return done
+        if _training_part(done["config"]) == _training_part(cfg_dict):
+            return {**done, "config": cfg_dict}
         raise config_lib.ConfigError(
             f"{rundir} holds run {name!r} with another config; use another --workdir"
         )
@@ -196,8 +206,7 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     payload = comms.payload_bytes(params)
     workdir.mkdir(parents=True, exist_ok=True)
     rows, dones, groups = [], [], {}
-    bar = progress_bar(len(runs), enabled=show_progress)
-    bar.unit = "run"
+    bar = progress_bar(len(runs), enabled=show_progress, unit="run")
     for name, group, cfg in runs:
         bar.set_postfix_str(name)
         done = run_one(name, cfg, workdir / "runs" / name.replace("/", "_"))

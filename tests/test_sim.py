@@ -195,6 +195,13 @@ def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys):
     assert main(args) == 0  # everything finished: nothing is trained again
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/summary.json")}
     assert json.loads(next(iter(stamps)).read_text())["evals"]
+    # another network only changes the accounting: nothing is retrained, the clock changes
+    assert main([*args, "--config.sim.network=wan_1gbit"]) == 0
+    assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/summary.json")}
+    wan = {r["run"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    slow, fast = wan["ddp,seed=0"], by_run["ddp,seed=0"]
+    assert float(slow["sim_wallclock_s"]) > float(fast["sim_wallclock_s"])
+    assert slow["final_eval_loss"] == fast["final_eval_loss"]
 
 
 def test_sweep_bad_value_fails_before_training(tmp_path, capsys):

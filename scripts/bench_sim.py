@@ -1,0 +1,145 @@
+"""Benchmark of the simulator: vmapped workers against one big model, outer-step cost, memory, MFU.
+
+    uv run python scripts/bench_sim.py [--replicas 1,4,8,16] [--calls 5]
+
+Standard workload (issue #3): 2-layer Transformer, d_model 128, 4 heads, byte vocabulary,
+sequence 64, batch 8 per worker, inner AdamW, outer Nesterov, sync_every 10. For each R:
+
+* tokens/s of R vmapped workers (batch 8 each) and of one model at batch 8R, and their ratio;
+* XLA's memory of one compiled call, against ``R x (params + inner state) + anchor + outer
+  state`` computed from the state's leaves;
+* model FLOP utilization: tokens/s x training FLOPs per token (6 N + 12 layers x seq x d) over
+  this machine's fp32 matmul rate, measured in the same run (2048 x 2048 matmul);
+* the outer step's share of a round at sync_every=100 (from a 100-step call that syncs every
+  step against one that never syncs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax import comms
+from diloco_jax.config import apply_overrides, load_preset
+from diloco_jax.train import build, chunk_control
+
+WORKLOAD = {
+    "model.d_model": 128, "model.num_layers": 2, "model.num_heads": 4, "data.seq_len": 64,
+    "data.batch_size": 8, "outer.sync_every": 10, "train.log_every": 10,
+    "parallel.runtime": "sim",
+}  # fmt: skip
+
+
+def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = f(a)
+    out.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def timed(s, cfg, calls: int) -> tuple[float, object]:
+    """Seconds per compiled call (median of ``calls`` after a warm-up) and the compiled call."""
+    control = chunk_control(cfg, s, 0)
+    compiled = s.run_chunk.lower(s.state, s.replicas_R, s.train_N, control).compile()
+    state, out = compiled(s.state, s.replicas_R, s.train_N, control)
+    jax.block_until_ready(out)
+    seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        state, out = compiled(state, s.replicas_R, s.train_N, control)
+        jax.block_until_ready(out)
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds)), compiled
+
+
+def xla_mib(compiled) -> float:
+    m = compiled.memory_analysis()
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return (total - m.alias_size_in_bytes) / 2**20
+
+
+def config(**overrides):
+    merged = {**WORKLOAD, **overrides}
+    return apply_overrides(
+        load_preset("configs/default.py"), [(k, str(v)) for k, v in merged.items()]
+    )
+
+
+def flops_per_token(s, cfg) -> float:
+    params = jax.tree.map(lambda x: x[0], s.state.params)
+    total = sum(x.size for x in jax.tree.leaves(params))
+    lookup = params["embed"]["embedding"].size + params["pos_LxD"].size  # gathers, not matmuls
+    m = cfg.model
+    return 6 * (total - lookup) + 12 * m.num_layers * cfg.data.seq_len * m.d_model
+
+
+def bench_replicas(replicas: int, calls: int, peak: float) -> dict:
+    vm_cfg = config(**{"parallel.replicas": replicas})
+    big_cfg = config(**{"algorithm": "single", "data.batch_size": 8 * replicas})
+    vm, big = build(vm_cfg), build(big_cfg)
+    state = vm.state  # sizes first: the timed calls donate the state's buffers
+    per_replica = comms.payload_bytes(jax.tree.map(lambda x: x[0], state.params))
+    per_replica += comms.payload_bytes(jax.tree.map(lambda x: x[0], state.opt_state.inner_state))
+    shared = comms.payload_bytes(state.opt_state.anchor)
+    shared += comms.payload_bytes(state.opt_state.outer_state)
+    flops = flops_per_token(vm, vm_cfg)
+    vm_s, vm_compiled = timed(vm, vm_cfg, calls)
+    big_s, big_compiled = timed(big, big_cfg, calls)
+    tokens = 10 * replicas * 8 * 64  # per call, both
+    return {
+        "R": replicas,
+        "vmap_tok_s": tokens / vm_s,
+        "big_tok_s": tokens / big_s,
+        "ratio": big_s / vm_s,
+        "vmap_mib": xla_mib(vm_compiled),
+        "big_mib": xla_mib(big_compiled),
+        "state_mib": (replicas * per_replica + shared) / 2**20,
+        "mfu": tokens / vm_s * flops / peak,
+    }
+
+
+def outer_share(replicas: int, calls: int, sync_every: int = 100) -> float:
+    """The outer step's share of a round of ``sync_every`` steps. The cost of one sync is
+    measured as (a 100-step call syncing every step - one never syncing) / 100: a signal 100x
+    larger than one sync in one round, which this noisy machine would drown."""
+    kw = {"parallel.replicas": replicas, "train.log_every": 100}
+    every = config(**kw, **{"outer.sync_every": 1})
+    never = config(**kw, **{"outer.sync_every": 1_000_000})
+    t_every, _ = timed(build(every), every, calls)
+    t_never, _ = timed(build(never), never, calls)
+    sync_s = max(t_every - t_never, 0.0) / 100
+    step_s = t_never / 100
+    return sync_s / (sync_every * step_s + sync_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", default="1,4,8,16")
+    parser.add_argument("--calls", type=int, default=5)
+    args = parser.parse_args()
+    peak = matmul_flops_per_s()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; measured fp32 matmul rate "
+          f"{peak / 1e9:.1f} GFLOP/s (2048x2048)\n")  # fmt: skip
+    print("| R | vmapped tok/s | one model (batch 8R) tok/s | ratio | MFU | XLA MiB vmapped | "
+          "XLA MiB one model | state MiB: R(params+inner)+anchor+outer |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in (int(x) for x in args.replicas.split(",")):
+        row = bench_replicas(r, args.calls, peak)
+        print(f"| {r} | {row['vmap_tok_s']:,.0f} | {row['big_tok_s']:,.0f} | {row['ratio']:.2f} | "
+              f"{row['mfu']:.3f} | {row['vmap_mib']:.1f} | {row['big_mib']:.1f} | "
+              f"{row['state_mib']:.2f} |")  # fmt: skip
+    for r in (4, 8):
+        share = outer_share(r, args.calls)
+        print(f"\nouter step share of a 100-step round, R={r}: {100 * share:.2f}%")
+
+
+if __name__ == "__main__":
+    main()
