@@ -7,6 +7,8 @@ one replica; ``diloco_jax.parallel`` runs it over replicas with ``vmap`` (simula
 
 from diloco_jax.diloco import (
     DilocoState,
+    SyncStats,
+    apply_updates,
     data_parallel,
     find_anchor,
     replica_axes,
@@ -17,6 +19,8 @@ from diloco_jax.optim import inner_adamw, make_tx, outer_nesterov
 
 __all__ = [
     "DilocoState",
+    "SyncStats",
+    "apply_updates",
     "data_parallel",
     "diloco",
     "find_anchor",

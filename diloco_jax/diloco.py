@@ -40,6 +40,8 @@ class SyncStats(NamedTuple):
         pseudo-gradients (NaN unless ``diagnostics``; it costs one more all-reduce).
       outer_update_norm: shared. ``|anchor' - anchor|``.
       contributors: shared. How many replicas entered the mean.
+      finite: per-replica. Whether the replica's pseudo-gradient was all finite (a non-finite one
+        is left out of the mean and the replica restarts from the anchor with fresh inner state).
     """
 
     drift: jax.Array
@@ -48,6 +50,7 @@ class SyncStats(NamedTuple):
     pairwise_cosine: jax.Array
     outer_update_norm: jax.Array
     contributors: jax.Array
+    finite: jax.Array
 
 
 class DilocoState(NamedTuple):
@@ -61,6 +64,8 @@ class DilocoState(NamedTuple):
       anchor: shared. The outer ("global") parameters after the last sync.
       outer_state: shared. The outer optimizer's state (e.g. its Nesterov momentum).
       stats: :class:`SyncStats` of the last sync (per-replica and shared fields).
+      at_anchor: per-replica bool: this step was a sync and the replica restarts from the anchor
+        (:func:`apply_updates` then sets its parameters to the anchor exactly).
     """
 
     step: jax.Array
@@ -68,6 +73,7 @@ class DilocoState(NamedTuple):
     anchor: optax.Params
     outer_state: optax.OptState
     stats: SyncStats
+    at_anchor: jax.Array
 
 
 def _names(axis_name: AxisName) -> tuple[str, ...]:
@@ -120,14 +126,15 @@ def _sync_stats(delta, mean_delta, weight, outer_norm, axis_name, diagnostics) -
     norm = optax.tree.norm(delta)
     unit = jax.tree.map(lambda d: d / jnp.maximum(norm, 1e-30), delta)
     cosine = _dot(unit, mean_delta) / jnp.maximum(optax.tree.norm(mean_delta), 1e-30)
-    included = (weight > 0).astype(jnp.float32)
-    count = replica_sum(included, axis_name)
+    included = weight > 0
+    count = replica_sum(included.astype(jnp.float32), axis_name)
     pairwise = jnp.float32(jnp.nan)
     if diagnostics:
         # mean over pairs i != j of u_i . u_j = (|sum_i u_i|^2 - n) / (n (n - 1)), u unit vectors
-        total = replica_sum(jax.tree.map(lambda u: included * u, unit), axis_name)
+        total = replica_sum(jax.tree.map(lambda u: jnp.where(included, u, 0.0), unit), axis_name)
         pairwise = (_dot(total, total) - count) / jnp.maximum(count * (count - 1), 1.0)
-    return SyncStats(norm, cosine, jnp.asarray(weight, jnp.float32), pairwise, outer_norm, count)
+    finite = jnp.isfinite(norm)
+    return SyncStats(norm, cosine, weight, pairwise, outer_norm, count, finite)
 
 
 def diloco(
@@ -156,14 +163,15 @@ def diloco(
     ``update(grads, state, params, *, active=True, weight=1.0, take_anchor=True)``, all optional
     and per replica: ``active=False`` skips this replica's inner step (a straggler idling);
     at a sync the mean is weighted, ``mean = sum_r w_r delta_r / sum_r w_r`` (``weight=0`` leaves
-    a replica out: dropped, or its values are bad); ``take_anchor=False`` leaves the replica on its
-    own parameters instead of restarting from the new anchor. If every weight is 0 the outer step
-    is skipped and the anchor stays.
+    a replica out: dropped); ``take_anchor=False`` leaves the replica on its own parameters
+    instead of restarting from the new anchor. A replica whose pseudo-gradient holds NaN or Inf
+    gets weight 0 and restarts from the anchor with a fresh inner state. If every weight is 0 the
+    outer step is discarded (anchor and outer state stay) and replicas restart from the anchor.
 
     Returns:
       A transform whose ``update`` returns the inner update on ordinary steps and, on a sync step,
-      ``anchor' - params`` so that ``optax.apply_updates`` lands every replica on the new anchor
-      (to within one float rounding of ``params + (anchor' - params)``).
+      ``anchor' - params``: ``optax.apply_updates`` lands a replica on the new anchor to within one
+      float rounding, :func:`apply_updates` exactly (and also from NaN parameters).
     """
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
@@ -176,7 +184,8 @@ def diloco(
             inner_state=inner.init(params),
             anchor=params,
             outer_state=outer.init(params),
-            stats=SyncStats(zero, zero, zero, zero, zero, zero),
+            stats=SyncStats(zero, zero, zero, zero, zero, zero, jnp.ones([], bool)),
+            at_anchor=jnp.zeros([], bool),
         )
 
     def update_fn(updates, state, params=None, *, active=True, weight=1.0, take_anchor=True):
@@ -189,31 +198,36 @@ def diloco(
             inner_updates, inner_state = operand
             local = optax.apply_updates(params, inner_updates)
             delta = jax.tree.map(lambda a, p: a - p, state.anchor, local)
-            w = jnp.asarray(weight, jnp.float32)
+            finite = jnp.isfinite(optax.tree.norm(delta))  # NaN/Inf anywhere: leave it out
+            w = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
             total_w = replica_mean(w, axis_name)
-            weighted = replica_mean(jax.tree.map(lambda d: w * d, delta), axis_name)
+            weighted = replica_mean(
+                jax.tree.map(lambda d: jnp.where(w > 0, w * d, 0.0), delta), axis_name
+            )
             mean_delta = jax.tree.map(lambda d: d / jnp.maximum(total_w, 1e-30), weighted)
             outer_updates, outer_state = outer.update(mean_delta, state.outer_state, state.anchor)
             anchor = optax.apply_updates(state.anchor, outer_updates)
             anyone = total_w > 0  # else: no outer step at all
             anchor = _where(anyone, anchor, state.anchor)
             outer_state = _where(anyone, outer_state, state.outer_state)
-            if reset_inner_state:
-                inner_state = _where(take_anchor, inner.init(anchor), inner_state)
+            restart = jnp.logical_or(take_anchor, ~finite)  # a bad replica always restarts
+            reset = ~finite if not reset_inner_state else restart
+            inner_state = _where(reset, inner.init(anchor), inner_state)
             to_anchor = jax.tree.map(lambda a, p: (a - p).astype(p.dtype), anchor, params)
-            new_updates = _where(take_anchor, to_anchor, inner_updates)
+            new_updates = _where(restart, to_anchor, inner_updates)
             outer_norm = optax.tree.norm(jax.tree.map(jnp.subtract, anchor, state.anchor))
             stats = _sync_stats(delta, mean_delta, w, outer_norm, axis_name, diagnostics)
-            return new_updates, inner_state, anchor, outer_state, stats
+            return new_updates, inner_state, anchor, outer_state, stats, restart
 
         def local_step(operand):
             inner_updates, inner_state = operand
-            return inner_updates, inner_state, state.anchor, state.outer_state, state.stats
+            stay = jnp.zeros([], bool)
+            return inner_updates, inner_state, state.anchor, state.outer_state, state.stats, stay
 
-        new_updates, inner_state, anchor, outer_state, stats = lax.cond(
+        new_updates, inner_state, anchor, outer_state, stats, at_anchor = lax.cond(
             step % sync_every == 0, sync, local_step, (inner_updates, inner_state)
         )
-        return new_updates, DilocoState(step, inner_state, anchor, outer_state, stats)
+        return new_updates, DilocoState(step, inner_state, anchor, outer_state, stats, at_anchor)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -243,11 +257,24 @@ def replica_axes(opt_state: Any) -> Any:
 
     def axes(node):
         if isinstance(node, DilocoState):
-            stats = SyncStats(0, 0, 0, None, None, None)
-            return DilocoState(step=None, inner_state=0, anchor=None, outer_state=None, stats=stats)
+            stats = SyncStats(0, 0, 0, None, None, None, 0)
+            return DilocoState(None, 0, None, None, stats, at_anchor=0)
         return 0
 
     return jax.tree.map(axes, opt_state, is_leaf=lambda x: isinstance(x, DilocoState))
+
+
+def apply_updates(params: optax.Params, updates: optax.Updates, opt_state: Any) -> Any:
+    """``optax.apply_updates``, except that a replica restarting from the anchor at a sync gets
+    the anchor exactly (also when its own parameters hold NaN, where ``p + (anchor - p)`` would
+    not). Use it in place of ``optax.apply_updates`` with :func:`diloco`."""
+    new_params = optax.apply_updates(params, updates)
+    state = find_diloco_state(opt_state)
+    if state is None:
+        return new_params
+    return jax.tree.map(
+        lambda a, p: jnp.where(state.at_anchor, a.astype(p.dtype), p), state.anchor, new_params
+    )
 
 
 def find_diloco_state(opt_state: Any) -> DilocoState | None:

@@ -17,7 +17,7 @@ from jax import lax
 
 from diloco_jax import model as model_lib
 from diloco_jax.data import sample_batch
-from diloco_jax.diloco import find_anchor, find_diloco_state, replica_axes
+from diloco_jax.diloco import apply_updates, find_anchor, find_diloco_state, replica_axes
 
 
 class TrainState(NamedTuple):
@@ -126,7 +126,7 @@ def make_replica_step(
             loss, grads = lax.pmean((loss, grads), data_axis)
         extra = control._asdict() if controlled else {}
         updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
-        params = optax.apply_updates(state.params, updates)
+        params = apply_updates(state.params, updates, opt_state)
         metrics = {"loss": loss}
         diloco_state = find_diloco_state(opt_state)
         if diloco_state is not None:

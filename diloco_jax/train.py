@@ -174,7 +174,15 @@ def _log_syncs(runlog, cfg: config_lib.Config, first_step: int, metrics_NxR) -> 
         shared = ("pairwise_cosine", "outer_update_norm", "contributors")
         values = {k: v[i] for k, v in metrics_NxR.items() if k not in shared}
         values.update({k: float(metrics_NxR[k][i, 0]) for k in shared})
-        runlog.write("sync", step, outer_step=step // cfg.outer.sync_every, **values)
+        outer = step // cfg.outer.sync_every
+        runlog.write("sync", step, outer_step=outer, **values)
+        bad = [r for r, ok in enumerate(values["finite"]) if not ok]
+        if bad and len(bad) == len(values["finite"]):
+            log.warning("outer step %d discarded: every replica's pseudo-gradient is non-finite; "
+                        "all restart from the anchor", outer)  # fmt: skip
+        elif bad:
+            log.warning("outer step %d: replica(s) %s had non-finite pseudo-gradients: left out "
+                        "of the mean, restarted from the anchor", outer, bad)  # fmt: skip
 
 
 def outer_steps(cfg: config_lib.Config, step: int) -> int:

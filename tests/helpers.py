@@ -29,14 +29,17 @@ def tiny_model(seed=0):
 
 
 def run(tx_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0, replica_ids=None,
-        batch=BATCH, shards=None, control=None):  # fmt: skip
+        batch=BATCH, shards=None, control=None, prepare=None):  # fmt: skip
     """Runs ``num_steps`` of the tiny model under ``layout``; returns the final TrainState and
     the metrics. ``shards``: how many shards to cut the corpus into (default: one per replica);
-    ``control``: a dict of StepControl masks ``[num_steps, R]`` (default: plain DiLoCo)."""
+    ``control``: a dict of StepControl masks ``[num_steps, R]`` (default: plain DiLoCo);
+    ``prepare``: a function applied to the initial replica-stacked state."""
     graphdef, params = tiny_model(seed)
     tx = tx_for_axis(layout.replica_axis_names)
     state = init_state(params, tx, layout.replicas)
     axes = state_axes(state)
+    if prepare is not None:
+        state = prepare(state)
     train_N = corpus_train()
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     step = make_replica_step(

@@ -195,9 +195,9 @@ def test_replica_axes_marks_only_diloco_shared_fields():
     axes = replica_axes(tx.init({"w": jnp.zeros(3)}))
     assert jax.tree.leaves(axes[0]) == [0, 0, 0]  # adam's count, mu, nu: per replica
     stats = SyncStats(drift=0, cosine_to_mean=0, weight=0, pairwise_cosine=None,
-                      outer_update_norm=None, contributors=None)  # fmt: skip
+                      outer_update_norm=None, contributors=None, finite=0)  # fmt: skip
     assert axes[1] == DilocoState(
-        step=None, inner_state=0, anchor=None, outer_state=None, stats=stats
+        step=None, inner_state=0, anchor=None, outer_state=None, stats=stats, at_anchor=0
     )
     assert jax.tree.leaves(replica_axes(optax.adam(0.1).init(jnp.zeros(2)))) == [0, 0, 0]
 
@@ -205,3 +205,57 @@ def test_replica_axes_marks_only_diloco_shared_fields():
 def test_sync_every_below_one_is_rejected():
     with pytest.raises(ValueError, match="sync_every must be >= 1"):
         diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=0)
+
+
+def _poison(replicas_to_poison):
+    """Sets the parameters of some replicas to NaN (as if their training blew up)."""
+
+    def prepare(state):
+        def poison(x):
+            mask = jnp.zeros(x.shape[0], bool).at[jnp.asarray(replicas_to_poison)].set(True)
+            return jnp.where(mask.reshape(-1, *[1] * (x.ndim - 1)), jnp.nan, x)
+
+        return state._replace(params=jax.tree.map(poison, state.params))
+
+    return prepare
+
+
+def _nan_tx(ax):
+    return diloco(helpers.adamw(), optim.outer_nesterov(), sync_every=3, axis_name=ax)
+
+
+def test_nan_replica_is_left_out_and_restarts_from_the_anchor():
+    state, metrics = helpers.run(_nan_tx, helpers.sim(4), 6, prepare=_poison([1]))
+    first_sync = 2  # metrics index of step 3
+    np.testing.assert_array_equal(metrics["finite"][first_sync], [True, False, True, True])
+    np.testing.assert_array_equal(metrics["weight"][first_sync], [1, 0, 1, 1])
+    assert metrics["contributors"][first_sync][0] == 3
+    assert np.isnan(metrics["loss"][:first_sync, 1]).all()  # it was broken before the sync
+    assert np.isfinite(metrics["loss"][first_sync + 1 :]).all()  # and trains again after it
+    assert metrics["finite"][5].all() and metrics["contributors"][5][0] == 4
+    o = state.opt_state
+    for leaf in jax.tree.leaves((state.params, o.inner_state, o.anchor, o.outer_state)):
+        assert np.isfinite(np.asarray(leaf, np.float32)).all()
+    # the anchor of the first sync is the 3 healthy replicas' outer step: same as running
+    # without replica 1's contribution (weight 0 via the control)
+    masks = schedule_without(replica=1, steps=3, replicas=4)
+    clean, _ = helpers.run(_nan_tx, helpers.sim(4), 3, control=masks)
+    poisoned, _ = helpers.run(_nan_tx, helpers.sim(4), 3, prepare=_poison([1]))
+    chex.assert_trees_all_close(poisoned.opt_state.anchor, clean.opt_state.anchor, atol=1e-6)
+
+
+def schedule_without(*, replica, steps, replicas):
+    weight = np.ones((steps, replicas), np.float32)
+    weight[:, replica] = 0
+    return {"active": np.ones((steps, replicas), bool), "weight": weight,
+            "take_anchor": np.ones((steps, replicas), bool)}  # fmt: skip
+
+
+def test_all_replicas_nan_discards_the_outer_step():
+    state, metrics = helpers.run(_nan_tx, helpers.sim(2), 3, prepare=_poison([0, 1]))
+    _, params = helpers.tiny_model()
+    chex.assert_trees_all_close(state.opt_state.anchor, params)  # anchor unchanged
+    for leaf in jax.tree.leaves(state.opt_state.outer_state):
+        np.testing.assert_array_equal(leaf, 0)  # no momentum from a discarded step
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], state.params), params, atol=1e-7)
+    assert metrics["contributors"][2][0] == 0 and not metrics["finite"][2].any()
