@@ -8,17 +8,82 @@ import jax
 import orbax.checkpoint as ocp
 
 
+class CheckpointError(ValueError):
+    """A checkpoint does not fit this run, or none can be read."""
+
+
 def manager(workdir: pathlib.Path, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
+    """Orbax manager of ``workdir/checkpoints``: saves are asynchronous and atomic (written to a
+    temporary directory, renamed when complete), the last ``max_to_keep`` are kept."""
     return ocp.CheckpointManager(
         (workdir / "checkpoints").resolve(),
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
     )
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state) -> None:
-    """Saves ``state`` at ``step`` and waits until it is committed."""
+def save(mngr: ocp.CheckpointManager, step: int, state, *, wait: bool = True) -> None:
+    """Saves ``state`` at ``step``; with ``wait=False`` the writing goes on in the background
+    (the next save, or ``mngr.wait_until_finished()``, waits for it)."""
     mngr.save(step, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
+    if wait:
+        mngr.wait_until_finished()
+
+
+def _key(entry) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key(e) for e in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
+    """The first difference between two ``{path: shape}`` maps, in words, or None."""
+    for path, shape in wanted.items():
+        if path not in saved:
+            return f"{path} (shape {shape}) is not in the checkpoint"
+        if saved[path] != shape:
+            return f"{path} has shape {saved[path]} in the checkpoint but {shape} in this run"
+    extra = [p for p in saved if p not in wanted]
+    return f"the checkpoint has {extra[0]}, which this run does not" if extra else None
+
+
+def restore_latest(mngr: ocp.CheckpointManager, like, warn=print):
+    """``(state, step)`` from the newest readable checkpoint, or ``(None, None)`` if there is
+    none. A checkpoint that cannot be read (truncated, corrupt) is skipped with a warning and the
+    one before it is tried; one of another model raises :class:`CheckpointError` naming the first
+    mismatched parameter path and both shapes. Nothing is deleted."""
+    steps = sorted(mngr.all_steps(), reverse=True)
+    wanted = _shapes(like)
+    for step in steps:
+        path = mngr.directory / str(step) / "default"
+        try:
+            with ocp.StandardCheckpointer() as ckptr:
+                saved = _shapes(ckptr.metadata(path).item_metadata)
+        except Exception as e:  # noqa: BLE001 - any unreadable metadata means: try the previous
+            warn(
+                f"checkpoint {path.parent} is unreadable ({type(e).__name__}); trying the previous"
+            )
+            continue
+        if not saved:  # orbax reads truncated metadata as an empty tree
+            warn(f"checkpoint {path.parent} has no readable metadata; trying the previous")
+            continue
+        problem = mismatch(saved, wanted)
+        if problem:
+            raise CheckpointError(f"checkpoint {path.parent} does not match this run: {problem}")
+        try:
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+            return mngr.restore(step, args=ocp.args.StandardRestore(abstract)), step
+        except Exception as e:  # noqa: BLE001 - corrupt data: fall back to the previous one
+            warn(f"checkpoint {path.parent} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
+                 "trying the previous one")  # fmt: skip
+    if steps:
+        raise CheckpointError(f"no readable checkpoint in {mngr.directory} (tried steps {steps})")
+    return None, None
 
 
 def restore(mngr: ocp.CheckpointManager, like, step: int | None = None):

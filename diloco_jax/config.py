@@ -77,6 +77,8 @@ class TrainConfig:
     sample_chars: int = 300  # printed at the end; 0 to skip
     sample_prompt: str = "ROMEO.\n"
     checkpoint: bool = True
+    checkpoint_every: int = 0  # inner steps between checkpoints (at call ends); 0: only the end
+    keep_checkpoints: int = 3
     init_from: str = ""  # a workdir of an earlier run: start from its final outer params
 
 
@@ -186,10 +188,11 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 _POSITIVE = (
     "model.d_model", "model.num_layers", "model.num_heads", "model.mlp_ratio", "data.seq_len",
     "data.batch_size", "outer.sync_every", "parallel.replicas", "train.total_steps",
-    "train.log_every", "train.eval_every",
+    "train.log_every", "train.eval_every", "train.keep_checkpoints",
 )  # fmt: skip
 _NON_NEGATIVE = (
     "parallel.replica_devices", "parallel.data_devices", "inner.warmup_steps", "train.sample_chars",
+    "train.checkpoint_every",
 )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from diloco_jax.data import (
     shard_bounds,
     unigram_entropy,
 )
+from diloco_jax.preemption import Preemption
 from diloco_jax.reporting import log
 from diloco_jax.sample import generate_text
 from diloco_jax.step import (
@@ -191,23 +192,25 @@ def outer_steps(cfg: config_lib.Config, step: int) -> int:
 
 
 def _resume(mngr, state, workdir: pathlib.Path):
-    """The latest checkpoint in ``workdir`` if there is one, else ``state``."""
-    if mngr is None or mngr.latest_step() is None:
+    """The newest readable checkpoint in ``workdir`` if there is one, else ``state``."""
+    if mngr is None:
         return state
-    state = checkpoint.restore(mngr, state)
-    log.info("resumed from %s at step %d", workdir / "checkpoints", int(state.step))
-    return state
+    restored, step = checkpoint.restore_latest(mngr, state, warn=log.warning)
+    if restored is None:
+        return state
+    log.info("resumed from %s at step %d", workdir / "checkpoints", step)
+    return restored
 
 
-def _finish(s: Setup, state, step: int, eval_loss: float, seconds: float, mngr, workdir):
-    """Final checkpoint and text sample; returns the run's summary."""
+def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir, preempted):
+    """Final checkpoint, outer params and text sample; returns the run's summary
+    (``preempted``: the name of the signal that stopped the run, or None)."""
     cfg = s.cfg
     if mngr is not None:
         if mngr.latest_step() != step:
             checkpoint.save(mngr, step, state)
+        mngr.wait_until_finished()
         log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
-    if jax.process_index() == 0:
-        checkpoint.save_params(workdir / "params", jax.device_get(outer_params(state)))
     summary = {
         "final_eval_loss": eval_loss,
         "steps": step,
@@ -215,8 +218,12 @@ def _finish(s: Setup, state, step: int, eval_loss: float, seconds: float, mngr, 
         "tokens": step * s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len,
         "train_seconds": round(seconds, 2),
         "unigram_entropy": s.unigram_nats,
+        "preempted": preempted,
     }
-    if cfg.train.sample_chars and jax.process_index() == 0:
+    if preempted or jax.process_index() != 0:
+        return summary
+    checkpoint.save_params(workdir / "params", jax.device_get(outer_params(state)))
+    if cfg.train.sample_chars:
         summary["sample"] = generate_text(
             s.graphdef, outer_params(state), cfg.train.sample_prompt,
             num_chars=cfg.train.sample_chars, seq_len=cfg.data.seq_len, seed=cfg.seed,
@@ -224,22 +231,53 @@ def _finish(s: Setup, state, step: int, eval_loss: float, seconds: float, mngr, 
     return summary
 
 
+def _crossed(step: int, chunk: int, every: int) -> bool:
+    """Whether a multiple of ``every`` lies in ``(step - chunk, step]``."""
+    return every > 0 and step // every > (step - chunk) // every
+
+
+def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float) -> None:
+    cfg, n = s.cfg, s.cfg.train.log_every
+    _log_syncs(runlog, cfg, step - n, metrics_NxR)
+    loss_R = metrics_NxR["loss"][-1]
+    tokens_per_s = s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len * n / seconds
+    outer = outer_steps(cfg, step)
+    runlog.write("train", step, loss=float(loss_R.mean()), replica_loss=loss_R,
+                 tokens_per_s=tokens_per_s, outer_steps=outer)  # fmt: skip
+    bar.update(n)
+    bar.set_postfix(loss=f"{loss_R.mean():.3f}", tok_s=f"{tokens_per_s:,.0f}", outer=outer)
+
+
+def _evaluate(s: Setup, runlog, state, step: int, total: int) -> float:
+    cfg = s.cfg
+    eval_loss = float(s.eval_fn(outer_params(state), s.eval_windows))
+    tokens = step * s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len
+    outer = outer_steps(cfg, step)
+    runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer, tokens=tokens)
+    log.info("step %d/%d, outer step %d: eval_loss %.4f nats/token (outer params)",
+             step, total, outer, eval_loss)  # fmt: skip
+    return eval_loss
+
+
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True):
-    """Trains ``cfg`` into ``workdir`` (resuming from its latest checkpoint); returns a summary
-    dict (final eval loss, steps, tokens, time, sample, and the final ``state``)."""
+    """Trains ``cfg`` into ``workdir`` (resuming from its newest readable checkpoint); returns a
+    summary dict (final eval loss, steps, tokens, time, sample, and the final ``state``).
+
+    SIGTERM or SIGINT stops the run at the next call boundary with a checkpoint
+    (``summary["preempted"]``); a second signal exits at once."""
     reporting.setup_logging()
     workdir = pathlib.Path(workdir)
     s, t = build(cfg), cfg.train
-    mngr = checkpoint.manager(workdir) if t.checkpoint else None
+    mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
     state = _resume(mngr, s.state, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
     runlog = reporting.RunLog(workdir, enabled=jax.process_index() == 0)
-    tokens_per_step = s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len
     log.info(
         "%s: %d replicas on %s (%d replica x %d data devices), %d params, %d tokens per step",
         cfg.algorithm, s.layout.replicas, s.layout.runtime, s.layout.replica_devices,
-        s.layout.data_devices, model_lib.count_params(outer_params(state)), tokens_per_step,
+        s.layout.data_devices, model_lib.count_params(outer_params(state)),
+        s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len,
     )  # fmt: skip
     log.info("compiling %d steps per call ...", t.log_every)
     t0 = time.time()
@@ -252,31 +290,26 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     step = int(state.step)
     bar = reporting.progress_bar(total, initial=step, enabled=show_progress)
     eval_loss, train_start, call_seconds = None, time.time(), []
-    while step < total:
-        control = chunk_control(cfg, s, step)
-        tick = time.time()
-        state, metrics_NxR = run(state, s.replicas_R, s.train_N, control)
-        metrics_NxR = jax.device_get(metrics_NxR)
-        call_seconds.append(time.time() - tick)
-        _log_syncs(runlog, cfg, step, metrics_NxR)
-        loss_R = metrics_NxR["loss"][-1]
-        step += t.log_every
-        tokens_per_s = tokens_per_step * t.log_every / call_seconds[-1]
-        outer = outer_steps(cfg, step)
-        runlog.write("train", step, loss=float(loss_R.mean()), replica_loss=loss_R,
-                     tokens_per_s=tokens_per_s, outer_steps=outer)  # fmt: skip
-        bar.update(t.log_every)
-        bar.set_postfix(loss=f"{loss_R.mean():.3f}", tok_s=f"{tokens_per_s:,.0f}", outer=outer)
-        if step // t.eval_every > (step - t.log_every) // t.eval_every or step >= total:
-            eval_loss = float(s.eval_fn(outer_params(state), s.eval_windows))
-            runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer,
-                         tokens=step * tokens_per_step)  # fmt: skip
-            log.info("step %d/%d, outer step %d: eval_loss %.4f nats/token (outer params)",
-                     step, total, outer, eval_loss)  # fmt: skip
-    bar.close()
-    if eval_loss is None:  # resumed a run that had already finished
-        eval_loss = float(s.eval_fn(outer_params(state), s.eval_windows))
-    summary = _finish(s, state, step, eval_loss, time.time() - train_start, mngr, workdir)
+    with Preemption() as stop:
+        while step < total and not stop.requested:
+            control = chunk_control(cfg, s, step)
+            tick = time.time()
+            state, metrics_NxR = run(state, s.replicas_R, s.train_N, control)
+            metrics_NxR = jax.device_get(metrics_NxR)
+            call_seconds.append(time.time() - tick)
+            step += t.log_every
+            _report_chunk(s, runlog, bar, step, metrics_NxR, call_seconds[-1])
+            if _crossed(step, t.log_every, t.eval_every) or step >= total:
+                eval_loss = _evaluate(s, runlog, state, step, total)
+            if mngr is not None and _crossed(step, t.log_every, t.checkpoint_every):
+                checkpoint.save(mngr, step, state, wait=False)  # written in the background
+        bar.close()
+        if stop.requested:
+            log.warning("%s: stopping at step %d with a checkpoint", stop.requested, step)
+        elif eval_loss is None:  # resumed a run that had already finished
+            eval_loss = _evaluate(s, runlog, state, step, total)
+        summary = _finish(s, state, step, eval_loss, time.time() - train_start, mngr, workdir,
+                          preempted=stop.requested)  # fmt: skip
     # the first call can include one-off work; the median of the rest is the steady state
     steady = call_seconds[1:] or call_seconds
     summary["step_seconds"] = float(np.median(steady)) / t.log_every if steady else None
@@ -292,9 +325,13 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
     cfg, workdir = args
     try:
         summary = train(cfg, workdir)
-    except (config_lib.ConfigError, DataError) as e:
+    except (config_lib.ConfigError, DataError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if summary["preempted"]:
+        print(f"\nstopped by {summary['preempted']} at step {summary['steps']}; "
+              f"checkpoint in {workdir}/checkpoints; run the same command to continue")  # fmt: skip
+        return 0
     print(
         f"\nfinal eval loss {summary['final_eval_loss']:.4f} nats/token after "
         f"{summary['steps']} inner / {summary['outer_steps']} outer steps "

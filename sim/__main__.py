@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(table))
+    if table:
+        print(format_table(table))
     return 0
 
 

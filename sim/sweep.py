@@ -89,6 +89,8 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
     if rundir.exists():  # an unfinished attempt: start it again from scratch
         shutil.rmtree(rundir)
     summary = train(cfg, rundir, show_progress=False)
+    if summary["preempted"]:
+        return None  # stopped by a signal: the sweep stops; its checkpoint resumes it next time
     summary.pop("state")
     summary.pop("sample", None)
     events = [json.loads(line) for line in (rundir / "metrics.jsonl").read_text().splitlines()]
@@ -210,6 +212,10 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     for name, group, cfg in runs:
         bar.set_postfix_str(name)
         done = run_one(name, cfg, workdir / "runs" / name.replace("/", "_"))
+        if done is None:
+            bar.close()
+            log.warning("sweep stopped during run %s; run the same command to continue", name)
+            return []
         groups[name] = group
         dones.append(done)
         rows.append(account(done, cfg, payload))

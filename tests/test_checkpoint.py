@@ -1,0 +1,92 @@
+"""Checkpoints: exact continuation, fallback from a corrupt latest one, clear mismatch errors,
+graceful stop on SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from diloco_jax.checkpoint import CheckpointError
+from diloco_jax.config import apply_overrides, load_preset
+from diloco_jax.train import train
+
+
+def tiny(**overrides):
+    base = {"parallel.runtime": "sim", "train.sample_chars": 0, "train.checkpoint_every": 10}
+    items = {**base, **overrides}.items()
+    return apply_overrides(load_preset("configs/tiny.py"), [(k, str(v)) for k, v in items])
+
+
+def assert_bitwise_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return train(tiny(), tmp_path_factory.mktemp("full"), show_progress=False)["state"]
+
+
+def test_resume_from_a_middle_checkpoint_is_bitwise_identical(uninterrupted, tmp_path):
+    train(tiny(), tmp_path, show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10", "20"]
+    # as if the run had died after its step-10 checkpoint
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoints" / "20")
+    resumed = train(tiny(), tmp_path, show_progress=False)
+    assert resumed["steps"] == 20
+    assert_bitwise_equal(resumed["state"], uninterrupted)
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(uninterrupted, tmp_path, caplog):
+    train(tiny(), tmp_path, show_progress=False)
+    latest = tmp_path / "checkpoints" / "20"
+    for path in latest.rglob("*"):
+        if path.is_file() and path.stat().st_size > 0 and "metadata" not in path.name:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncate
+    resumed = train(tiny(), tmp_path, show_progress=False)
+    assert resumed["steps"] == 20
+    assert_bitwise_equal(resumed["state"], uninterrupted)
+
+
+def test_mismatched_model_names_the_parameter_and_both_shapes(tmp_path):
+    train(tiny(), tmp_path, show_progress=False)
+    expected = (r"params/blocks/0/attn/out/kernel has shape \(4, 32, 32\) in the checkpoint "
+                r"but \(4, 16, 16\) in this run")  # fmt: skip
+    with pytest.raises(CheckpointError, match=expected):
+        train(tiny(**{"model.d_model": 16}), tmp_path, show_progress=False)
+    assert (tmp_path / "checkpoints" / "20").is_dir()  # nothing was lost
+
+
+def test_sigterm_stops_with_a_checkpoint_and_resume_continues_exactly(tmp_path):
+    over = {"train.total_steps": 1500, "train.log_every": 5, "train.eval_every": 1500}
+    workdir = tmp_path / "w"
+    cmd = [sys.executable, "-m", "diloco_jax.train", "--config", "configs/tiny.py",
+           "--workdir", str(workdir), "--config.parallel.runtime=sim",
+           "--config.train.sample_chars=0",
+           *[f"--config.{k}={v}" for k, v in over.items()]]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and '"train"' in metrics.read_text()):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopped by SIGTERM at step" in out
+    stopped = int(out.split("at step ")[1].split(";")[0])
+    assert 0 < stopped < 1500
+    assert (workdir / "checkpoints" / str(stopped)).is_dir()
+    done = [json.loads(x) for x in metrics.read_text().splitlines() if '"done"' in x]
+    assert done[-1]["preempted"] == "SIGTERM"
+    cfg = tiny(**{"train.checkpoint_every": 0, **over})
+    resumed = train(cfg, workdir, show_progress=False)
+    full = train(cfg, tmp_path / "full", show_progress=False)
+    assert_bitwise_equal(resumed["state"], full["state"])
