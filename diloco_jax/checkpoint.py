@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import pathlib
 
 import jax
@@ -52,6 +54,18 @@ def mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
     return f"the checkpoint has {extra[0]}, which this run does not" if extra else None
 
 
+@contextlib.contextmanager
+def _quiet_absl():
+    """Orbax warns through absl about files it looks for and does without; we report ourselves."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def restore_latest(mngr: ocp.CheckpointManager, like, warn=print):
     """``(state, step)`` from the newest readable checkpoint, or ``(None, None)`` if there is
     none. A checkpoint that cannot be read (truncated, corrupt) is skipped with a warning and the
@@ -62,7 +76,7 @@ def restore_latest(mngr: ocp.CheckpointManager, like, warn=print):
     for step in steps:
         path = mngr.directory / str(step) / "default"
         try:
-            with ocp.StandardCheckpointer() as ckptr:
+            with _quiet_absl(), ocp.StandardCheckpointer() as ckptr:
                 saved = _shapes(ckptr.metadata(path).item_metadata)
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means: try the previous
             warn(

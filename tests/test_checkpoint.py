@@ -90,3 +90,16 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_continues_exactly(tmp_path):
     resumed = train(cfg, workdir, show_progress=False)
     full = train(cfg, tmp_path / "full", show_progress=False)
     assert_bitwise_equal(resumed["state"], full["state"])
+
+
+def test_cli_mismatched_checkpoint_is_one_line_exit_2(tmp_path):
+    train(tiny(), tmp_path, show_progress=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "diloco_jax.train", "--config", "configs/tiny.py",
+         "--workdir", str(tmp_path), "--config.model.d_model=16"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: checkpoint ") and "(4, 16, 16) in this run" in lines[0]
