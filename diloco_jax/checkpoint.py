@@ -100,6 +100,20 @@ def restore_latest(mngr: ocp.CheckpointManager, like, warn=print):
     return None, None
 
 
+def saved_replicas(mngr: ocp.CheckpointManager) -> int | None:
+    """The replica count of the newest checkpoint (leading axis of its ``params``), if readable."""
+    step = mngr.latest_step()
+    if step is None:
+        return None
+    try:
+        with _quiet_absl(), ocp.StandardCheckpointer() as ckptr:
+            shapes = _shapes(ckptr.metadata(mngr.directory / str(step) / "default").item_metadata)
+    except Exception:  # noqa: BLE001 - unreadable: no elastic restart
+        return None
+    leading = {shape[0] for path, shape in shapes.items() if path.startswith("params/") and shape}
+    return leading.pop() if len(leading) == 1 else None
+
+
 def restore(mngr: ocp.CheckpointManager, like, step: int | None = None):
     """Restores the checkpoint at ``step`` (latest by default) into the structure, shapes, dtypes
     and shardings of ``like``."""

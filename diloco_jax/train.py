@@ -30,6 +30,7 @@ from diloco_jax.data import (
     shard_bounds,
     unigram_entropy,
 )
+from diloco_jax.diloco import find_anchor, find_diloco_state
 from diloco_jax.preemption import Preemption
 from diloco_jax.reporting import log
 from diloco_jax.sample import generate_text
@@ -58,6 +59,7 @@ class Setup:
     eval_windows: jax.Array
     eval_fn: Any
     unigram_nats: float
+    tx: Any = None
 
 
 def effective_replicas(cfg: config_lib.Config) -> int:
@@ -140,6 +142,7 @@ def build(cfg: config_lib.Config) -> Setup:
         eval_windows=jnp.asarray(windows),
         eval_fn=make_eval_fn(graphdef),
         unigram_nats=unigram_entropy(corpus.val_M),
+        tx=tx,
     )
 
 
@@ -191,15 +194,41 @@ def outer_steps(cfg: config_lib.Config, step: int) -> int:
     return {"diloco": step // cfg.outer.sync_every, "ddp": step, "single": 0}[cfg.algorithm]
 
 
-def _resume(mngr, state, workdir: pathlib.Path):
-    """The newest readable checkpoint in ``workdir`` if there is one, else ``state``."""
+def _resume(mngr, s: Setup, workdir: pathlib.Path):
+    """The newest readable checkpoint in ``workdir`` if there is one, else the initial state;
+    a DiLoCo checkpoint with another replica count restarts elastically (:func:`_elastic`)."""
     if mngr is None:
-        return state
-    restored, step = checkpoint.restore_latest(mngr, state, warn=log.warning)
+        return s.state
+    try:
+        restored, step = checkpoint.restore_latest(mngr, s.state, warn=log.warning)
+    except checkpoint.CheckpointError:
+        saved = checkpoint.saved_replicas(mngr)
+        if s.cfg.algorithm != "diloco" or saved in (None, s.layout.replicas):
+            raise
+        return _elastic(mngr, s, saved)
     if restored is None:
-        return state
+        return s.state
     log.info("resumed from %s at step %d", workdir / "checkpoints", step)
     return restored
+
+
+def _elastic(mngr, s: Setup, saved_replicas: int):
+    """Resumes a checkpoint of ``saved_replicas`` replicas with this run's count: the saved
+    anchor, outer state and step are kept; every replica restarts from the anchor with a fresh
+    inner state (so an inner learning-rate schedule starts again)."""
+    anchor = find_anchor(s.state.opt_state)
+    like = jax.eval_shape(lambda: init_state(anchor, s.tx, saved_replicas))
+    old = checkpoint.restore(mngr, like)
+    old_diloco = find_diloco_state(old.opt_state)
+    fresh = init_state(old_diloco.anchor, s.tx, s.layout.replicas)
+    opt_state = fresh.opt_state._replace(step=old_diloco.step, outer_state=old_diloco.outer_state)
+    state = fresh._replace(step=old.step, opt_state=opt_state)
+    log.warning(
+        "elastic restart at step %d: the checkpoint has %d replicas, this run %d; every replica "
+        "restarts from the saved anchor with a fresh inner state (outer state kept)",
+        int(old.step), saved_replicas, s.layout.replicas,
+    )  # fmt: skip
+    return parallel.place(state, state_axes(state), s.mesh)
 
 
 def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir, preempted):
@@ -269,7 +298,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     workdir = pathlib.Path(workdir)
     s, t = build(cfg), cfg.train
     mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
-    state = _resume(mngr, s.state, workdir)
+    state = _resume(mngr, s, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
     runlog = reporting.RunLog(workdir, enabled=jax.process_index() == 0)

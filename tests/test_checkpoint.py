@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from diloco_jax import checkpoint
 from diloco_jax.checkpoint import CheckpointError
 from diloco_jax.config import apply_overrides, load_preset
 from diloco_jax.train import train
@@ -45,7 +46,7 @@ def test_resume_from_a_middle_checkpoint_is_bitwise_identical(uninterrupted, tmp
     assert_bitwise_equal(resumed["state"], uninterrupted)
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous(uninterrupted, tmp_path, caplog):
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(uninterrupted, tmp_path):
     train(tiny(), tmp_path, show_progress=False)
     latest = tmp_path / "checkpoints" / "20"
     for path in latest.rglob("*"):
@@ -103,3 +104,25 @@ def test_cli_mismatched_checkpoint_is_one_line_exit_2(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: checkpoint ") and "(4, 16, 16) in this run" in lines[0]
+
+
+@pytest.mark.parametrize("saved,resumed", [(4, 2), (2, 4)])
+def test_elastic_restart_keeps_anchor_and_outer_state(saved, resumed, tmp_path, capsys):
+    first = train(tiny(**{"parallel.replicas": saved}), tmp_path, show_progress=False)["state"]
+    cfg = tiny(**{"parallel.replicas": resumed, "train.total_steps": 30})
+    from diloco_jax.train import _resume, build
+
+    s = build(cfg)
+    mngr = checkpoint.manager(tmp_path)
+    state = jax.device_get(_resume(mngr, s, tmp_path))
+    assert "elastic restart at step 20" in capsys.readouterr().err
+    assert int(state.step) == 20 and int(state.opt_state.step) == 20
+    assert_bitwise_equal(state.opt_state.anchor, first.opt_state.anchor)
+    assert_bitwise_equal(state.opt_state.outer_state, first.opt_state.outer_state)
+    for leaf, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(first.opt_state.anchor),
+                       strict=True):  # fmt: skip
+        assert leaf.shape[0] == resumed
+        np.testing.assert_array_equal(leaf, np.broadcast_to(a, leaf.shape))
+    # and the run goes on from there
+    summary = train(cfg, tmp_path, show_progress=False)
+    assert summary["steps"] == 30 and np.isfinite(summary["final_eval_loss"])
