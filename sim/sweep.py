@@ -69,8 +69,14 @@ ACCOUNTING_KEYS = ("network", "bandwidth_gbps", "latency_ms", "topology", "step_
 
 
 def _training_part(cfg_dict: dict) -> dict:
-    sim = {k: v for k, v in cfg_dict["sim"].items() if k not in ACCOUNTING_KEYS}
-    return {**cfg_dict, "sim": sim}
+    """The config without accounting keys; keys the run's code did not have yet take today's
+    defaults (a config key added later does not invalidate finished runs)."""
+    merged = {}
+    for section, default in config_lib.to_dict(config_lib.Config()).items():
+        value = cfg_dict.get(section, default)
+        merged[section] = {**default, **value} if isinstance(default, dict) else value
+    merged["sim"] = {k: v for k, v in merged["sim"].items() if k not in ACCOUNTING_KEYS}
+    return merged
 
 
 def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
