@@ -125,15 +125,3 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     probs = counts[counts > 0] / counts.sum()
     return float(-(probs * np.log(probs)).sum())
 
-
-__all__ = [
-    "SHAKESPEARE",
-    "VOCAB_SIZE",
-    "Corpus",
-    "DataError",
-    "eval_windows",
-    "load_corpus",
-    "sample_batch",
-    "shard_bounds",
-    "unigram_entropy",
-]
