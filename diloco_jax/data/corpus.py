@@ -124,4 +124,3 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     counts = np.bincount(tokens, minlength=VOCAB_SIZE).astype(np.float64)
     probs = counts[counts > 0] / counts.sum()
     return float(-(probs * np.log(probs)).sum())
-
