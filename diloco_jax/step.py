@@ -1,7 +1,7 @@
 """The train step, written once for one replica, and the evaluation of the anchor.
 
-``make_replica_step`` returns ``replica_step(state, replica, train_N) -> (state, loss)`` for a
-single replica. The simulator runs it under ``jax.vmap`` and the mesh runtime under
+``make_replica_step`` returns ``replica_step(state, replica, train_N, control) -> (state,
+metrics)`` for a single replica. The simulator runs it under ``jax.vmap`` and the mesh runtime under
 ``jax.shard_map`` (``diloco_jax.parallel``); no other implementation of the algorithm exists.
 """
 
