@@ -196,15 +196,20 @@ _NON_NEGATIVE = (
 )  # fmt: skip
 
 
+def _enforce(rules: list[tuple[str, bool, str]], flat: dict[str, Any]) -> None:
+    """Raises for the first ``(key, ok, allowed)`` rule that fails, naming key, value and rule."""
+    for key, ok, allowed in rules:
+        if not ok:
+            raise ConfigError(f"config key {key} = {flat[key]!r} is invalid: {allowed}")
+
+
 def validate(cfg: Config) -> None:
     """Checks every value that does not depend on the devices; raises :class:`ConfigError`
     naming the first bad key, its value and what is allowed."""
     flat = keys(cfg)
     rules = [(key, flat[key] >= 1, "must be an integer >= 1") for key in _POSITIVE]
     rules += [(key, flat[key] >= 0, "must be >= 0") for key in _NON_NEGATIVE]
-    for key, ok, allowed in rules:
-        if not ok:
-            raise ConfigError(f"config key {key} = {flat[key]!r} is invalid: {allowed}")
+    _enforce(rules, flat)
     m, p = cfg.model, cfg.parallel
     rules = [
         ("algorithm", cfg.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
@@ -221,9 +226,7 @@ def validate(cfg: Config) -> None:
         ("data.batch_size", cfg.data.batch_size % max(p.data_devices, 1) == 0,
          f"must be divisible by parallel.data_devices = {p.data_devices}"),
     ]  # fmt: skip
-    for key, ok, allowed in rules:
-        if not ok:
-            raise ConfigError(f"config key {key} = {flat[key]!r} is invalid: {allowed}")
+    _enforce(rules, flat)
     _validate_sim(cfg)
 
 
@@ -243,7 +246,4 @@ def _validate_sim(cfg: Config) -> None:
         ("sim.step_time_s", sim.step_time_s >= 0, "must be >= 0 (0: measured)"),
         ("sim.bandwidth_gbps", sim.bandwidth_gbps >= 0, "must be >= 0 (0: the network preset's)"),
     ]  # fmt: skip
-    for key, ok, allowed in rules:
-        if not ok:
-            value = getattr(sim, key.split(".")[1])
-            raise ConfigError(f"config key {key} = {value!r} is invalid: {allowed}")
+    _enforce(rules, keys(cfg))
