@@ -4,6 +4,13 @@
 --config.KEY=VALUE       override one key, e.g. --config.outer.sync_every=50
 --workdir DIR            output directory (default: runs/<preset>-<date>-<time>)
 --help                   this text and every config key with its value
+
+Multi-process runs (``python -m diloco_jax.train`` only; see diloco_jax/distributed.py):
+--coordinator_address HOST:PORT   process 0's address (or JAX_COORDINATOR_ADDRESS)
+--num_processes N                 processes in the run (or JAX_NUM_PROCESSES)
+--process_id I                    this process, 0..N-1 (or JAX_PROCESS_ID)
+--distributed auto|on|off         on: let JAX detect the cluster (Cloud TPU, k8s); default auto
+--init_timeout SECONDS            how long to wait for every process to join (default 300)
 """
 
 from __future__ import annotations
@@ -11,19 +18,36 @@ from __future__ import annotations
 import pathlib
 import sys
 import time
+from typing import NamedTuple
 
 from diloco_jax import config as config_lib
+from diloco_jax.distributed import Cluster
+
+_CLUSTER_FLAGS = {
+    "coordinator_address": str, "num_processes": int, "process_id": int, "distributed": str,
+    "init_timeout": int,
+}  # fmt: skip
 
 
-def _usage(prog: str, cfg: config_lib.Config) -> str:
+class Args(NamedTuple):
+    cfg: config_lib.Config
+    workdir: pathlib.Path
+    cluster: Cluster
+    workdir_given: bool  # False: the default, runs/<preset>-<date>-<time>
+
+
+def _usage(prog: str, cfg: config_lib.Config, distributed: bool) -> str:
     lines = [f"usage: {prog} [--config PATH] [--workdir DIR] [--config.KEY=VALUE ...]", ""]
-    lines += [line.strip() for line in __doc__.splitlines()[2:7]]
+    doc = __doc__.splitlines()
+    lines += [line.strip() for line in doc[2:7]]
+    if distributed:
+        lines += ["", *doc[8:15]]
     lines += ["", "config keys (value in the chosen preset):"]
     lines += [f"  {key} = {value!r}" for key, value in config_lib.keys(cfg).items()]
     return "\n".join(lines)
 
 
-def _split(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, str]], bool]:
+def _split(argv: list[str], known: tuple[str, ...]):
     """Splits argv into plain flags, config overrides and whether help was asked for."""
     flags, overrides, want_help = {}, [], False
     i = 0
@@ -42,31 +66,51 @@ def _split(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, str]], bool
             value, i = argv[i + 1], i + 1
         if name.startswith("config."):
             overrides.append((name[len("config.") :], value))
-        elif name in ("config", "workdir"):
+        elif name in known:
             flags[name] = value
         else:
+            names = ", ".join(f"--{k}" for k in known)
             raise config_lib.ConfigError(
-                f"unknown flag --{name} (known: --config, --workdir, --config.KEY=VALUE)"
+                f"unknown flag --{name} (known: {names}, --config.KEY=VALUE)"
             )
         i += 1
     return flags, overrides, want_help
 
 
-def parse(argv: list[str], *, prog: str) -> tuple[config_lib.Config, pathlib.Path] | None:
-    """Returns ``(config, workdir)``, or None after printing help. Exits with status 2 and a
-    one-line error on bad input."""
+def _cluster(flags: dict[str, str]) -> Cluster:
+    values = {}
+    for name, kind in _CLUSTER_FLAGS.items():
+        if name in flags:
+            try:
+                values[name] = kind(flags[name])
+            except ValueError:
+                raise config_lib.ConfigError(
+                    f"flag --{name} = {flags[name]!r} is invalid: must be an integer"
+                ) from None
+    if "distributed" in values:
+        values["mode"] = values.pop("distributed")
+    if "init_timeout" in values:
+        values["timeout_s"] = values.pop("init_timeout")
+    return Cluster(**values)
+
+
+def parse(argv: list[str], *, prog: str, distributed: bool = False) -> Args | None:
+    """Returns ``Args(config, workdir, cluster)``, or None after printing help. Exits with status
+    2 and a one-line error on bad input. ``distributed``: accept the multi-process flags."""
+    known = ("config", "workdir", *(_CLUSTER_FLAGS if distributed else ()))
     try:
-        flags, overrides, want_help = _split(argv)
+        flags, overrides, want_help = _split(argv, known)
         preset = pathlib.Path(flags.get("config", config_lib.DEFAULT_PRESET))
         cfg = config_lib.load_preset(preset)
         if want_help:
-            print(_usage(prog, cfg))
+            print(_usage(prog, cfg, distributed))
             return None
         cfg = config_lib.apply_overrides(cfg, overrides)
         config_lib.validate(cfg)
+        cluster = _cluster(flags)
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     workdir = pathlib.Path(flags.get("workdir", f"runs/{preset.stem}-{stamp}"))
-    return cfg, workdir
+    return Args(cfg, workdir, cluster, "workdir" in flags)

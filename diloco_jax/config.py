@@ -77,7 +77,9 @@ class TrainConfig:
     sample_chars: int = 300  # printed at the end; 0 to skip
     sample_prompt: str = "ROMEO.\n"
     checkpoint: bool = True
-    checkpoint_every: int = 0  # inner steps between checkpoints (at call ends); 0: only the end
+    # inner steps between checkpoints, a multiple of log_every (and, for DiLoCo, of sync_every:
+    # saves land on sync boundaries); 0: only at the end
+    checkpoint_every: int = 0
     keep_checkpoints: int = 3
     init_from: str = ""  # a workdir of an earlier run: start from its final outer params
 
@@ -210,7 +212,7 @@ def validate(cfg: Config) -> None:
     rules = [(key, flat[key] >= 1, "must be an integer >= 1") for key in _POSITIVE]
     rules += [(key, flat[key] >= 0, "must be >= 0") for key in _NON_NEGATIVE]
     _enforce(rules, flat)
-    m, p = cfg.model, cfg.parallel
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     rules = [
         ("algorithm", cfg.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
         ("parallel.runtime", p.runtime in RUNTIMES, f"must be one of {RUNTIMES}"),
@@ -225,6 +227,12 @@ def validate(cfg: Config) -> None:
          f"must divide parallel.replicas = {p.replicas}"),
         ("data.batch_size", cfg.data.batch_size % max(p.data_devices, 1) == 0,
          f"must be divisible by parallel.data_devices = {p.data_devices}"),
+        ("train.checkpoint_every", t.checkpoint_every % t.log_every == 0,
+         f"must be a multiple of train.log_every = {t.log_every} (saves happen between calls)"),
+        ("train.checkpoint_every",
+         cfg.algorithm != "diloco" or t.checkpoint_every % cfg.outer.sync_every == 0,
+         f"must be a multiple of outer.sync_every = {cfg.outer.sync_every} (saves happen at "
+         "sync boundaries)"),
     ]  # fmt: skip
     _enforce(rules, flat)
     _validate_sim(cfg)

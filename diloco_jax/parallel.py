@@ -97,34 +97,58 @@ def _specs(axes_prefix):
     )
 
 
-def simulator_steps(replica_step, axes: TrainState, num_steps: int):
-    """``run(state, replicas_R, train_N, control_NxR) -> (state, metrics_NxR)``: ``num_steps``
-    vmapped steps in one compiled call."""
-    step_R = jax.vmap(
-        replica_step, in_axes=(axes, 0, None, 0), out_axes=(axes, 0), axis_name=REPLICA
+def _shardings(mesh: Mesh, specs):
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
     )
+
+
+def simulator_steps(replica_step, axes: TrainState, num_steps: int):
+    """``run(state, replicas_R, shards_RxS, control_NxR) -> (state, metrics_NxR)``:
+    ``num_steps`` vmapped steps in one compiled call."""
+    step_R = jax.vmap(replica_step, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0), axis_name=REPLICA)
     return jax.jit(scan_steps(step_R, num_steps), donate_argnums=0)
 
 
 def mesh_steps(replica_step, axes: TrainState, mesh: Mesh, num_steps: int):
-    """Like :func:`simulator_steps`, on ``mesh`` with ``shard_map``.
+    """Like :func:`simulator_steps`, on ``mesh`` with ``shard_map``. The metrics come back
+    replicated on every device, so every process can read them (an all-gather of ``[N, R]``
+    scalars per call).
 
     ``check_vma=False``: jax 0.10 cannot ``pmean`` over a ``vmap`` axis inside a ``shard_map``
     with vma checks on (an assertion in ``pvary``). The step therefore averages over ``DATA``
     explicitly and differentiates only its own replica's (replica-varying) parameters.
     """
     step_R = jax.vmap(
-        replica_step, in_axes=(axes, 0, None, 0), out_axes=(axes, 0), axis_name=LOCAL_REPLICA
+        replica_step, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0), axis_name=LOCAL_REPLICA
     )
     specs = _specs(axes)
     run = jax.shard_map(
         scan_steps(step_R, num_steps),
         mesh=mesh,
-        in_specs=(specs, P(REPLICA), P(), P(None, REPLICA)),
+        in_specs=(specs, P(REPLICA), P(REPLICA), P(None, REPLICA)),
         out_specs=(specs, P(None, REPLICA)),
         check_vma=False,
     )
-    return jax.jit(run, donate_argnums=0)
+    out_shardings = (_shardings(mesh, specs), NamedSharding(mesh, P()))
+    return jax.jit(run, donate_argnums=0, out_shardings=out_shardings)
+
+
+def put(tree, mesh: Mesh, spec: P | None = None, *, specs=None):
+    """``tree`` as global arrays on ``mesh`` with partition ``spec`` (or a tree of ``specs``).
+
+    Works with several processes: every process passes the same host values and each copies only
+    the slices its own devices hold (``jax.make_array_from_callback``). Arrays that already span
+    processes are resharded with ``device_put``."""
+    specs = jax.tree.map(lambda _: spec, tree) if specs is None else specs
+
+    def one(x, sharding):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(one, tree, _shardings(mesh, specs))
 
 
 def place(tree, axes, mesh: Mesh | None):
@@ -132,22 +156,34 @@ def place(tree, axes, mesh: Mesh | None):
     ones replicated); a no-op for the simulator (``mesh is None``)."""
     if mesh is None:
         return tree
-    shardings = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), _specs(axes), is_leaf=lambda x: isinstance(x, P)
-    )
-    return jax.device_put(tree, shardings)
+    specs = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), _specs(axes), tree,
+                         is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+    return put(tree, mesh, specs=specs)
+
+
+def replicated_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
 
 
 def replicated(x, mesh: Mesh | None):
-    """``x`` replicated on every device of ``mesh`` (unchanged for the simulator)."""
-    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
+    """``x`` (a pytree) replicated on every device of ``mesh`` (unchanged for the simulator)."""
+    return x if mesh is None else put(x, mesh, P())
 
 
 def split_over_replicas(x, mesh: Mesh | None, *, axis: int = 0):
     """``x`` (a pytree) with its ``[R]`` axis number ``axis`` split over ``REPLICA``."""
     if mesh is None:
         return x
-    return jax.device_put(x, NamedSharding(mesh, P(*([None] * axis), REPLICA)))
+    return put(x, mesh, P(*([None] * axis), REPLICA))
 
 
-__all__ = ["Layout", "make_mesh", "mesh_steps", "place", "resolve_layout", "simulator_steps"]
+def host_copy(tree):
+    """A numpy copy of a tree of replicated arrays, readable by every process (each reads its
+    own device's copy; no communication)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
+__all__ = [
+    "Layout", "host_copy", "make_mesh", "mesh_steps", "place", "put", "replicated",
+    "resolve_layout", "simulator_steps", "split_over_replicas",
+]  # fmt: skip

@@ -26,14 +26,19 @@ class _TqdmHandler(logging.Handler):
         tqdm.tqdm.write(self.format(record), file=sys.stderr)
 
 
-def setup_logging(level: int | None = None) -> None:
-    """Log lines to stderr (once). ``level`` None keeps a level set earlier (default INFO)."""
+def setup_logging(level: int | None = None, *, process: int = 0, processes: int = 1) -> None:
+    """Log lines to stderr (once). ``level`` None keeps a level set earlier (default INFO). In a
+    run of several ``processes``, the others than process 0 log warnings and errors only, with
+    a ``[process i]`` prefix."""
     if not log.handlers:
-        handler = _TqdmHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
+        log.addHandler(_TqdmHandler())
         log.propagate = False
-    if level is not None:
+    prefix = f"[process {process}] " if processes > 1 else ""
+    for handler in log.handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
+    if process != 0:
+        log.setLevel(logging.WARNING)
+    elif level is not None:
         log.setLevel(level)
     elif log.level == logging.NOTSET:
         log.setLevel(logging.INFO)

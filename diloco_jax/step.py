@@ -1,8 +1,9 @@
 """The train step, written once for one replica, and the evaluation of the anchor.
 
-``make_replica_step`` returns ``replica_step(state, replica, train_N, control) -> (state,
-metrics)`` for a single replica. The simulator runs it under ``jax.vmap`` and the mesh runtime under
-``jax.shard_map`` (``diloco_jax.parallel``); no other implementation of the algorithm exists.
+``make_replica_step`` returns ``replica_step(state, replica, shard_S, control) -> (state,
+metrics)`` for a single replica (``shard_S``: its own slice of the training tokens). The
+simulator runs it under ``jax.vmap`` and the mesh runtime under ``jax.shard_map``
+(``diloco_jax.parallel``); no other implementation of the algorithm exists.
 """
 
 from __future__ import annotations
@@ -84,16 +85,15 @@ def make_replica_step(
     seed: int,
     batch_size: int,
     seq_len: int,
-    shard_len: int,
     data_axis: str | None = None,
     data_shards: int = 1,
     controlled: bool = True,
 ):
-    """One inner step of one replica: ``replica_step(state, replica, train_N, control) ->
+    """One inner step of one replica: ``replica_step(state, replica, shard_S, control) ->
     (state, metrics)``, ``control`` a :class:`StepControl` for this replica. With
     ``controlled=False`` the control is ignored (plain DiLoCo, no per-step masking work).
 
-    The replica draws its batch ``tokens_BxL1 = sample_batch(seed, replica, step)``; with a
+    The replica draws its batch ``tokens_BxL1 = sample_batch(shard_S, seed, replica, step)``; with a
     ``data_axis`` each of its ``data_shards`` devices takes its ``B / data_shards`` rows and the
     loss and gradients are averaged over ``data_axis`` (explicitly: the mesh runtime runs
     ``shard_map`` with ``check_vma=False``, so nothing is summed behind our back). Then
@@ -108,16 +108,11 @@ def make_replica_step(
         logits_BxLxV = model_lib.apply(graphdef, params, tokens_BxL1[:, :-1])
         return model_lib.token_nll(logits_BxLxV, tokens_BxL1[:, 1:]).mean()
 
-    def replica_step(state: TrainState, replica: jax.Array, train_N: jax.Array, control):
+    def replica_step(state: TrainState, replica: jax.Array, shard_S: jax.Array, control):
         tokens_BxL1 = sample_batch(
-            train_N,
-            seed=seed,
-            replica=replica,
-            step=state.step,
-            batch_size=batch_size,
+            shard_S, seed=seed, replica=replica, step=state.step, batch_size=batch_size,
             seq_len=seq_len,
-            shard_len=shard_len,
-        )
+        )  # fmt: skip
         if data_axis is not None:
             start = lax.axis_index(data_axis) * rows
             tokens_BxL1 = lax.dynamic_slice_in_dim(tokens_BxL1, start, rows)
@@ -137,13 +132,13 @@ def make_replica_step(
 
 
 def scan_steps(step_fn, num_steps: int):
-    """``run(state, replicas_R, train_N, control_NxR)``: ``step_fn(state, replicas_R, train_N,
-    control_R) -> (state, metrics)`` ``num_steps`` times in one compiled loop (small models on
-    CPU are dispatch-bound); metrics come back stacked ``[num_steps, ...]``."""
+    """``run(state, replicas_R, shards_RxS, control_NxR)``: ``step_fn(state, replicas_R,
+    shards_RxS, control_R) -> (state, metrics)`` ``num_steps`` times in one compiled loop
+    (small models on CPU are dispatch-bound); metrics come back stacked ``[num_steps, ...]``."""
 
-    def run(state, replicas_R, train_N, control_NxR):
+    def run(state, replicas_R, shards_RxS, control_NxR):
         def body(state, control_R):
-            return step_fn(state, replicas_R, train_N, control_R)
+            return step_fn(state, replicas_R, shards_RxS, control_R)
 
         return lax.scan(body, state, control_NxR, length=num_steps)
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import checkpoint, cli, optim, parallel, reporting, schedule
+from diloco_jax import checkpoint, cli, distributed, optim, parallel, reporting, schedule
 from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
 from diloco_jax.data import (
@@ -27,7 +27,7 @@ from diloco_jax.data import (
     DataError,
     eval_windows,
     load_corpus,
-    shard_bounds,
+    replica_shards,
     unigram_entropy,
 )
 from diloco_jax.diloco import find_anchor, find_diloco_state
@@ -53,13 +53,16 @@ class Setup:
     graphdef: Any
     state: Any
     mesh: Any
-    run_chunk: Any  # (state, replicas_R, train_N, control_NxR) -> (state, metrics_NxR)
+    run_chunk: Any  # (state, replicas_R, shards_RxS, control_NxR) -> (state, metrics_NxR)
     replicas_R: jax.Array
-    train_N: jax.Array
+    shards_RxS: jax.Array  # each replica's training tokens; a process holds only its replicas'
     eval_windows: jax.Array
     eval_fn: Any
     unigram_nats: float
     tx: Any = None
+    outer_fn: Any = outer_params  # state -> the parameters to evaluate, replicated
+    fingerprints: Any = None  # mesh only: params -> uint32 [devices], each device's copy
+    num_params: int = 0
 
 
 def effective_replicas(cfg: config_lib.Config) -> int:
@@ -92,7 +95,7 @@ def build(cfg: config_lib.Config) -> Setup:
     m, d, p = cfg.model, cfg.data, cfg.parallel
     replicas = effective_replicas(cfg)
     corpus = load_corpus(d.corpus, val_fraction=d.val_fraction)
-    shard_len = shard_bounds(len(corpus.train_N), replicas, d.seq_len)
+    shards_RxS = replica_shards(corpus.train_N, replicas, d.seq_len)  # a view: nothing copied
     windows = eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows)
     layout = parallel.resolve_layout(
         replicas=replicas,
@@ -101,6 +104,11 @@ def build(cfg: config_lib.Config) -> Setup:
         replica_devices=p.replica_devices,
         data_devices=p.data_devices,
     )
+    if layout.runtime == "sim" and jax.process_count() > 1:
+        raise config_lib.ConfigError(
+            f"config key parallel.runtime = {p.runtime!r} is invalid with "
+            f"{jax.process_count()} processes: the simulator runs in one process; use mesh"
+        )
     graphdef, params = model_lib.init_model(
         cfg.seed, vocab_size=VOCAB_SIZE, seq_len=d.seq_len, **dataclasses.asdict(m)
     )
@@ -118,7 +126,6 @@ def build(cfg: config_lib.Config) -> Setup:
         seed=cfg.seed,
         batch_size=d.batch_size,
         seq_len=d.seq_len,
-        shard_len=shard_len,
         data_axis=None if mesh is None else parallel.DATA,
         data_shards=layout.data_devices,
         controlled=schedule.needs_control(
@@ -128,8 +135,12 @@ def build(cfg: config_lib.Config) -> Setup:
     steps = cfg.train.log_every
     if mesh is None:
         run_chunk = parallel.simulator_steps(replica_step, axes, steps)
+        shards_RxS, outer_fn, fingerprints = jnp.asarray(shards_RxS), outer_params, None
     else:
         run_chunk = parallel.mesh_steps(replica_step, axes, mesh, steps)
+        shards_RxS = parallel.split_over_replicas(shards_RxS, mesh)  # local replicas' rows only
+        outer_fn = jax.jit(outer_params, out_shardings=parallel.replicated_sharding(mesh))
+        fingerprints = distributed.make_device_fingerprints(mesh)
     return Setup(
         cfg=cfg,
         layout=layout,
@@ -138,11 +149,14 @@ def build(cfg: config_lib.Config) -> Setup:
         mesh=mesh,
         run_chunk=run_chunk,
         replicas_R=parallel.split_over_replicas(jnp.arange(replicas, dtype=jnp.int32), mesh),
-        train_N=parallel.replicated(jnp.asarray(corpus.train_N), mesh),
-        eval_windows=jnp.asarray(windows),
+        shards_RxS=shards_RxS,
+        eval_windows=parallel.replicated(jnp.asarray(windows), mesh),
         eval_fn=make_eval_fn(graphdef),
         unigram_nats=unigram_entropy(corpus.val_M),
         tx=tx,
+        outer_fn=outer_fn,
+        fingerprints=fingerprints,
+        num_params=model_lib.count_params(params),
     )
 
 
@@ -178,6 +192,8 @@ def _log_syncs(runlog, cfg: config_lib.Config, first_step: int, metrics_NxR) -> 
         shared = ("pairwise_cosine", "outer_update_norm", "contributors")
         values = {k: v[i] for k, v in metrics_NxR.items() if k not in shared}
         values.update({k: float(metrics_NxR[k][i, 0]) for k in shared})
+        if np.isnan(values["pairwise_cosine"]):  # not computed (sim.diagnostics off, or mesh)
+            del values["pairwise_cosine"]
         outer = step // cfg.outer.sync_every
         runlog.write("sync", step, outer_step=outer, **values)
         bad = [r for r, ok in enumerate(values["finite"]) if not ok]
@@ -249,12 +265,13 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         "unigram_entropy": s.unigram_nats,
         "preempted": preempted,
     }
-    if preempted or jax.process_index() != 0:
+    if preempted:
         return summary
-    checkpoint.save_params(workdir / "params", jax.device_get(outer_params(state)))
-    if cfg.train.sample_chars:
+    params = s.outer_fn(state)
+    checkpoint.save_params(workdir / "params", params)  # every process writes its part
+    if cfg.train.sample_chars and jax.process_index() == 0:
         summary["sample"] = generate_text(
-            s.graphdef, outer_params(state), cfg.train.sample_prompt,
+            s.graphdef, parallel.host_copy(params), cfg.train.sample_prompt,
             num_chars=cfg.train.sample_chars, seq_len=cfg.data.seq_len, seed=cfg.seed,
         )  # fmt: skip
     return summary
@@ -279,7 +296,7 @@ def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float)
 
 def _evaluate(s: Setup, runlog, state, step: int, total: int) -> float:
     cfg = s.cfg
-    eval_loss = float(s.eval_fn(outer_params(state), s.eval_windows))
+    eval_loss = float(s.eval_fn(s.outer_fn(state), s.eval_windows))
     tokens = step * s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len
     outer = outer_steps(cfg, step)
     runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer, tokens=tokens)
@@ -288,46 +305,73 @@ def _evaluate(s: Setup, runlog, state, step: int, total: int) -> float:
     return eval_loss
 
 
+def _agree_to_stop(stop: Preemption) -> bool:
+    """Whether any process got SIGTERM/SIGINT; every process asks after the same call, so all
+    stop at the same step (one tiny all-gather per call when there are several processes)."""
+    signalled = distributed.any_process(stop.requested is not None)
+    if signalled and stop.requested is None:
+        stop.requested = f"a signal to process {signalled[0]}"
+    return bool(signalled)
+
+
+def _check_anchor(s: Setup, state, step: int) -> None:
+    """After a call that contains a sync, every device's copy of the anchor must be the same;
+    raises :class:`distributed.ConsistencyError` naming the processes otherwise."""
+    n = s.cfg.train.log_every
+    if s.fingerprints is None or s.cfg.algorithm != "diloco":
+        return
+    if outer_steps(s.cfg, step) == outer_steps(s.cfg, step - n):
+        return
+    values = jax.device_get(s.fingerprints(find_anchor(state.opt_state)))
+    distributed.check_same(
+        values, list(s.mesh.devices.flat), f"the anchor after outer step {outer_steps(s.cfg, step)}"
+    )
+
+
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True):
     """Trains ``cfg`` into ``workdir`` (resuming from its newest readable checkpoint); returns a
     summary dict (final eval loss, steps, tokens, time, sample, and the final ``state``).
 
     SIGTERM or SIGINT stops the run at the next call boundary with a checkpoint
     (``summary["preempted"]``); a second signal exits at once."""
-    reporting.setup_logging()
+    lead = jax.process_index() == 0  # the process that logs and writes files
+    reporting.setup_logging(process=jax.process_index(), processes=jax.process_count())
     workdir = pathlib.Path(workdir)
     s, t = build(cfg), cfg.train
     mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
     state = _resume(mngr, s, workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
-    runlog = reporting.RunLog(workdir, enabled=jax.process_index() == 0)
+    if lead:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
+    runlog = reporting.RunLog(workdir, enabled=lead)
     log.info(
-        "%s: %d replicas on %s (%d replica x %d data devices), %d params, %d tokens per step",
-        cfg.algorithm, s.layout.replicas, s.layout.runtime, s.layout.replica_devices,
-        s.layout.data_devices, model_lib.count_params(outer_params(state)),
+        "%s: %d replicas on %s (%d replica x %d data devices, %d processes), %d params, "
+        "%d tokens per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
+        s.layout.replica_devices, s.layout.data_devices, jax.process_count(),
+        s.num_params,
         s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len,
     )  # fmt: skip
     log.info("compiling %d steps per call ...", t.log_every)
     t0 = time.time()
-    run = s.run_chunk.lower(state, s.replicas_R, s.train_N, chunk_control(cfg, s, 0)).compile()
+    run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS, chunk_control(cfg, s, 0)).compile()
     log.info("compiled in %.1fs; validation unigram entropy %.3f nats", time.time() - t0,
              s.unigram_nats)  # fmt: skip
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)
     step = int(state.step)
-    bar = reporting.progress_bar(total, initial=step, enabled=show_progress)
+    bar = reporting.progress_bar(total, initial=step, enabled=show_progress and lead)
     eval_loss, train_start, call_seconds = None, time.time(), []
     with Preemption() as stop:
-        while step < total and not stop.requested:
+        while step < total and not _agree_to_stop(stop):
             control = chunk_control(cfg, s, step)
             tick = time.time()
-            state, metrics_NxR = run(state, s.replicas_R, s.train_N, control)
+            state, metrics_NxR = run(state, s.replicas_R, s.shards_RxS, control)
             metrics_NxR = jax.device_get(metrics_NxR)
             call_seconds.append(time.time() - tick)
             step += t.log_every
             _report_chunk(s, runlog, bar, step, metrics_NxR, call_seconds[-1])
+            _check_anchor(s, state, step)
             if _crossed(step, t.log_every, t.eval_every) or step >= total:
                 eval_loss = _evaluate(s, runlog, state, step, total)
             if mngr is not None and _crossed(step, t.log_every, t.checkpoint_every):
@@ -348,15 +392,26 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.train") -> int:
-    args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog)
+    args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog, distributed=True)
     if args is None:
         return 0
-    cfg, workdir = args
+    cfg, workdir = args.cfg, args.workdir
     try:
+        distributed.initialize(args.cluster)
+        if jax.process_count() > 1 and not args.workdir_given:
+            raise config_lib.ConfigError(
+                "a run of several processes needs --workdir (a directory every process can reach)"
+            )
         summary = train(cfg, workdir)
     except (config_lib.ConfigError, DataError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except distributed.ConsistencyError as e:
+        print(f"error: {e}; stopped without saving (resume from the last checkpoint)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    if jax.process_index() != 0:
+        return 0
     if summary["preempted"]:
         print(f"\nstopped by {summary['preempted']} at step {summary['steps']}; "
               f"checkpoint in {workdir}/checkpoints; run the same command to continue")  # fmt: skip

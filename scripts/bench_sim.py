@@ -48,13 +48,13 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
 def timed(s, cfg, calls: int) -> tuple[float, object]:
     """Seconds per compiled call (median of ``calls`` after a warm-up) and the compiled call."""
     control = chunk_control(cfg, s, 0)
-    compiled = s.run_chunk.lower(s.state, s.replicas_R, s.train_N, control).compile()
-    state, out = compiled(s.state, s.replicas_R, s.train_N, control)
+    compiled = s.run_chunk.lower(s.state, s.replicas_R, s.shards_RxS, control).compile()
+    state, out = compiled(s.state, s.replicas_R, s.shards_RxS, control)
     jax.block_until_ready(out)
     seconds = []
     for _ in range(calls):
         start = time.perf_counter()
-        state, out = compiled(state, s.replicas_R, s.train_N, control)
+        state, out = compiled(state, s.replicas_R, s.shards_RxS, control)
         jax.block_until_ready(out)
         seconds.append(time.perf_counter() - start)
     return float(np.median(seconds)), compiled

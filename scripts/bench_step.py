@@ -48,13 +48,13 @@ def measure(mode: str, preset: str, calls: int) -> dict:
     cfg = apply_overrides(cfg, [(k, str(v)) for k, v in overrides.items()])
     s = build(cfg)
     control = chunk_control(cfg, s, 0)
-    compiled = s.run_chunk.lower(s.state, s.replicas_R, s.train_N, control).compile()
+    compiled = s.run_chunk.lower(s.state, s.replicas_R, s.shards_RxS, control).compile()
     mem = compiled.memory_analysis()
-    state, loss = compiled(s.state, s.replicas_R, s.train_N, control)  # warm-up
+    state, loss = compiled(s.state, s.replicas_R, s.shards_RxS, control)  # warm-up
     jax.block_until_ready(loss)
     start = time.perf_counter()
     for _ in range(calls):
-        state, loss = compiled(state, s.replicas_R, s.train_N, control)
+        state, loss = compiled(state, s.replicas_R, s.shards_RxS, control)
     jax.block_until_ready(loss)
     seconds = time.perf_counter() - start
     steps = calls * cfg.train.log_every

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parsed = cli.parse(rest, prog="python -m sim")
     if parsed is None:
         return 0
-    base, workdir = parsed
+    base, workdir = parsed.cfg, parsed.workdir
     from sim.sweep import format_table, sweep
 
     try:

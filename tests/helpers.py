@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from diloco_jax import model as model_lib
 from diloco_jax import optim, parallel
-from diloco_jax.data import VOCAB_SIZE, load_corpus, shard_bounds
+from diloco_jax.data import VOCAB_SIZE, load_corpus, replica_shards
 from diloco_jax.step import StepControl, full_control, init_state, make_replica_step, state_axes
 
 SEQ_LEN = 16
@@ -40,11 +40,9 @@ def run(tx_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0, replica
     axes = state_axes(state)
     if prepare is not None:
         state = prepare(state)
-    train_N = corpus_train()
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     step = make_replica_step(
         graphdef, tx, seed=seed, batch_size=batch, seq_len=SEQ_LEN,
-        shard_len=shard_bounds(len(train_N), shards or layout.replicas, SEQ_LEN),
         data_axis=None if mesh is None else parallel.DATA, data_shards=layout.data_devices,
     )  # fmt: skip
     if mesh is None:
@@ -52,11 +50,12 @@ def run(tx_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0, replica
     else:
         fn = parallel.mesh_steps(step, axes, mesh, num_steps)
     ids = jnp.arange(layout.replicas) if replica_ids is None else jnp.asarray(replica_ids)
+    shards_RxS = replica_shards(corpus_train(), shards or layout.replicas, SEQ_LEN)[ids]
     ctrl = full_control(num_steps, layout.replicas) if control is None else StepControl(**control)
     state, metrics = fn(
         parallel.place(state, axes, mesh),
         parallel.split_over_replicas(ids.astype(jnp.int32), mesh),
-        parallel.replicated(jnp.asarray(train_N), mesh),
+        parallel.split_over_replicas(shards_RxS, mesh),
         parallel.split_over_replicas(ctrl, mesh, axis=1),
     )
     return jax.device_get(state), jax.device_get(metrics)

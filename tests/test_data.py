@@ -6,7 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco_jax.data import DataError, eval_windows, load_corpus, sample_batch, shard_bounds
+from diloco_jax.data import (
+    DataError,
+    eval_windows,
+    load_corpus,
+    replica_shards,
+    sample_batch,
+    shard_bounds,
+)
 from diloco_jax.data.corpus import unigram_entropy
 
 
@@ -25,17 +32,15 @@ def test_shipped_corpus(corpus):
 
 
 def test_replica_windows_stay_in_disjoint_shards(corpus):
-    train_N = jnp.asarray(corpus.train_N)
     seq_len, replicas = 32, 4
-    shard_len = shard_bounds(len(train_N), replicas, seq_len)
-    train_positions = np.arange(len(train_N))
+    shard_len = shard_bounds(len(corpus.train_N), replicas, seq_len)
+    positions_RxS = jnp.asarray(replica_shards(np.arange(len(corpus.train_N)), replicas, seq_len))
     seen = []
     for r in range(replicas):
         starts = []
         for step in range(3):
-            batch = sample_batch(jnp.asarray(train_positions), seed=0, replica=jnp.int32(r),
-                                 step=jnp.int32(step), batch_size=64, seq_len=seq_len,
-                                 shard_len=shard_len)  # fmt: skip
+            batch = sample_batch(positions_RxS[r], seed=0, replica=jnp.int32(r),
+                                 step=jnp.int32(step), batch_size=64, seq_len=seq_len)  # fmt: skip
             # indices come back in place of tokens: every window is contiguous and in shard r
             batch = np.asarray(batch)
             np.testing.assert_array_equal(np.diff(batch, axis=1), 1)
@@ -46,12 +51,11 @@ def test_replica_windows_stay_in_disjoint_shards(corpus):
 
 
 def test_batch_is_a_pure_function_of_seed_replica_step(corpus):
-    train_N = jnp.asarray(corpus.train_N)
-    kw = dict(batch_size=8, seq_len=16, shard_len=shard_bounds(len(train_N), 2, 16))
+    shards_RxS = jnp.asarray(replica_shards(corpus.train_N, 2, 16))
 
     def batch(seed, replica, step):
-        return np.asarray(sample_batch(train_N, seed=seed, replica=jnp.int32(replica),
-                                       step=jnp.int32(step), **kw))  # fmt: skip
+        return np.asarray(sample_batch(shards_RxS[replica], seed=seed, replica=jnp.int32(replica),
+                                       step=jnp.int32(step), batch_size=8, seq_len=16))  # fmt: skip
 
     np.testing.assert_array_equal(batch(0, 1, 5), batch(0, 1, 5))
     assert not np.array_equal(batch(0, 1, 5), batch(0, 1, 6))

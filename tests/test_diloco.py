@@ -157,11 +157,10 @@ def test_inner_sgd_sync1_outer_sgd1_is_synchronous_data_parallel_sgd():
 def big_batch_sgd(replicas, steps, lr):
     """One model, plain SGD on the concatenation of every replica's batch."""
     from diloco_jax import model as model_lib
-    from diloco_jax.data import sample_batch, shard_bounds
+    from diloco_jax.data import replica_shards, sample_batch
 
     graphdef, params = helpers.tiny_model()
-    train_N = jnp.asarray(helpers.corpus_train())
-    shard_len = shard_bounds(len(train_N), replicas, helpers.SEQ_LEN)
+    shards_RxS = jnp.asarray(replica_shards(helpers.corpus_train(), replicas, helpers.SEQ_LEN))
 
     def loss(params, tokens):
         logits = model_lib.apply(graphdef, params, tokens[:, :-1])
@@ -169,8 +168,8 @@ def big_batch_sgd(replicas, steps, lr):
 
     for step in range(steps):
         tokens = jnp.concatenate([
-            sample_batch(train_N, seed=0, replica=jnp.int32(r), step=jnp.int32(step),
-                         batch_size=helpers.BATCH, seq_len=helpers.SEQ_LEN, shard_len=shard_len)
+            sample_batch(shards_RxS[r], seed=0, replica=jnp.int32(r), step=jnp.int32(step),
+                         batch_size=helpers.BATCH, seq_len=helpers.SEQ_LEN)
             for r in range(replicas)
         ])  # fmt: skip
         grads = jax.grad(loss)(params, tokens)

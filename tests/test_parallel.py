@@ -58,22 +58,21 @@ def test_same_seed_is_bitwise_identical_and_seed_matters():
 
 
 def test_jitted_step_traces_once():
-    from diloco_jax.data import shard_bounds
+    from diloco_jax.data import replica_shards
     from diloco_jax.step import full_control, init_state, make_replica_step, scan_steps, state_axes
 
     graphdef, params = helpers.tiny_model()
     tx = diloco_tx("replica")
-    train_N = jax.numpy.asarray(helpers.corpus_train())
-    step = make_replica_step(graphdef, tx, seed=0, batch_size=2, seq_len=helpers.SEQ_LEN,
-                             shard_len=shard_bounds(len(train_N), 2, helpers.SEQ_LEN))  # fmt: skip
+    shards_RxS = jax.numpy.asarray(replica_shards(helpers.corpus_train(), 2, helpers.SEQ_LEN))
+    step = make_replica_step(graphdef, tx, seed=0, batch_size=2, seq_len=helpers.SEQ_LEN)
     state = init_state(params, tx, 2)
     axes = state_axes(state)
     counted = chex.assert_max_traces(step, n=1)
-    fn = jax.jit(scan_steps(jax.vmap(counted, in_axes=(axes, 0, None, 0), out_axes=(axes, 0),
+    fn = jax.jit(scan_steps(jax.vmap(counted, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0),
                                      axis_name="replica"), 2))  # fmt: skip
     ids = jax.numpy.arange(2)
     for _ in range(3):
-        state, _ = fn(state, ids, train_N, full_control(2, 2))
+        state, _ = fn(state, ids, shards_RxS, full_control(2, 2))
     assert int(state.step) == 6
 
 

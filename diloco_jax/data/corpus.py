@@ -2,9 +2,10 @@
 
 Tokens are the UTF-8 bytes of the text (vocabulary 256; no tokenizer files). The last
 ``val_fraction`` of the bytes is the validation split. The training split is cut into ``R``
-contiguous, disjoint shards, one per replica; the windows a replica trains on at a step are a pure
-function of ``(seed, replica, step)`` (:func:`sample_batch`), computed on device inside the
-compiled step, so a resumed or re-sharded run sees the same data.
+contiguous, disjoint shards, one per replica (:func:`replica_shards`); a device holds only the
+shards of its replicas. The windows a replica trains on at a step are a pure function of
+``(seed, replica, step)`` (:func:`sample_batch`), computed on device inside the compiled step, so
+a resumed or re-sharded run sees the same data.
 """
 
 from __future__ import annotations
@@ -80,28 +81,35 @@ def shard_bounds(num_train: int, replicas: int, seq_len: int) -> int:
     return shard_len
 
 
+def replica_shards(train_N: np.ndarray, replicas: int, seq_len: int) -> np.ndarray:
+    """The training split cut into ``replicas`` contiguous, disjoint shards ``[R, S]`` (a view,
+    no copy; the last ``N mod R`` tokens are unused). Raises :class:`DataError` if a shard cannot
+    hold one window of ``seq_len + 1`` tokens."""
+    shard_len = shard_bounds(len(train_N), replicas, seq_len)
+    return train_N[: replicas * shard_len].reshape(replicas, shard_len)
+
+
 def sample_batch(
-    train_N: jax.Array,
+    shard_S: jax.Array,
     *,
     seed: int | jax.Array,
     replica: jax.Array,
     step: jax.Array,
     batch_size: int,
     seq_len: int,
-    shard_len: int,
 ) -> jax.Array:
-    """The ``batch_size`` windows of ``seq_len + 1`` tokens that ``replica`` trains on at ``step``.
+    """The ``batch_size`` windows of ``seq_len + 1`` tokens that ``replica`` trains on at ``step``,
+    from its own shard ``shard_S`` (a row of :func:`replica_shards`).
 
-    Window starts are uniform over the replica's shard, drawn from
-    ``fold_in(fold_in(key(seed), step), replica)``. Returns int32 ``tokens_BxL1`` (inputs are
-    ``[:, :-1]``, targets ``[:, 1:]``).
+    Window starts are uniform over the shard, drawn from ``fold_in(fold_in(key(seed), step),
+    replica)``. Returns int32 ``tokens_BxL1`` (inputs are ``[:, :-1]``, targets ``[:, 1:]``).
     """
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), replica)
-    starts_B = replica * shard_len + jax.random.randint(
-        key, (batch_size,), 0, shard_len - seq_len, dtype=jnp.int32
+    starts_B = jax.random.randint(
+        key, (batch_size,), 0, shard_S.shape[-1] - seq_len, dtype=jnp.int32
     )
     idx_BxL1 = starts_B[:, None] + jnp.arange(seq_len + 1, dtype=jnp.int32)[None, :]
-    return train_N[idx_BxL1].astype(jnp.int32)
+    return shard_S[idx_BxL1].astype(jnp.int32)
 
 
 def eval_windows(val_M: np.ndarray, *, seq_len: int, max_windows: int) -> np.ndarray:

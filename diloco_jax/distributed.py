@@ -1,0 +1,179 @@
+"""One run over several processes: ``jax.distributed`` set-up, and the checks that keep the
+processes in step (agreeing on when to stop, comparing the anchor).
+
+Where the cluster comes from, first match wins:
+
+1. flags ``--coordinator_address HOST:PORT --num_processes N --process_id I`` (``train``'s CLI);
+2. the environment ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` (what
+   ``python -m diloco_jax.launch`` sets);
+3. a cluster JAX detects itself: SLURM (``srun``) and Open MPI (``mpirun``) jobs of more than one
+   task are detected here; elsewhere (Cloud TPU pods, Kubernetes) pass ``--distributed on``.
+
+Without any of these the run is one process. On CPU the collectives go through gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diloco_jax.config import ConfigError
+
+MODES = ("auto", "on", "off")
+_ENV = {
+    "coordinator_address": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """How this process joins a run. ``None`` fields are read from the environment."""
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    mode: str = "auto"  # auto: join when flags, env or a SLURM/MPI job say so; on: always; off
+    timeout_s: int = 300  # how long to wait for every process to join
+
+
+class ConsistencyError(RuntimeError):
+    """Processes that should hold the same values do not."""
+
+
+def _int(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name} = {text!r} is not an integer") from None
+
+
+def resolve(cluster: Cluster, environ=os.environ) -> Cluster:
+    """``cluster`` with unset fields filled from ``environ``; raises :class:`ConfigError` (one
+    line naming the value) for incomplete or impossible settings."""
+    if cluster.mode not in MODES:
+        raise ConfigError(f"--distributed = {cluster.mode!r} is invalid: must be one of {MODES}")
+    values = {}
+    for field, env in _ENV.items():
+        value = getattr(cluster, field)
+        if value is None and env in environ:
+            value = environ[env] if field == "coordinator_address" else _int(env, environ[env])
+        values[field] = value
+    given = [f for f, v in values.items() if v is not None]
+    if given and len(given) < len(values):
+        missing = [f"--{f} (or {_ENV[f]})" for f, v in values.items() if v is None]
+        raise ConfigError(f"distributed setup is incomplete: {', '.join(missing)} not set")
+    address, count, pid = (
+        values["coordinator_address"],
+        values["num_processes"],
+        values["process_id"],
+    )
+    if count is not None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"coordinator address {address!r} is invalid: expected HOST:PORT")
+        if count < 1:
+            raise ConfigError(f"num_processes = {count} is invalid: must be >= 1")
+        if not 0 <= pid < count:
+            raise ConfigError(f"process_id = {pid} is invalid: must be in [0, {count})")
+    return dataclasses.replace(cluster, **values)
+
+
+def detected_cluster(environ=os.environ) -> str | None:
+    """The multi-task job this process runs in, if JAX can set it up from the environment."""
+    if "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
+        return "SLURM"
+    if "OMPI_MCA_orte_hnp_uri" in environ and int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "Open MPI"
+    return None
+
+
+def initialize(cluster: Cluster) -> str:
+    """Joins the run described by ``cluster`` (call before anything touches a device); returns
+    what happened, in words."""
+    cluster = resolve(cluster)
+    if cluster.mode == "off":
+        return "one process (--distributed off)"
+    if cluster.num_processes is not None:
+        if cluster.num_processes == 1 and cluster.mode == "auto":
+            return "one process"
+        jax.distributed.initialize(
+            cluster.coordinator_address,
+            cluster.num_processes,
+            cluster.process_id,
+            initialization_timeout=cluster.timeout_s,
+        )
+        return f"process {cluster.process_id} of {cluster.num_processes}"
+    detected = detected_cluster()
+    if detected is None and cluster.mode == "auto":
+        return "one process"
+    jax.distributed.initialize(initialization_timeout=cluster.timeout_s)  # JAX detects the rest
+    return (
+        f"process {jax.process_index()} of {jax.process_count()} ({detected or 'detected by JAX'})"
+    )
+
+
+def any_process(flag: bool) -> list[int]:
+    """The indices of the processes whose ``flag`` is set (every process must call this)."""
+    if jax.process_count() == 1:
+        return [0] if flag else []
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32)))
+    return [int(i) for i in np.flatnonzero(flags.reshape(-1))]
+
+
+def fingerprint(tree) -> jax.Array:
+    """A uint32 checksum of every bit of ``tree``: ``sum_i bits_i * (2i + 1) mod 2**32`` per leaf,
+    combined over leaves. Any single flipped bit, and any swap of two different values, changes
+    it. Cheap: one pass over the values."""
+    total = jnp.uint32(0)
+    for leaf in jax.tree.leaves(tree):
+        leaf = jnp.asarray(leaf)
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
+        bits = lax.bitcast_convert_type(leaf, width).astype(jnp.uint32).reshape(-1)
+        odd = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+        total = total * jnp.uint32(0x01000193) + jnp.sum(bits * odd, dtype=jnp.uint32)
+    return total
+
+
+def make_device_fingerprints(mesh: Mesh):
+    """``fn(tree) -> uint32 [num_devices]``: the :func:`fingerprint` of each device's own copy of
+    a replicated ``tree``, in ``mesh.devices.flat`` order, readable by every process."""
+    axes = tuple(mesh.axis_names)
+
+    def per_device(tree):
+        return fingerprint(tree)[None]
+
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=P(), out_specs=P(axes), check_vma=False)
+    return jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
+
+
+def check_same(values, devices, what: str) -> None:
+    """Raises :class:`ConsistencyError` naming the processes (and devices) whose entry of
+    ``values`` differs from process 0's first device, if any does."""
+    values = [int(v) for v in np.asarray(values).reshape(-1)]
+    reference = values[0]
+    bad = [(d, v) for d, v in zip(devices, values, strict=True) if v != reference]
+    if not bad:
+        return
+    good = [d for d, v in zip(devices, values, strict=True) if v == reference]
+
+    def names(devs):
+        procs = sorted({d.process_index for d in devs})
+        return ", ".join(
+            f"process {p} (devices {[d.id for d in devs if d.process_index == p]})" for p in procs
+        )
+
+    raise ConsistencyError(
+        f"{what} differs across processes: {names([d for d, _ in bad])} disagree with "
+        f"{names(good)} (fingerprints {sorted({hex(v) for _, v in bad})} vs {hex(reference)})"
+    )

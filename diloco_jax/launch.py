@@ -1,0 +1,153 @@
+"""``python -m diloco_jax.launch -n N [launcher flags] [--] [train flags ...]``: N processes of one
+run on this machine (each ``python -m diloco_jax.train``), joined through ``jax.distributed``.
+
+Launcher flags (before the train flags):
+  -n, --num_processes N      processes to start (required)
+  --devices_per_process K    CPU: K fake devices per process; GPU: K GPUs each (default 1)
+  --port P                   coordinator port on 127.0.0.1 (default: a free one)
+  --module M                 the module to run (default diloco_jax.train)
+  --grace SECONDS            how long stopping processes get before SIGKILL (default 30)
+
+Ctrl-C (SIGINT) or SIGTERM is passed on to every process once: they agree on a step, save a
+checkpoint and exit 0. A second signal kills them. If one process fails, the others are stopped.
+No process outlives the launcher. Exit status: 0, or the first failing process's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+_FLAGS = {"-n": "num_processes", "--num_processes": "num_processes",
+          "--devices_per_process": "devices_per_process", "--port": "port", "--module": "module",
+          "--grace": "grace"}  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse(argv: list[str]) -> tuple[dict, list[str]]:
+    """``(launcher options, the rest)``; launcher flags come first, ``--`` ends them."""
+    opts = {"devices_per_process": 1, "port": 0, "module": "diloco_jax.train", "grace": 30.0}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            i += 1
+            break
+        name, eq, value = arg.partition("=")
+        if name not in _FLAGS:
+            break
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ValueError(f"flag {name} needs a value")
+            value, i = argv[i + 1], i + 1
+        key = _FLAGS[name]
+        try:
+            opts[key] = value if key == "module" else type(opts.get(key, 1))(value)
+        except ValueError:
+            raise ValueError(f"flag {name} = {value!r} is not a number") from None
+        i += 1
+    if "num_processes" not in opts:
+        raise ValueError("missing -n N (how many processes to start)")
+    if opts["num_processes"] < 1 or opts["devices_per_process"] < 1:
+        raise ValueError("-n and --devices_per_process must be >= 1")
+    return opts, argv[i:]
+
+
+def child_env(index: int, count: int, port: int, devices: int, base=os.environ) -> dict:
+    """The environment of process ``index``: where to find the coordinator, who it is, which
+    devices it owns."""
+    env = dict(base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(index * devices + d) for d in range(devices))
+    env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(count),
+               JAX_PROCESS_ID=str(index))  # fmt: skip
+    return env
+
+
+class _Group:
+    """The child processes; stops them all on request, kills what is left on exit."""
+
+    def __init__(self, procs: list[subprocess.Popen], grace: float):
+        self.procs, self.grace = procs, grace
+        self.signalled = 0
+        self.deadline: float | None = None
+
+    def alive(self) -> list[subprocess.Popen]:
+        return [p for p in self.procs if p.poll() is None]
+
+    def send(self, sig: int) -> None:
+        for p in self.alive():
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Asks every live process to stop; they are killed if still alive after the grace."""
+        self.send(sig)
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.grace
+
+    def on_signal(self, signum, frame) -> None:
+        del frame
+        self.signalled += 1
+        if self.signalled == 1:
+            print(f"launch: {signal.Signals(signum).name}: asking every process to save and stop "
+                  "(again to kill)", file=sys.stderr, flush=True)  # fmt: skip
+            self.stop(signum)
+        else:
+            self.send(signal.SIGKILL)
+
+    def wait(self) -> int:
+        first_failure = 0
+        while self.alive():
+            for i, p in enumerate(self.procs):
+                if p.poll() not in (None, 0) and not first_failure:
+                    first_failure = p.returncode
+                    print(f"launch: process {i} exited with status {p.returncode}; stopping the "
+                          "others", file=sys.stderr, flush=True)  # fmt: skip
+                    self.stop()
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                self.send(signal.SIGKILL)
+            time.sleep(0.1)
+        codes = [p.returncode for p in self.procs]
+        return first_failure or next((c for c in codes if c), 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        opts, rest = parse(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        print(f"error: {e}\n\n{__doc__}", file=sys.stderr)
+        return 2
+    count, devices = opts["num_processes"], opts["devices_per_process"]
+    port = opts["port"] or free_port()
+    group = _Group([], opts["grace"])
+    previous = {sig: signal.signal(sig, group.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for i in range(count):
+            # own session: a Ctrl-C in the terminal reaches the launcher only, which passes it on
+            group.procs.append(subprocess.Popen(
+                [sys.executable, "-m", opts["module"], *rest],
+                env=child_env(i, count, port, devices), start_new_session=True,
+            ))  # fmt: skip
+        return group.wait()
+    finally:
+        group.send(signal.SIGKILL)  # nothing outlives the launcher, whatever happened
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

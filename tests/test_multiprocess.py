@@ -1,0 +1,164 @@
+"""Several processes on localhost (gloo collectives, ports chosen free at test time): the same
+result as one process and as the simulator; surviving SIGKILL, SIGTERM and Ctrl-C."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import pytest
+
+from diloco_jax import checkpoint
+from diloco_jax import model as model_lib
+from diloco_jax.config import apply_overrides, load_preset
+from diloco_jax.launch import child_env, free_port
+from diloco_jax.step import outer_params
+from diloco_jax.train import train
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# 120 steps (~5 s of training after ~10 s of start-up) leave time to signal a run mid-way
+OVERRIDES = {"train.total_steps": 120, "train.checkpoint_every": 10, "train.eval_every": 60,
+             "train.sample_chars": 0}  # fmt: skip
+TRAIN = [sys.executable, "-m", "diloco_jax.train", "--config", "configs/tiny.py",
+         *[f"--config.{k}={v}" for k, v in OVERRIDES.items()]]  # fmt: skip
+
+
+def tiny():
+    return apply_overrides(load_preset(ROOT / "configs/tiny.py"),
+                           [(k, str(v)) for k, v in OVERRIDES.items()])  # fmt: skip
+
+
+def final_params(workdir: pathlib.Path):
+    cfg = tiny()
+    _, like = model_lib.init_model(cfg.seed, vocab_size=256, seq_len=cfg.data.seq_len,
+                                   **dataclasses.asdict(cfg.model))  # fmt: skip
+    return jax.device_get(checkpoint.load_params(workdir / "params", like))
+
+
+def launch(workdir, *, processes=2, devices=1, extra=(), **popen):
+    cmd = [sys.executable, "-m", "diloco_jax.launch", "-n", str(processes),
+           "--devices_per_process", str(devices), "--grace", "10", "--", *TRAIN[3:],
+           "--workdir", str(workdir), *extra]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **popen)  # fmt: skip
+
+
+def start_processes(workdir, count=2):
+    """The processes of one run, started directly (not by the launcher)."""
+    port = free_port()
+    return [subprocess.Popen([*TRAIN, "--workdir", str(workdir)], cwd=ROOT, text=True,
+                             env=child_env(i, count, port, 1), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE) for i in range(count)]  # fmt: skip
+
+
+def wait_for(path: pathlib.Path, procs, timeout=180):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline, f"{path} did not appear"
+        for p in procs:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def pids_running(workdir) -> list[int]:
+    """Processes whose command line names ``workdir``."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(workdir) in (entry / "cmdline").read_text():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def process_with_id(workdir, process_id: int) -> int:
+    """The pid of the run's process with ``JAX_PROCESS_ID == process_id``."""
+    for pid in pids_running(workdir):
+        try:
+            environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"JAX_PROCESS_ID={process_id}".encode() in environ:
+            return pid
+    raise AssertionError(f"no process {process_id} of the run in {workdir}")
+
+
+def finished(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return out, err
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The reference: 2 processes x 1 CPU device, uninterrupted."""
+    workdir = tmp_path_factory.mktemp("two")
+    out, _ = finished(launch(workdir))
+    assert "final eval loss" in out
+    return workdir, final_params(workdir)
+
+
+def test_two_processes_equal_one_process_two_devices_and_the_simulator(two_processes, tmp_path):
+    workdir, two = two_processes
+    events = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "eval"] == [60, 120]
+    finished(launch(tmp_path / "one", processes=1, devices=2))
+    one = final_params(tmp_path / "one")
+    # the same programs on the same values: gloo's all-reduce of two addends is exact
+    chex.assert_trees_all_equal(one, two)
+    cfg = apply_overrides(tiny(), [("parallel.runtime", "sim"), ("train.checkpoint", "false")])
+    sim = jax.device_get(outer_params(train(cfg, tmp_path / "sim", show_progress=False)["state"]))
+    # vmap vs shard_map: float32 reassociation in the nested replica mean, 24 outer steps
+    chex.assert_trees_all_close(sim, two, atol=2e-5)
+
+
+def test_sigkill_one_process_then_restart_equals_uninterrupted(two_processes, tmp_path):
+    workdir = tmp_path / "w"
+    proc = launch(workdir)
+    wait_for(workdir / "checkpoints" / "20", [proc])
+    os.kill(process_with_id(workdir, 1), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    # the launcher saw process 1 die, stopped process 0 and reports the failure
+    assert proc.returncode != 0 and "process 1 exited with status -9" in err
+    assert pids_running(workdir) == []
+    saved = sorted(int(d.name) for d in (workdir / "checkpoints").iterdir() if d.name.isdigit())
+    assert saved and max(saved) < 120, saved
+    finished(launch(workdir))  # resumes from the newest complete checkpoint
+    chex.assert_trees_all_equal(final_params(workdir), two_processes[1])
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_exactly(two_processes, tmp_path):
+    workdir = tmp_path / "w"
+    procs = start_processes(workdir)
+    wait_for(workdir / "checkpoints" / "10", procs)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = [finished(p)[0] for p in procs]
+    assert "stopped by a signal to process 1 at step" in outs[0]
+    stopped = int(outs[0].split("at step ")[1].split(";")[0])
+    assert 10 <= stopped < 120
+    assert (workdir / "checkpoints" / str(stopped)).is_dir()
+    done = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()
+            if '"done"' in x]  # fmt: skip
+    assert done[-1]["step"] == stopped and done[-1]["preempted"]
+    finished(launch(workdir))
+    chex.assert_trees_all_equal(final_params(workdir), two_processes[1])
+
+
+def test_launcher_passes_ctrl_c_on_and_leaves_no_process(tmp_path):
+    workdir = tmp_path / "w"
+    proc = launch(workdir)
+    wait_for(workdir / "checkpoints" / "10", [proc])
+    assert len(pids_running(workdir)) == 3  # the launcher and its two processes
+    proc.send_signal(signal.SIGINT)
+    out, err = finished(proc)
+    assert "stopped by SIGINT at step" in out, err[-2000:]
+    stopped = int(out.split("at step ")[1].split(";")[0])
+    assert (workdir / "checkpoints" / str(stopped)).is_dir()
+    assert pids_running(workdir) == []
