@@ -37,7 +37,7 @@ def setup_logging(level: int | None = None, *, process: int = 0, processes: int 
     for handler in log.handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
     if process != 0:
-        log.setLevel(logging.WARNING)
+        log.setLevel(logging.ERROR)
     elif level is not None:
         log.setLevel(level)
     elif log.level == logging.NOTSET:

@@ -51,6 +51,8 @@ def test_bad_overrides(key, value, match):
         ("algorithm", "fedavg", "one of"),
         ("model.num_heads", "3", "model.d_model = 128 .*divisible by model.num_heads = 3"),
         ("outer.momentum", "1.5", r"outer.momentum = 1.5 .*\[0, 1\)"),
+        ("train.checkpoint_every", "30", "multiple of train.log_every = 25"),
+        ("train.checkpoint_every", "75", "multiple of outer.sync_every = 50 .*sync boundaries"),
     ],
 )
 def test_validate_names_key_value_and_rule(key, value, match):
