@@ -1,0 +1,96 @@
+"""Multi-process set-up and checks that need no second process: settings from flags and the
+environment, cluster detection, the anchor fingerprint and the check that compares devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diloco_jax import distributed, parallel
+from diloco_jax.config import ConfigError
+from diloco_jax.distributed import Cluster, ConsistencyError, resolve
+from diloco_jax.train import main
+
+ENV = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
+       "JAX_PROCESS_ID": "2"}  # fmt: skip
+
+
+def test_settings_come_from_flags_then_environment():
+    assert resolve(Cluster(), environ=ENV) == Cluster("10.0.0.1:1234", 4, 2)
+    assert resolve(Cluster(process_id=3), environ=ENV).process_id == 3  # a flag wins
+    assert resolve(Cluster(), environ={}) == Cluster()  # nothing set: one process
+
+
+@pytest.mark.parametrize(
+    "cluster,env,match",
+    [
+        (Cluster(num_processes=2), {}, r"incomplete: --coordinator_address \(or JAX_COORDINATOR"),
+        (
+            Cluster(),
+            {**ENV, "JAX_PROCESS_ID": "4"},
+            r"process_id = 4 is invalid: must be in \[0, 4\)",
+        ),
+        (Cluster(coordinator_address="nohost"), ENV, "'nohost' is invalid: expected HOST:PORT"),
+        (Cluster(), {**ENV, "JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES = 'two' is not an int"),
+        (Cluster(mode="yes"), {}, r"--distributed = 'yes' is invalid"),
+    ],
+)
+def test_bad_settings_name_the_value(cluster, env, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(cluster, environ=env)
+
+
+def test_cli_bad_process_id_is_one_line_before_any_work(tmp_path, capsys):
+    argv = ["--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"), "--num_processes",
+            "2", "--process_id", "2", "--coordinator_address", "127.0.0.1:1"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: process_id = 2 is invalid: must be in [0, 2)"]
+    assert not (tmp_path / "w").exists()
+
+
+def test_cluster_detection():
+    assert distributed.detected_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) == "SLURM"
+    assert distributed.detected_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
+    mpi = {"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "2"}
+    assert distributed.detected_cluster(mpi) == "Open MPI"
+    assert distributed.detected_cluster({}) is None
+
+
+def test_fingerprint_sees_one_flipped_bit_and_a_swap():
+    x = jax.random.normal(jax.random.key(0), (64, 33))
+    tree = {"a": x, "b": jnp.arange(5, dtype=jnp.float32).astype(jnp.bfloat16)}
+    base = int(distributed.fingerprint(tree))
+    assert int(jax.jit(distributed.fingerprint)(tree)) == base  # the same under jit
+    bits = np.asarray(x).view(np.uint32).copy()
+    for flat_index, bit in [(0, 0), (1000, 31), (64 * 33 - 1, 17)]:
+        flipped = bits.copy().reshape(-1)
+        flipped[flat_index] ^= np.uint32(1 << bit)
+        other = {**tree, "a": jnp.asarray(flipped.view(np.float32).reshape(x.shape))}
+        assert int(distributed.fingerprint(other)) != base
+    swapped = np.asarray(x).copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert int(distributed.fingerprint({**tree, "a": jnp.asarray(swapped)})) != base
+
+
+def test_devices_holding_different_anchors_are_named():
+    layout = parallel.Layout("mesh", 4, 4, 1)
+    mesh = parallel.make_mesh(layout)
+    devices = list(mesh.devices.flat)
+    fingerprints = distributed.make_device_fingerprints(mesh)
+    good = np.arange(12, dtype=np.float32).reshape(3, 4)
+    same = parallel.replicated({"w": good}, mesh)
+    values = jax.device_get(fingerprints(same))
+    assert len(values) == 4 and len(set(values.tolist())) == 1
+    distributed.check_same(values, devices, "the anchor")  # no error
+    # a "replicated" array whose copy on the third device differs by one ulp
+    bad = good.copy()
+    bad[1, 2] = np.nextafter(bad[1, 2], np.float32(100))
+    copies = [jax.device_put(bad if i == 2 else good, d) for i, d in enumerate(devices)]
+    skewed = jax.make_array_from_single_device_arrays(good.shape, NamedSharding(mesh, P()), copies)
+    values = jax.device_get(fingerprints({"w": skewed}))
+    with pytest.raises(ConsistencyError, match=rf"process 0 \(devices \[{devices[2].id}\]\) "
+                                               r"disagree with process 0"):  # fmt: skip
+        distributed.check_same(values, devices, "the anchor")
