@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -98,27 +99,36 @@ def detected_cluster(environ=os.environ) -> str | None:
 
 def initialize(cluster: Cluster) -> str:
     """Joins the run described by ``cluster`` (call before anything touches a device); returns
-    what happened, in words."""
+    what happened, in words. Raises :class:`ConfigError` for bad settings or a failed join (JAX
+    aborts the process itself when the coordinator stays unreachable past the timeout; the line
+    printed before joining says what it was waiting for)."""
     cluster = resolve(cluster)
     if cluster.mode == "off":
         return "one process (--distributed off)"
     if cluster.num_processes is not None:
         if cluster.num_processes == 1 and cluster.mode == "auto":
             return "one process"
-        jax.distributed.initialize(
-            cluster.coordinator_address,
-            cluster.num_processes,
-            cluster.process_id,
-            initialization_timeout=cluster.timeout_s,
-        )
+        where = (f"as process {cluster.process_id} of {cluster.num_processes} through "
+                 f"{cluster.coordinator_address}")  # fmt: skip
+        _join(where, cluster.timeout_s, cluster.coordinator_address, cluster.num_processes,
+              cluster.process_id)  # fmt: skip
         return f"process {cluster.process_id} of {cluster.num_processes}"
     detected = detected_cluster()
     if detected is None and cluster.mode == "auto":
         return "one process"
-    jax.distributed.initialize(initialization_timeout=cluster.timeout_s)  # JAX detects the rest
-    return (
-        f"process {jax.process_index()} of {jax.process_count()} ({detected or 'detected by JAX'})"
-    )
+    where = f"of this {detected} job" if detected else "of a cluster JAX detects (--distributed on)"
+    _join(where, cluster.timeout_s)  # JAX finds the rest
+    return f"process {jax.process_index()} of {jax.process_count()} ({detected or 'JAX'})"
+
+
+def _join(where: str, timeout_s: int, *args) -> None:
+    print(f"joining the run {where} (waiting up to {timeout_s}s for every process)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        jax.distributed.initialize(*args, initialization_timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - JAX raises several kinds; all mean: could not join
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ConfigError(f"could not join the run {where}: {reason}") from None
 
 
 def any_process(flag: bool) -> list[int]:

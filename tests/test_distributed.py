@@ -1,6 +1,9 @@
 """Multi-process set-up and checks that need no second process: settings from flags and the
 environment, cluster detection, the anchor fingerprint and the check that compares devices."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +51,18 @@ def test_cli_bad_process_id_is_one_line_before_any_work(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: process_id = 2 is invalid: must be in [0, 2)"]
+    assert not (tmp_path / "w").exists()
+
+
+def test_joining_without_a_cluster_is_a_clear_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "diloco_jax.train", "--config", "configs/tiny.py", "--workdir",
+         str(tmp_path / "w"), "--distributed", "on", "--init_timeout", "5"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: could not join the run of a cluster JAX detects"), last
     assert not (tmp_path / "w").exists()
 
 
