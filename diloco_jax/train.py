@@ -19,7 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import checkpoint, cli, distributed, optim, parallel, reporting, schedule
+from diloco_jax import (
+    checkpoint,
+    cli,
+    distributed,
+    optim,
+    parallel,
+    reporting,
+    resume,
+    schedule,
+)
 from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
 from diloco_jax.data import (
@@ -30,7 +39,7 @@ from diloco_jax.data import (
     replica_shards,
     unigram_entropy,
 )
-from diloco_jax.diloco import find_anchor, find_diloco_state
+from diloco_jax.diloco import find_anchor
 from diloco_jax.preemption import Preemption
 from diloco_jax.reporting import log
 from diloco_jax.sample import generate_text
@@ -88,27 +97,30 @@ def make_tx(cfg: config_lib.Config, axis_name, *, diagnostics: bool = False):
     )
 
 
-def build(cfg: config_lib.Config) -> Setup:
-    """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
-    DataError before anything is compiled."""
-    config_lib.validate(cfg)
-    m, d, p = cfg.model, cfg.data, cfg.parallel
-    replicas = effective_replicas(cfg)
-    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction)
-    shards_RxS = replica_shards(corpus.train_N, replicas, d.seq_len)  # a view: nothing copied
-    windows = eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows)
+def _layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
+    p = cfg.parallel
     layout = parallel.resolve_layout(
-        replicas=replicas,
-        batch_size=d.batch_size,
-        runtime=p.runtime,
-        replica_devices=p.replica_devices,
-        data_devices=p.data_devices,
-    )
+        replicas=replicas, batch_size=cfg.data.batch_size, runtime=p.runtime,
+        replica_devices=p.replica_devices, data_devices=p.data_devices,
+    )  # fmt: skip
     if layout.runtime == "sim" and jax.process_count() > 1:
         raise config_lib.ConfigError(
             f"config key parallel.runtime = {p.runtime!r} is invalid with "
             f"{jax.process_count()} processes: the simulator runs in one process; use mesh"
         )
+    return layout
+
+
+def build(cfg: config_lib.Config) -> Setup:
+    """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
+    DataError before anything is compiled."""
+    config_lib.validate(cfg)
+    m, d = cfg.model, cfg.data
+    replicas = effective_replicas(cfg)
+    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction)
+    shards_RxS = replica_shards(corpus.train_N, replicas, d.seq_len)  # a view: nothing copied
+    windows = eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows)
+    layout = _layout(cfg, replicas)
     graphdef, params = model_lib.init_model(
         cfg.seed, vocab_size=VOCAB_SIZE, seq_len=d.seq_len, **dataclasses.asdict(m)
     )
@@ -116,7 +128,7 @@ def build(cfg: config_lib.Config) -> Setup:
     diagnostics = cfg.sim.diagnostics and layout.runtime == "sim"
     tx = make_tx(cfg, layout.replica_axis_names, diagnostics=diagnostics)
     if cfg.train.init_from:
-        params = _warm_start(cfg.train.init_from, params)
+        params = resume.warm_start(cfg.train.init_from, params)
     state = init_state(params, tx, replicas)
     axes = state_axes(state)
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
@@ -160,15 +172,6 @@ def build(cfg: config_lib.Config) -> Setup:
     )
 
 
-def _warm_start(workdir: str, params):
-    try:
-        params = checkpoint.load_params(pathlib.Path(workdir) / "params", params)
-    except ValueError as e:
-        raise config_lib.ConfigError(f"config key train.init_from = {workdir!r}: {e}") from None
-    log.info("warm start from the final outer parameters of %s", workdir)
-    return params
-
-
 def chunk_control(cfg: config_lib.Config, s: Setup, start: int) -> StepControl:
     """Stragglers' and failures' masks for the ``log_every`` steps from ``start``."""
     replicas = s.layout.replicas
@@ -208,43 +211,6 @@ def _log_syncs(runlog, cfg: config_lib.Config, first_step: int, metrics_NxR) -> 
 def outer_steps(cfg: config_lib.Config, step: int) -> int:
     """Syncs completed after ``step`` inner steps (ddp syncs every step, single never)."""
     return {"diloco": step // cfg.outer.sync_every, "ddp": step, "single": 0}[cfg.algorithm]
-
-
-def _resume(mngr, s: Setup, workdir: pathlib.Path):
-    """The newest readable checkpoint in ``workdir`` if there is one, else the initial state;
-    a DiLoCo checkpoint with another replica count restarts elastically (:func:`_elastic`)."""
-    if mngr is None:
-        return s.state
-    try:
-        restored, step = checkpoint.restore_latest(mngr, s.state, warn=log.warning)
-    except checkpoint.CheckpointError:
-        saved = checkpoint.saved_replicas(mngr)
-        if s.cfg.algorithm != "diloco" or saved in (None, s.layout.replicas):
-            raise
-        return _elastic(mngr, s, saved)
-    if restored is None:
-        return s.state
-    log.info("resumed from %s at step %d", workdir / "checkpoints", step)
-    return restored
-
-
-def _elastic(mngr, s: Setup, saved_replicas: int):
-    """Resumes a checkpoint of ``saved_replicas`` replicas with this run's count: the saved
-    anchor, outer state and step are kept; every replica restarts from the anchor with a fresh
-    inner state (so an inner learning-rate schedule starts again)."""
-    anchor = find_anchor(s.state.opt_state)
-    like = jax.eval_shape(lambda: init_state(anchor, s.tx, saved_replicas))
-    old = checkpoint.restore(mngr, like)
-    old_diloco = find_diloco_state(old.opt_state)
-    fresh = init_state(old_diloco.anchor, s.tx, s.layout.replicas)
-    opt_state = fresh.opt_state._replace(step=old_diloco.step, outer_state=old_diloco.outer_state)
-    state = fresh._replace(step=old.step, opt_state=opt_state)
-    log.warning(
-        "elastic restart at step %d: the checkpoint has %d replicas, this run %d; every replica "
-        "restarts from the saved anchor with a fresh inner state (outer state kept)",
-        int(old.step), saved_replicas, s.layout.replicas,
-    )  # fmt: skip
-    return parallel.place(state, state_axes(state), s.mesh)
 
 
 def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir, preempted):
@@ -339,7 +305,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     workdir = pathlib.Path(workdir)
     s, t = build(cfg), cfg.train
     mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
-    state = _resume(mngr, s, workdir)
+    state = resume.resume(mngr, s, workdir)
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")

@@ -110,11 +110,12 @@ def test_cli_mismatched_checkpoint_is_one_line_exit_2(tmp_path):
 def test_elastic_restart_keeps_anchor_and_outer_state(saved, resumed, tmp_path, capsys):
     first = train(tiny(**{"parallel.replicas": saved}), tmp_path, show_progress=False)["state"]
     cfg = tiny(**{"parallel.replicas": resumed, "train.total_steps": 30})
-    from diloco_jax.train import _resume, build
+    from diloco_jax.resume import resume
+    from diloco_jax.train import build
 
     s = build(cfg)
     mngr = checkpoint.manager(tmp_path)
-    state = jax.device_get(_resume(mngr, s, tmp_path))
+    state = jax.device_get(resume(mngr, s, tmp_path))
     assert "elastic restart at step 20" in capsys.readouterr().err
     assert int(state.step) == 20 and int(state.opt_state.step) == 20
     assert_bitwise_equal(state.opt_state.anchor, first.opt_state.anchor)
