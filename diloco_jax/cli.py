@@ -41,7 +41,7 @@ def _usage(prog: str, cfg: config_lib.Config, distributed: bool) -> str:
     doc = __doc__.splitlines()
     lines += [line.strip() for line in doc[2:7]]
     if distributed:
-        lines += ["", *doc[8:15]]
+        lines += doc[7:13]
     lines += ["", "config keys (value in the chosen preset):"]
     lines += [f"  {key} = {value!r}" for key, value in config_lib.keys(cfg).items()]
     return "\n".join(lines)
