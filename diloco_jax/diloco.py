@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from diloco_jax import compress
+
 AxisName = str | Sequence[str]
 
 
@@ -66,6 +68,8 @@ class DilocoState(NamedTuple):
       stats: :class:`SyncStats` of the last sync (per-replica and shared fields).
       at_anchor: per-replica bool: this step was a sync and the replica restarts from the anchor
         (:func:`apply_updates` then sets its parameters to the anchor exactly).
+      residual: per-replica. With a codec and error feedback, what encoding this replica's
+        pseudo-gradient lost, added to its next one; ``()`` otherwise.
     """
 
     step: jax.Array
@@ -74,6 +78,7 @@ class DilocoState(NamedTuple):
     outer_state: optax.OptState
     stats: SyncStats
     at_anchor: jax.Array
+    residual: Any = ()
 
 
 def _names(axis_name: AxisName) -> tuple[str, ...]:
@@ -97,6 +102,35 @@ def replica_sum(tree: Any, axis_name: AxisName) -> Any:
     for name in _names(axis_name):
         tree = lax.psum(tree, name)
     return tree
+
+
+def compressed_replica_sum(tree: Any, axis_name: AxisName, codec: compress.Codec):
+    """``(sum over replicas of tree, what this replica's encoding lost)`` with ``codec``.
+
+    Leaves of at least ``codec.min_size`` values travel encoded through
+    :func:`compress.compressed_sum` over the last axis name (the one between devices); they are
+    summed in float32 over the other names first (replicas on the same device). Smaller leaves
+    are summed in float32. The loss of a device's message is shared equally by its replicas.
+    """
+    names = _names(axis_name)
+    leaves, treedef = jax.tree.flatten(tree)
+    big = [i for i, x in enumerate(leaves) if x.size >= codec.min_size]
+    out_sum = [None if i in big else replica_sum(x, axis_name) for i, x in enumerate(leaves)]
+    out_lost = [None if i in big else jnp.zeros_like(x) for i, x in enumerate(leaves)]
+    if big:
+        flat = jnp.concatenate([leaves[i].reshape(-1).astype(jnp.float32) for i in big])
+        if len(names) > 1:  # replicas on one device: summed in memory first
+            flat = replica_sum(flat, names[:-1])
+        total, loss = compress.compressed_sum(flat, names[-1], codec)
+        if len(names) > 1:
+            loss = loss / replica_sum(jnp.float32(1.0), names[:-1])
+        start = 0
+        for i in big:
+            x, piece = leaves[i], slice(start, start + leaves[i].size)
+            out_sum[i] = total[piece].reshape(x.shape).astype(x.dtype)
+            out_lost[i] = loss[piece].reshape(x.shape).astype(x.dtype)
+            start += x.size
+    return jax.tree.unflatten(treedef, out_sum), jax.tree.unflatten(treedef, out_lost)
 
 
 def _dot(a: Any, b: Any) -> jax.Array:
@@ -145,6 +179,7 @@ def diloco(
     axis_name: AxisName = "replica",
     reset_inner_state: bool = False,
     diagnostics: bool = False,
+    codec: compress.Codec | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo: ``sync_every`` local steps of ``inner``, then one ``outer`` step on the anchor.
 
@@ -159,6 +194,9 @@ def diloco(
         learning-rate schedule).
       diagnostics: also compute the mean pairwise cosine of pseudo-gradients at each sync (one
         more all-reduce of parameter size).
+      codec: how pseudo-gradients travel (:mod:`diloco_jax.compress`); None or ``"none"``:
+        float32 ``pmean``. With ``codec.error_feedback`` each replica keeps what its encoding
+        lost (``DilocoState.residual``) and adds it to its next pseudo-gradient.
 
     ``update(grads, state, params, *, active=True, weight=1.0, take_anchor=True)``, all optional
     and per replica: ``active=False`` skips this replica's inner step (a straggler idling);
@@ -176,6 +214,10 @@ def diloco(
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
     inner = maskable(inner)
+    codec = None if codec is None or codec.name == "none" else codec
+    if codec is not None:
+        compress.validate(codec)
+    feedback = codec is not None and codec.error_feedback
 
     def init_fn(params):
         zero = jnp.zeros([], jnp.float32)
@@ -186,6 +228,7 @@ def diloco(
             outer_state=outer.init(params),
             stats=SyncStats(zero, zero, zero, zero, zero, zero, jnp.ones([], bool)),
             at_anchor=jnp.zeros([], bool),
+            residual=jax.tree.map(jnp.zeros_like, params) if feedback else (),
         )
 
     def update_fn(updates, state, params=None, *, active=True, weight=1.0, take_anchor=True):
@@ -200,10 +243,21 @@ def diloco(
             delta = jax.tree.map(lambda a, p: a - p, state.anchor, local)
             finite = jnp.isfinite(optax.tree.norm(delta))  # NaN/Inf anywhere: leave it out
             w = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
-            total_w = replica_mean(w, axis_name)
-            weighted = replica_mean(
-                jax.tree.map(lambda d: jnp.where(w > 0, w * d, 0.0), delta), axis_name
-            )
+            residual = state.residual
+            if codec is None:
+                total_w = replica_mean(w, axis_name)
+                weighted = replica_mean(
+                    jax.tree.map(lambda d: jnp.where(w > 0, w * d, 0.0), delta), axis_name
+                )
+            else:
+                sent = jax.tree.map(lambda d: jnp.where(w > 0, w * d, 0.0), delta)
+                if feedback:  # a replica left out sends nothing and keeps its residual
+                    sent = jax.tree.map(lambda s, e: jnp.where(w > 0, s + e, 0.0), sent, residual)
+                total_w = replica_sum(w, axis_name)
+                weighted, lost = compressed_replica_sum(sent, axis_name, codec)
+                if feedback:
+                    kept = jax.tree.map(lambda e: jnp.where(finite, e, 0.0), residual)
+                    residual = _where(w > 0, lost, kept)
             mean_delta = jax.tree.map(lambda d: d / jnp.maximum(total_w, 1e-30), weighted)
             outer_updates, outer_state = outer.update(mean_delta, state.outer_state, state.anchor)
             anchor = optax.apply_updates(state.anchor, outer_updates)
@@ -217,17 +271,18 @@ def diloco(
             new_updates = _where(restart, to_anchor, inner_updates)
             outer_norm = optax.tree.norm(jax.tree.map(jnp.subtract, anchor, state.anchor))
             stats = _sync_stats(delta, mean_delta, w, outer_norm, axis_name, diagnostics)
-            return new_updates, inner_state, anchor, outer_state, stats, restart
+            return new_updates, inner_state, anchor, outer_state, stats, restart, residual
 
         def local_step(operand):
             inner_updates, inner_state = operand
             stay = jnp.zeros([], bool)
-            return inner_updates, inner_state, state.anchor, state.outer_state, state.stats, stay
+            return (inner_updates, inner_state, state.anchor, state.outer_state, state.stats,
+                    stay, state.residual)  # fmt: skip
 
-        new_updates, inner_state, anchor, outer_state, stats, at_anchor = lax.cond(
+        new_updates, *rest = lax.cond(
             step % sync_every == 0, sync, local_step, (inner_updates, inner_state)
         )
-        return new_updates, DilocoState(step, inner_state, anchor, outer_state, stats, at_anchor)
+        return new_updates, DilocoState(step, *rest)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -258,7 +313,7 @@ def replica_axes(opt_state: Any) -> Any:
     def axes(node):
         if isinstance(node, DilocoState):
             stats = SyncStats(0, 0, 0, None, None, None, 0)
-            return DilocoState(None, 0, None, None, stats, at_anchor=0)
+            return DilocoState(None, 0, None, None, stats, at_anchor=0, residual=0)
         return 0
 
     return jax.tree.map(axes, opt_state, is_leaf=lambda x: isinstance(x, DilocoState))

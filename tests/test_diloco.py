@@ -196,7 +196,13 @@ def test_replica_axes_marks_only_diloco_shared_fields():
     stats = SyncStats(drift=0, cosine_to_mean=0, weight=0, pairwise_cosine=None,
                       outer_update_norm=None, contributors=None, finite=0)  # fmt: skip
     assert axes[1] == DilocoState(
-        step=None, inner_state=0, anchor=None, outer_state=None, stats=stats, at_anchor=0
+        step=None,
+        inner_state=0,
+        anchor=None,
+        outer_state=None,
+        stats=stats,
+        at_anchor=0,
+        residual=0,
     )
     assert jax.tree.leaves(replica_axes(optax.adam(0.1).init(jnp.zeros(2)))) == [0, 0, 0]
 
