@@ -9,7 +9,8 @@ Bytes come from each leaf's size and wire dtype. Per replica and per reduce of `
   carries ``R * P`` each way, so the time is ``2 * (latency + R * P / bandwidth)``.
 
 DiLoCo reduces its pseudo-gradient once per sync; ``ddp`` reduces its gradient every step;
-``single`` never communicates.
+``single`` never communicates. With a codec (:mod:`diloco_jax.compress`) ``P`` is the encoded
+size (:func:`sync_payload`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+
+from diloco_jax import compress
 
 TOPOLOGIES = ("ring", "parameter_server")
 
@@ -41,6 +44,25 @@ def payload_bytes(tree: Any, wire_dtype: Any = None) -> int:
         itemsize = np.dtype(wire_dtype or leaf.dtype).itemsize
         total += int(np.prod(np.shape(leaf))) * itemsize
     return total
+
+
+def sync_payload(tree: Any, codec: compress.Codec | None, replicas: int) -> int:
+    """``P`` of one DiLoCo sync of ``tree`` with ``codec`` among ``replicas`` members, such that
+    :func:`bytes_per_replica` and :func:`reduce_seconds` give what the compressed all-reduce
+    moves: leaves under ``codec.min_size`` in float32, the others concatenated, padded to a
+    multiple of ``replicas * block`` and encoded (both the reduce-scatter and the all-gather
+    carry encoded values). ``topk`` all-gathers ``k`` (value, position) pairs, ``(R - 1) * 8k``
+    bytes per replica, written as the ``P = R * 8k / 2`` that the ring formula turns into that."""
+    if codec is None or codec.name == "none":
+        return payload_bytes(tree)
+    leaves = jax.tree.leaves(tree)
+    small = sum(4 * leaf.size for leaf in leaves if leaf.size < codec.min_size)
+    count = sum(leaf.size for leaf in leaves if leaf.size >= codec.min_size)
+    if count == 0:
+        return small
+    if codec.name == "topk":
+        return small + replicas * compress.encoded_bytes(count, codec) // 2
+    return small + compress.encoded_bytes(compress.padded_size(count, replicas, codec.block), codec)
 
 
 def bytes_per_replica(payload: int, replicas: int, topology: str = "ring") -> float:

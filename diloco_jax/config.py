@@ -14,6 +14,7 @@ import importlib.util
 import pathlib
 from typing import Any, get_type_hints
 
+from diloco_jax.compress import CODECS
 from diloco_jax.optim import ALGORITHMS
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
@@ -102,6 +103,17 @@ class SimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompressConfig:
+    """How DiLoCo's pseudo-gradients travel; see ``diloco_jax/compress.py``."""
+
+    codec: str = "none"  # none | bf16 | int8 | fp8 | int4 | topk
+    block: int = 256  # values per scale (int8, fp8, int4)
+    topk_fraction: float = 0.01  # share of values topk sends
+    min_size: int = 4096  # leaves with fewer values travel in float32
+    error_feedback: bool = False  # keep what encoding lost; add it to the next pseudo-gradient
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     algorithm: str = "diloco"  # diloco | ddp | single
     seed: int = 0
@@ -109,6 +121,7 @@ class Config:
     data: DataConfig = DataConfig()
     inner: InnerConfig = InnerConfig()
     outer: OuterConfig = OuterConfig()
+    compress: CompressConfig = CompressConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     sim: SimConfig = SimConfig()
@@ -235,6 +248,16 @@ def validate(cfg: Config) -> None:
          "sync boundaries)"),
     ]  # fmt: skip
     _enforce(rules, flat)
+    c = cfg.compress
+    rules = [
+        ("compress.codec", c.codec in CODECS, f"must be one of {CODECS}"),
+        ("compress.block", c.block >= 2 and c.block % 2 == 0, "must be an even integer >= 2"),
+        ("compress.topk_fraction", 0 < c.topk_fraction <= 1, "must be in (0, 1]"),
+        ("compress.min_size", c.min_size >= 0, "must be >= 0"),
+        ("compress.codec", c.codec == "none" or cfg.algorithm == "diloco",
+         f"compresses DiLoCo's pseudo-gradients; algorithm is {cfg.algorithm!r}"),
+    ]  # fmt: skip
+    _enforce(rules, keys(cfg))
     _validate_sim(cfg)
 
 

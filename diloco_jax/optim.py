@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import optax
 
+from diloco_jax.compress import Codec
 from diloco_jax.diloco import AxisName, data_parallel, diloco
 
 ALGORITHMS = ("diloco", "ddp", "single")
@@ -56,6 +57,7 @@ def make_tx(
     axis_name: AxisName,
     reset_inner_state: bool = False,
     diagnostics: bool = False,
+    codec: Codec | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The per-replica transform for ``algorithm`` (one of :data:`ALGORITHMS`). Every one takes
     the :class:`~diloco_jax.step.StepControl` extra arguments (the baselines ignore them)."""
@@ -67,6 +69,7 @@ def make_tx(
             axis_name=axis_name,
             reset_inner_state=reset_inner_state,
             diagnostics=diagnostics,
+            codec=codec,
         )
     if algorithm == "ddp":
         return data_parallel(inner, axis_name=axis_name)

@@ -117,7 +117,7 @@ def make_replica_step(
             start = lax.axis_index(data_axis) * rows
             tokens_BxL1 = lax.dynamic_slice_in_dim(tokens_BxL1, start, rows)
         loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BxL1)
-        if data_axis is not None:
+        if data_axis is not None and data_shards > 1:
             loss, grads = lax.pmean((loss, grads), data_axis)
         extra = control._asdict() if controlled else {}
         updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)

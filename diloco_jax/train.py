@@ -31,6 +31,7 @@ from diloco_jax import (
 )
 from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
+from diloco_jax.compress import Codec
 from diloco_jax.data import (
     VOCAB_SIZE,
     DataError,
@@ -78,6 +79,11 @@ def effective_replicas(cfg: config_lib.Config) -> int:
     return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
 
 
+def codec_of(cfg: config_lib.Config) -> Codec:
+    c = cfg.compress
+    return Codec(c.codec, c.block, c.topk_fraction, c.min_size, c.error_feedback)
+
+
 def make_tx(cfg: config_lib.Config, axis_name, *, diagnostics: bool = False):
     """The per-replica transform that ``cfg`` asks for, reducing over ``axis_name``."""
     inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
@@ -94,6 +100,7 @@ def make_tx(cfg: config_lib.Config, axis_name, *, diagnostics: bool = False):
         axis_name=axis_name,
         reset_inner_state=cfg.outer.reset_inner_state,
         diagnostics=diagnostics,
+        codec=codec_of(cfg),
     )
 
 

@@ -106,14 +106,25 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
     return done
 
 
-def account(done: dict, cfg: config_lib.Config, payload: int) -> dict:
-    """A results row: losses, exact bytes, and the network clock."""
+def codec_label(cfg: config_lib.Config) -> str:
+    c = cfg.compress
+    return c.codec + ("+ef" if c.error_feedback and c.codec != "none" else "")
+
+
+def account(done: dict, cfg: config_lib.Config, params) -> dict:
+    """A results row: losses, exact bytes, and the network clock (``params``: the model's, whose
+    size and dtypes give the bytes)."""
     replicas = 1 if cfg.algorithm == "single" else cfg.parallel.replicas
     steps, sim = done["steps"], cfg.sim
+    from diloco_jax.train import codec_of
+
+    codec = codec_of(cfg) if cfg.algorithm == "diloco" else None
+    payload = comms.sync_payload(params, codec, replicas)
+    fp32_payload = comms.payload_bytes(params)
     per_reduce = comms.bytes_per_replica(payload, replicas, sim.topology)
     syncs = comms.reduces(cfg.algorithm, steps, cfg.outer.sync_every)
     sent = syncs * per_reduce
-    ddp_sent = steps * comms.bytes_per_replica(payload, cfg.parallel.replicas, sim.topology)
+    ddp_sent = steps * comms.bytes_per_replica(fp32_payload, cfg.parallel.replicas, sim.topology)
     preset = comms.NETWORKS[sim.network]
     network = comms.Network(
         sim.bandwidth_gbps or preset.bandwidth_gbps,
@@ -132,7 +143,7 @@ def account(done: dict, cfg: config_lib.Config, payload: int) -> dict:
         "run": done["name"], "algorithm": cfg.algorithm, "replicas": replicas,
         "sync_every": cfg.outer.sync_every if cfg.algorithm == "diloco" else 1,
         "outer_lr": cfg.outer.learning_rate, "outer_momentum": cfg.outer.momentum,
-        "codec": "none", "seed": cfg.seed, "tokens": done["tokens"], "steps": steps,
+        "codec": codec_label(cfg), "seed": cfg.seed, "tokens": done["tokens"], "steps": steps,
         "final_eval_loss": done["final_eval_loss"], "best_eval_loss": min(losses),
         "syncs": syncs, "bytes_per_replica": sent,
         "bytes_per_token": sent * replicas / done["tokens"],
@@ -154,7 +165,7 @@ def summarize(rows: list[dict], groups: dict[str, str]) -> list[dict]:
         table.append({
             "run": group, "seeds": len(members), "replicas": first["replicas"],
             "sync_every": first["sync_every"], "outer_lr": first["outer_lr"],
-            "tokens": first["tokens"], "final_eval_loss": float(losses.mean()),
+            "codec": first["codec"], "tokens": first["tokens"], "final_eval_loss": float(losses.mean()),
             "final_eval_loss_std": float(losses.std()),
             "best_eval_loss": float(np.mean([m["best_eval_loss"] for m in members])),
             "bytes_per_replica": first["bytes_per_replica"], "bytes_vs_ddp": first["bytes_vs_ddp"],
@@ -211,7 +222,6 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     setup_logging(logging.WARNING)  # the sweep's bar and table say enough
     _, params = model_lib.init_model(0, vocab_size=VOCAB_SIZE, seq_len=base.data.seq_len,
                                      **config_lib.to_dict(base)["model"])  # fmt: skip
-    payload = comms.payload_bytes(params)
     workdir.mkdir(parents=True, exist_ok=True)
     rows, dones, groups = [], [], {}
     bar = progress_bar(len(runs), enabled=show_progress, unit="run")
@@ -224,7 +234,7 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
             return []
         groups[name] = group
         dones.append(done)
-        rows.append(account(done, cfg, payload))
+        rows.append(account(done, cfg, params))
         bar.update(1)
     bar.close()
     write_csv(workdir / "results.csv", rows)
