@@ -165,7 +165,8 @@ def summarize(rows: list[dict], groups: dict[str, str]) -> list[dict]:
         table.append({
             "run": group, "seeds": len(members), "replicas": first["replicas"],
             "sync_every": first["sync_every"], "outer_lr": first["outer_lr"],
-            "codec": first["codec"], "tokens": first["tokens"], "final_eval_loss": float(losses.mean()),
+            "codec": first["codec"], "tokens": first["tokens"],
+            "final_eval_loss": float(losses.mean()),
             "final_eval_loss_std": float(losses.std()),
             "best_eval_loss": float(np.mean([m["best_eval_loss"] for m in members])),
             "bytes_per_replica": first["bytes_per_replica"], "bytes_vs_ddp": first["bytes_vs_ddp"],
