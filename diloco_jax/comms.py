@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from diloco_jax import compress
+from diloco_jax import compress, dct, fragments
+from diloco_jax.dct import DctConfig
 
 TOPOLOGIES = ("ring", "parameter_server")
 
@@ -46,16 +47,24 @@ def payload_bytes(tree: Any, wire_dtype: Any = None) -> int:
     return total
 
 
-def sync_payload(tree: Any, codec: compress.Codec | None, replicas: int) -> int:
+def sync_payload(
+    tree: Any, codec: compress.Codec | None, replicas: int, dct_config: DctConfig | None = None
+) -> int:
     """``P`` of one DiLoCo sync of ``tree`` with ``codec`` among ``replicas`` members, such that
     :func:`bytes_per_replica` and :func:`reduce_seconds` give what the compressed all-reduce
     moves: leaves under ``codec.min_size`` in float32, the others concatenated, padded to a
     multiple of ``replicas * block`` and encoded (both the reduce-scatter and the all-gather
     carry encoded values). ``topk`` all-gathers ``k`` (value, position) pairs, ``(R - 1) * 8k``
-    bytes per replica, written as the ``P = R * 8k / 2`` that the ring formula turns into that."""
+    bytes per replica, written as the ``P = R * 8k / 2`` that the ring formula turns into that;
+    DCT momentum (``dct_config``) likewise all-gathers each replica's message
+    (:func:`diloco_jax.dct.message_bytes`)."""
+    leaves = jax.tree.leaves(tree)
+    if dct_config is not None:
+        small = sum(4 * leaf.size for leaf in leaves if leaf.size < dct_config.min_size)
+        count = sum(leaf.size for leaf in leaves if leaf.size >= dct_config.min_size)
+        return small + (replicas * dct.message_bytes(count, dct_config) // 2 if count else 0)
     if codec is None or codec.name == "none":
         return payload_bytes(tree)
-    leaves = jax.tree.leaves(tree)
     small = sum(4 * leaf.size for leaf in leaves if leaf.size < codec.min_size)
     count = sum(leaf.size for leaf in leaves if leaf.size >= codec.min_size)
     if count == 0:
@@ -92,3 +101,23 @@ def reduce_seconds(payload: int, replicas: int, network: Network, topology: str 
 def reduces(algorithm: str, steps: int, sync_every: int) -> int:
     """How many reduces a run of ``steps`` inner steps makes."""
     return {"diloco": steps // sync_every, "ddp": steps, "single": 0}[algorithm]
+
+
+def sync_payloads(
+    tree: Any,
+    codec: compress.Codec | None,
+    replicas: int,
+    *,
+    dct_config: DctConfig | None = None,
+    num_fragments: int = 1,
+) -> list[int]:
+    """``P`` of each fragment's sync (one entry without streaming), fragments as
+    :func:`diloco_jax.fragments.strided` assigns them."""
+    leaves = jax.tree.leaves(tree)
+    groups = fragments.groups(fragments.strided(tree, num_fragments), num_fragments)
+    return [sync_payload([leaves[i] for i in idx], codec, replicas, dct_config) for idx in groups]
+
+
+def diloco_sync_events(steps: int, sync_every: int, num_fragments: int = 1) -> list[int]:
+    """The fragment of every sync a DiLoCo run of ``steps`` inner steps makes, in order."""
+    return [f for _, f in fragments.sync_steps(steps, sync_every, num_fragments)]

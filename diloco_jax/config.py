@@ -15,6 +15,7 @@ import pathlib
 from typing import Any, get_type_hints
 
 from diloco_jax.compress import CODECS
+from diloco_jax.diloco import OUTER_MODES
 from diloco_jax.optim import ALGORITHMS
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
@@ -60,6 +61,9 @@ class OuterConfig:
     momentum: float = 0.9
     nesterov: bool = True
     reset_inner_state: bool = False
+    # sync: the paper; delayed: apply the previous sync's mean (its all-reduce overlaps the next
+    # round); eager: the previous mean with this replica's fresh share (Kale et al., 2025)
+    mode: str = "sync"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +110,23 @@ class SimConfig:
 class CompressConfig:
     """How DiLoCo's pseudo-gradients travel; see ``diloco_jax/compress.py``."""
 
-    codec: str = "none"  # none | bf16 | int8 | fp8 | int4 | topk
+    codec: str = "none"  # none | bf16 | int8 | fp8 | int4 | topk | dct (DCT momentum)
     block: int = 256  # values per scale (int8, fp8, int4)
     topk_fraction: float = 0.01  # share of values topk sends
     min_size: int = 4096  # leaves with fewer values travel in float32
     error_feedback: bool = False  # keep what encoding lost; add it to the next pseudo-gradient
+    dct_chunk: int = 64  # dct: values per DCT chunk
+    dct_topk: int = 4  # dct: coefficients each replica sends per chunk
+    dct_beta: float = 0.9  # dct: decay of the local momentum of pseudo-gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingConfig:
+    """Streaming DiLoCo (arXiv 2501.18512); see ``diloco_jax/fragments.py``."""
+
+    fragments: int = 1  # F: fragment f syncs every outer.sync_every steps at offset f*H/F
+    overlap: int = 0  # tau: inner steps between a fragment's sync and its landing (< H/F)
+    mix: float = 0.0  # alpha: weight of the local parameters when the merged fragment lands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +138,7 @@ class Config:
     inner: InnerConfig = InnerConfig()
     outer: OuterConfig = OuterConfig()
     compress: CompressConfig = CompressConfig()
+    streaming: StreamingConfig = StreamingConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     sim: SimConfig = SimConfig()
@@ -203,11 +220,12 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 _POSITIVE = (
     "model.d_model", "model.num_layers", "model.num_heads", "model.mlp_ratio", "data.seq_len",
     "data.batch_size", "outer.sync_every", "parallel.replicas", "train.total_steps",
-    "train.log_every", "train.eval_every", "train.keep_checkpoints",
+    "train.log_every", "train.eval_every", "train.keep_checkpoints", "streaming.fragments",
+    "compress.dct_chunk", "compress.dct_topk",
 )  # fmt: skip
 _NON_NEGATIVE = (
     "parallel.replica_devices", "parallel.data_devices", "inner.warmup_steps", "train.sample_chars",
-    "train.checkpoint_every",
+    "train.checkpoint_every", "streaming.overlap",
 )  # fmt: skip
 
 
@@ -249,8 +267,9 @@ def validate(cfg: Config) -> None:
     ]  # fmt: skip
     _enforce(rules, flat)
     c = cfg.compress
+    codecs = (*CODECS, "dct")
     rules = [
-        ("compress.codec", c.codec in CODECS, f"must be one of {CODECS}"),
+        ("compress.codec", c.codec in codecs, f"must be one of {codecs}"),
         ("compress.block", c.block >= 2 and c.block % 2 == 0, "must be an even integer >= 2"),
         ("compress.topk_fraction", 0 < c.topk_fraction <= 1, "must be in (0, 1]"),
         ("compress.min_size", c.min_size >= 0, "must be >= 0"),
@@ -258,7 +277,45 @@ def validate(cfg: Config) -> None:
          f"compresses DiLoCo's pseudo-gradients; algorithm is {cfg.algorithm!r}"),
     ]  # fmt: skip
     _enforce(rules, keys(cfg))
+    _validate_variants(cfg)
     _validate_sim(cfg)
+
+
+def _validate_variants(cfg: Config) -> None:
+    """Streaming, overlapped outer steps and DCT momentum: their ranges and what combines."""
+    c, st, o = cfg.compress, cfg.streaming, cfg.outer
+    diloco, plain = cfg.algorithm == "diloco", st.fragments == 1 and st.overlap == 0
+    period = o.sync_every // st.fragments
+    sim = cfg.sim
+    rules = [
+        ("compress.dct_topk", c.dct_topk <= c.dct_chunk,
+         f"must be <= compress.dct_chunk = {c.dct_chunk}"),
+        ("compress.dct_beta", 0 <= c.dct_beta <= 1, "must be in [0, 1]"),
+        ("outer.mode", o.mode in OUTER_MODES, f"must be one of {OUTER_MODES}"),
+        ("outer.mode", o.mode == "sync" or diloco,
+         f"overlaps DiLoCo's outer step; algorithm is {cfg.algorithm!r}"),
+        ("streaming.fragments", st.fragments == 1 or diloco,
+         f"streams DiLoCo's syncs; algorithm is {cfg.algorithm!r}"),
+        ("streaming.fragments", o.sync_every % st.fragments == 0,
+         f"must divide outer.sync_every = {o.sync_every}"),
+        ("streaming.fragments", st.fragments <= cfg.model.num_layers,
+         f"must be <= model.num_layers = {cfg.model.num_layers} (fragments are strided layers)"),
+        ("streaming.overlap", st.overlap < max(period, 1),
+         f"must be < outer.sync_every / streaming.fragments = {period}"),
+        ("streaming.mix", 0 <= st.mix < 1, "must be in [0, 1)"),
+        ("outer.mode", o.mode == "sync" or plain,
+         "must be 'sync' with streaming (fragments > 1 or overlap > 0)"),
+        ("outer.reset_inner_state", not o.reset_inner_state or st.fragments == 1,
+         "does not combine with streaming.fragments > 1"),
+        ("compress.codec", c.codec != "dct" or plain,
+         "dct does not combine with streaming (fragments > 1 or overlap > 0)"),
+        ("compress.error_feedback", c.codec != "dct" or not c.error_feedback,
+         "dct keeps what it does not send in its momentum already; set it to false"),
+        ("streaming.fragments", plain or not (sim.speeds or sim.dylu or sim.drop or sim.drop_prob),
+         "streaming does not combine with simulated stragglers or failures (sim.speeds, "
+         "sim.dylu, sim.drop, sim.drop_prob)"),
+    ]  # fmt: skip
+    _enforce(rules, keys(cfg))
 
 
 def _validate_sim(cfg: Config) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import optax
 
 from diloco_jax.compress import Codec
-from diloco_jax.diloco import AxisName, data_parallel, diloco
+from diloco_jax.dct import DctConfig
+from diloco_jax.diloco import AxisName, Streaming, data_parallel, diloco
 
 ALGORITHMS = ("diloco", "ddp", "single")
 
@@ -58,9 +59,13 @@ def make_tx(
     reset_inner_state: bool = False,
     diagnostics: bool = False,
     codec: Codec | None = None,
+    dct_config: DctConfig | None = None,
+    streaming: Streaming | None = None,
+    outer_mode: str = "sync",
 ) -> optax.GradientTransformationExtraArgs:
     """The per-replica transform for ``algorithm`` (one of :data:`ALGORITHMS`). Every one takes
-    the :class:`~diloco_jax.step.StepControl` extra arguments (the baselines ignore them)."""
+    the :class:`~diloco_jax.step.StepControl` extra arguments (the baselines ignore them).
+    ``codec``, ``dct_config``, ``streaming`` and ``outer_mode`` are DiLoCo's variants."""
     if algorithm == "diloco":
         return diloco(
             inner,
@@ -70,6 +75,9 @@ def make_tx(
             reset_inner_state=reset_inner_state,
             diagnostics=diagnostics,
             codec=codec,
+            dct_config=dct_config,
+            streaming=streaming,
+            outer_mode=outer_mode,
         )
     if algorithm == "ddp":
         return data_parallel(inner, axis_name=axis_name)

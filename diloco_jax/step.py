@@ -18,7 +18,13 @@ from jax import lax
 
 from diloco_jax import model as model_lib
 from diloco_jax.data import sample_batch
-from diloco_jax.diloco import apply_updates, find_anchor, find_diloco_state, replica_axes
+from diloco_jax.diloco import (
+    EagerDilocoState,
+    apply_updates,
+    find_anchor,
+    find_diloco_state,
+    replica_axes,
+)
 
 
 class TrainState(NamedTuple):
@@ -146,7 +152,11 @@ def scan_steps(step_fn, num_steps: int):
 
 
 def outer_params(state: TrainState) -> Any:
-    """The parameters to evaluate: DiLoCo's anchor, else replica 0's parameters."""
+    """The parameters to evaluate: DiLoCo's anchor (with eager updates, where every replica has
+    its own, their mean), else replica 0's parameters."""
+    diloco_state = find_diloco_state(state.opt_state)
+    if isinstance(diloco_state, EagerDilocoState):
+        return jax.tree.map(lambda x: x.mean(axis=0), diloco_state.anchor)
     anchor = find_anchor(state.opt_state)
     if anchor is not None:
         return anchor

@@ -40,7 +40,8 @@ from diloco_jax.data import (
     replica_shards,
     unigram_entropy,
 )
-from diloco_jax.diloco import find_anchor
+from diloco_jax.dct import DctConfig
+from diloco_jax.diloco import EagerDilocoState, Streaming, find_anchor, find_diloco_state
 from diloco_jax.preemption import Preemption
 from diloco_jax.reporting import log
 from diloco_jax.sample import generate_text
@@ -79,9 +80,17 @@ def effective_replicas(cfg: config_lib.Config) -> int:
     return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
 
 
-def codec_of(cfg: config_lib.Config) -> Codec:
+def codec_of(cfg: config_lib.Config) -> Codec | None:
+    """The codec ``cfg`` asks for (None for ``dct``, which is not a codec but an exchange)."""
     c = cfg.compress
+    if c.codec == "dct":
+        return None
     return Codec(c.codec, c.block, c.topk_fraction, c.min_size, c.error_feedback)
+
+
+def dct_of(cfg: config_lib.Config) -> DctConfig | None:
+    c = cfg.compress
+    return DctConfig(c.dct_chunk, c.dct_topk, c.dct_beta, c.min_size) if c.codec == "dct" else None
 
 
 def make_tx(cfg: config_lib.Config, axis_name, *, diagnostics: bool = False):
@@ -101,6 +110,9 @@ def make_tx(cfg: config_lib.Config, axis_name, *, diagnostics: bool = False):
         reset_inner_state=cfg.outer.reset_inner_state,
         diagnostics=diagnostics,
         codec=codec_of(cfg),
+        dct_config=dct_of(cfg),
+        streaming=Streaming(**dataclasses.asdict(cfg.streaming)),
+        outer_mode=cfg.outer.mode,
     )
 
 
@@ -195,9 +207,10 @@ def _log_syncs(runlog, cfg: config_lib.Config, first_step: int, metrics_NxR) -> 
     """One ``sync`` event per DiLoCo sync in a call: per-replica loss and drift diagnostics."""
     if cfg.algorithm != "diloco":
         return
+    every = cfg.outer.sync_every // cfg.streaming.fragments  # one fragment's sync each
     for i in range(len(metrics_NxR["loss"])):
         step = first_step + i + 1
-        if step % cfg.outer.sync_every:
+        if step % every:
             continue
         shared = ("pairwise_cosine", "outer_update_norm", "contributors")
         values = {k: v[i] for k, v in metrics_NxR.items() if k not in shared}
@@ -205,6 +218,8 @@ def _log_syncs(runlog, cfg: config_lib.Config, first_step: int, metrics_NxR) -> 
         if np.isnan(values["pairwise_cosine"]):  # not computed (sim.diagnostics off, or mesh)
             del values["pairwise_cosine"]
         outer = step // cfg.outer.sync_every
+        if cfg.streaming.fragments > 1:
+            values["fragment"] = (step // every) % cfg.streaming.fragments
         runlog.write("sync", step, outer_step=outer, **values)
         bad = [r for r, ok in enumerate(values["finite"]) if not ok]
         if bad and len(bad) == len(values["finite"]):
@@ -293,6 +308,8 @@ def _check_anchor(s: Setup, state, step: int) -> None:
     n = s.cfg.train.log_every
     if s.fingerprints is None or s.cfg.algorithm != "diloco":
         return
+    if isinstance(find_diloco_state(state.opt_state), EagerDilocoState):
+        return  # eager updates: every replica has its own anchor
     if outer_steps(s.cfg, step) == outer_steps(s.cfg, step - n):
         return
     values = jax.device_get(s.fingerprints(find_anchor(state.opt_state)))

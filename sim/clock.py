@@ -14,6 +14,7 @@ the barrier); with Dynamic Local Updates slow replicas take fewer (``schedule.lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -24,7 +25,7 @@ from diloco_jax import comms, schedule
 class Clock(NamedTuple):
     wallclock_s: float
     compute_s: float  # summed over replicas
-    comm_s: float  # time spent in reduces (every replica waits for them)
+    comm_s: float  # time the replicas stall in reduces (all of it unless overlapped)
     utilization: float  # compute_s / (replicas * wallclock_s)
 
 
@@ -37,24 +38,35 @@ def simulate(
     speeds: np.ndarray,
     dylu: bool,
     step_time_s: float,
-    payload_bytes: int,
+    payload_bytes: int | Sequence[int],
     network: comms.Network,
     topology: str = "ring",
+    fragments: int = 1,
+    hidden_steps: int = 0,
 ) -> Clock:
-    """The wall-clock of ``steps`` inner steps per replica under the model above."""
-    reduce_s = comms.reduce_seconds(payload_bytes, replicas, network, topology)
+    """The wall-clock of ``steps`` inner steps per replica under the model above.
+
+    Streaming DiLoCo syncs one of its ``fragments`` every ``sync_every / fragments`` steps,
+    fragment ``k mod F`` at the end of round ``k``, with the fragments' ``payload_bytes`` (a list)
+    in turn. Overlapped communication: a reduce runs behind ``hidden_steps`` inner steps of compute
+    (streaming's overlap tau; a whole round for delayed and eager outer steps) and only what
+    exceeds them stalls the replicas. ``comm_s`` is the stalled time.
+    """
+    payloads = [payload_bytes] if isinstance(payload_bytes, int) else list(payload_bytes)
+    reduce_s = [comms.reduce_seconds(p, replicas, network, topology) for p in payloads]
     if algorithm == "single":
         compute = steps * step_time_s / speeds[0]
         return Clock(compute, compute, 0.0, 1.0)
-    round_steps = 1 if algorithm == "ddp" else sync_every
+    round_steps = 1 if algorithm == "ddp" else sync_every // fragments
     per_round = schedule.local_steps(speeds, round_steps, dylu and algorithm == "diloco")
     full_rounds, leftover = divmod(steps, round_steps)
     compute_R = per_round * step_time_s / speeds
-    wall = full_rounds * (compute_R.max() + reduce_s)
+    stall = [max(0.0, r - hidden_steps * step_time_s) for r in reduce_s]
+    comm = sum(stall[k % len(stall)] for k in range(1, full_rounds + 1))
+    wall = full_rounds * compute_R.max() + comm
     busy = full_rounds * compute_R.sum()
     if leftover:  # a last round that ends before its sync
         left_R = np.minimum(per_round, leftover) * step_time_s / speeds
         wall += left_R.max()
         busy += left_R.sum()
-    comm = full_rounds * reduce_s
     return Clock(float(wall), float(busy), float(comm), float(busy / (replicas * wall)))

@@ -107,8 +107,24 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
 
 
 def codec_label(cfg: config_lib.Config) -> str:
-    c = cfg.compress
-    return c.codec + ("+ef" if c.error_feedback and c.codec != "none" else "")
+    """How the run's pseudo-gradients travel, and its other communication variants, e.g.
+    ``int4+ef``, ``none,F=4,tau=2,alpha=0.5`` or ``none,eager``."""
+    c, st = cfg.compress, cfg.streaming
+    label = c.codec + ("+ef" if c.error_feedback and c.codec not in ("none", "dct") else "")
+    if c.codec == "dct":
+        label += f"(k={c.dct_topk}/{c.dct_chunk},beta={c.dct_beta:g})"
+    if st.fragments > 1 or st.overlap:
+        label += f",F={st.fragments},tau={st.overlap},alpha={st.mix:g}"
+    if cfg.outer.mode != "sync":
+        label += f",{cfg.outer.mode}"
+    return label
+
+
+def _hidden_steps(cfg: config_lib.Config) -> int:
+    """Inner steps of compute that one reduce overlaps (see ``sim/clock.py``)."""
+    if cfg.algorithm != "diloco":
+        return 0
+    return cfg.outer.sync_every if cfg.outer.mode != "sync" else cfg.streaming.overlap
 
 
 def account(done: dict, cfg: config_lib.Config, params) -> dict:
@@ -116,14 +132,21 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
     size and dtypes give the bytes)."""
     replicas = 1 if cfg.algorithm == "single" else cfg.parallel.replicas
     steps, sim = done["steps"], cfg.sim
-    from diloco_jax.train import codec_of
+    from diloco_jax.train import codec_of, dct_of
 
-    codec = codec_of(cfg) if cfg.algorithm == "diloco" else None
-    payload = comms.sync_payload(params, codec, replicas)
+    diloco = cfg.algorithm == "diloco"
+    num_fragments = cfg.streaming.fragments if diloco else 1
+    payloads = comms.sync_payloads(
+        params, codec_of(cfg) if diloco else None, replicas,
+        dct_config=dct_of(cfg) if diloco else None, num_fragments=num_fragments,
+    )  # fmt: skip
     fp32_payload = comms.payload_bytes(params)
-    per_reduce = comms.bytes_per_replica(payload, replicas, sim.topology)
-    syncs = comms.reduces(cfg.algorithm, steps, cfg.outer.sync_every)
-    sent = syncs * per_reduce
+    if diloco:
+        events = comms.diloco_sync_events(steps, cfg.outer.sync_every, num_fragments)
+    else:
+        events = [0] * comms.reduces(cfg.algorithm, steps, cfg.outer.sync_every)
+    syncs = len(events)
+    sent = sum(comms.bytes_per_replica(payloads[f], replicas, sim.topology) for f in events)
     ddp_sent = steps * comms.bytes_per_replica(fp32_payload, cfg.parallel.replicas, sim.topology)
     preset = comms.NETWORKS[sim.network]
     network = comms.Network(
@@ -135,8 +158,8 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
     c = clock.simulate(
         algorithm=cfg.algorithm, steps=steps, sync_every=cfg.outer.sync_every, replicas=replicas,
         speeds=schedule.parse_speeds(sim.speeds, cfg.parallel.replicas)[:replicas],
-        dylu=sim.dylu, step_time_s=step_time, payload_bytes=payload, network=network,
-        topology=sim.topology,
+        dylu=sim.dylu, step_time_s=step_time, payload_bytes=payloads, network=network,
+        topology=sim.topology, fragments=num_fragments, hidden_steps=_hidden_steps(cfg),
     )  # fmt: skip
     losses = [e["eval_loss"] for e in done["evals"]]
     return {

@@ -203,6 +203,8 @@ def test_replica_axes_marks_only_diloco_shared_fields():
         stats=stats,
         at_anchor=0,
         residual=0,
+        pending=None,
+        last_share=0,
     )
     assert jax.tree.leaves(replica_axes(optax.adam(0.1).init(jnp.zeros(2)))) == [0, 0, 0]
 

@@ -1,0 +1,86 @@
+"""The chunked DCT of DCT momentum (:func:`diloco_jax.exchange.dct_momentum`).
+
+A float32 vector is cut into chunks ``x_NxS`` of ``S`` values; each chunk is transformed by the
+orthonormal DCT-II ``C_NxS = x_NxS @ D_SxS.T`` (so ``x = C @ D``: the inverse is the transpose).
+Of each chunk's ``S`` coefficients the ``K`` largest in magnitude travel, as float32 values and
+their positions (``uint8`` for ``S <= 256``); what is not sent stays in the local momentum.
+DeMo (Peng et al., arXiv 2411.19870) uses 2-D chunks of weight matrices; we use 1-D chunks of the
+flattened parameters, which needs no shapes and treats every leaf alike.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+class DctConfig(NamedTuple):
+    """``chunk``: values per DCT chunk (S); ``topk``: coefficients sent per chunk (K);
+    ``beta``: momentum decay of the local accumulator; ``min_size``: leaves with fewer values
+    are averaged in float32."""
+
+    chunk: int = 64
+    topk: int = 4
+    beta: float = 0.9
+    min_size: int = 4096
+
+
+def validate(config: DctConfig) -> None:
+    if config.chunk < 2:
+        raise ValueError(f"dct chunk {config.chunk} must be >= 2")
+    if not 1 <= config.topk <= config.chunk:
+        raise ValueError(f"dct topk {config.topk} must be in [1, chunk = {config.chunk}]")
+    if not 0 <= config.beta <= 1:
+        raise ValueError(f"dct beta {config.beta} must be in [0, 1]")
+
+
+def matrix(size: int) -> np.ndarray:
+    """The orthonormal DCT-II matrix ``D_SxS``: ``D[k, n] = c_k cos(pi (n + 1/2) k / S)``,
+    ``c_0 = sqrt(1/S)``, ``c_k = sqrt(2/S)``."""
+    n = np.arange(size)
+    d = np.cos(np.pi * (n[None, :] + 0.5) * n[:, None] / size) * np.sqrt(2.0 / size)
+    d[0] /= np.sqrt(2.0)
+    return d.astype(np.float32)
+
+
+def padded(size: int, chunk: int) -> int:
+    return -(-size // chunk) * chunk
+
+
+def position_dtype(chunk: int):
+    return jnp.uint8 if chunk <= 256 else jnp.uint16 if chunk <= 65536 else jnp.int32
+
+
+def extract(flat: jax.Array, chunk: int, topk: int):
+    """``(vals_NxK, idx_NxK, kept)``: each chunk's ``topk`` largest DCT coefficients, their
+    positions, and ``flat`` minus their inverse DCT (what stays local)."""
+    d_SxS = jnp.asarray(matrix(chunk))
+    x_NxS = flat.reshape(-1, chunk)
+    c_NxS = jnp.dot(x_NxS, d_SxS.T, precision=lax.Precision.HIGHEST)
+    _, idx_NxK = lax.top_k(jnp.abs(c_NxS), topk)
+    vals_NxK = jnp.take_along_axis(c_NxS, idx_NxK, axis=1)
+    sent_NxS = _scatter(vals_NxK, idx_NxK, chunk)
+    kept_NxS = jnp.dot(c_NxS - sent_NxS, d_SxS, precision=lax.Precision.HIGHEST)
+    return vals_NxK, idx_NxK.astype(position_dtype(chunk)), kept_NxS.reshape(-1)
+
+
+def _scatter(vals_NxK: jax.Array, idx_NxK: jax.Array, chunk: int) -> jax.Array:
+    rows_Nx1 = jnp.arange(vals_NxK.shape[0])[:, None]
+    zeros = jnp.zeros((vals_NxK.shape[0], chunk), jnp.float32)
+    return zeros.at[rows_Nx1, idx_NxK.astype(jnp.int32)].add(vals_NxK)
+
+
+def decode(vals_NxM: jax.Array, idx_NxM: jax.Array, chunk: int) -> jax.Array:
+    """The flat vector whose chunks have the (summed) DCT coefficients ``vals`` at ``idx``."""
+    c_NxS = _scatter(vals_NxM, idx_NxM, chunk)
+    return jnp.dot(c_NxS, jnp.asarray(matrix(chunk)), precision=lax.Precision.HIGHEST).reshape(-1)
+
+
+def message_bytes(num_values: int, config: DctConfig) -> int:
+    """Bytes one replica's message takes: ``K`` float32 values and positions per chunk."""
+    chunks = padded(num_values, config.chunk) // config.chunk
+    return chunks * config.topk * (4 + np.dtype(position_dtype(config.chunk)).itemsize)

@@ -1,0 +1,180 @@
+"""How replicas average their pseudo-gradients at a sync: small pieces with their own state.
+
+An :class:`Exchange` turns each replica's weighted pseudo-gradient into the replica mean::
+
+    mean = sum_r w_r delta_r / sum_r w_r          (w_r = 0: replica r is left out)
+
+* :func:`plain`: a float32 ``pmean`` (the paper's DiLoCo). No state.
+* :func:`encoded`: the pseudo-gradient travels through a codec (:mod:`diloco_jax.compress`);
+  with error feedback each replica keeps what its encoding lost and adds it to its next one.
+* :func:`dct_momentum`: a local momentum of pseudo-gradients is cut into chunks and transformed
+  by a DCT; only the largest components travel and leave the local momentum (DeMo, Peng et al.,
+  arXiv 2411.19870, applied to DiLoCo's outer step as in Nedelkoski et al., arXiv 2510.03371).
+
+Every piece is written for one replica under a named axis (or several, reduced in order) that
+spans the replicas; its state is per replica. The exchange sees a list of leaves (a fragment of
+the parameters, or all of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from diloco_jax import compress, dct
+
+AxisName = str | Sequence[str]
+
+
+def names(axis_name: AxisName) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def replica_mean(tree: Any, axis_name: AxisName) -> Any:
+    """Mean of ``tree`` over the replica axis, which may be several named axes.
+
+    Several names are reduced one after the other (mean of equal-size group means equals the
+    global mean). One ``pmean`` over a tuple mixing a ``vmap`` axis and a ``shard_map`` axis is not
+    lowered by jax 0.10, so we never ask for one.
+    """
+    for name in names(axis_name):
+        tree = lax.pmean(tree, name)
+    return tree
+
+
+def replica_sum(tree: Any, axis_name: AxisName) -> Any:
+    """Sum of ``tree`` over the replica axis (or axes); see :func:`replica_mean`."""
+    for name in names(axis_name):
+        tree = lax.psum(tree, name)
+    return tree
+
+
+class Exchange(NamedTuple):
+    """``init(leaves) -> state`` (per replica); ``mean(delta, w, finite, state) -> (mean,
+    state, total_w)`` where ``delta`` is this replica's list of pseudo-gradient leaves, ``w`` its
+    weight (0 when left out), ``finite`` whether its pseudo-gradient is finite, ``mean`` the
+    weighted replica mean (zeros when every weight is 0) and ``total_w`` the sum (or, for
+    :func:`plain`, the mean) of the weights: > 0 when anybody contributed."""
+
+    init: Callable[[list], Any]
+    mean: Callable[..., tuple[list, Any]]
+
+
+def _weighted(delta: list, w: jax.Array) -> list:
+    # jnp.where, not w * d: a left-out replica's delta may hold NaN and 0 * NaN is NaN
+    return [jnp.where(w > 0, w * d, 0.0) for d in delta]
+
+
+def _divide(total: list, total_w: jax.Array) -> list:
+    return [t / jnp.maximum(total_w, 1e-30) for t in total]
+
+
+def plain(axis_name: AxisName) -> Exchange:
+    """The float32 weighted mean (two ``pmean``: the weights and the weighted values)."""
+
+    def mean(delta, w, finite, state):
+        total_w = replica_mean(w, axis_name)
+        return _divide(replica_mean(_weighted(delta, w), axis_name), total_w), state, total_w
+
+    return Exchange(lambda leaves: (), mean)
+
+
+def _split_big(leaves: list, min_size: int) -> tuple[list[int], list[int]]:
+    big = [i for i, x in enumerate(leaves) if x.size >= min_size]
+    return big, [i for i in range(len(leaves)) if i not in big]
+
+
+def _concat(leaves: list, idx: list[int]) -> jax.Array:
+    return jnp.concatenate([leaves[i].reshape(-1).astype(jnp.float32) for i in idx])
+
+
+def _scatter(out: list, leaves: list, idx: list[int], flat: jax.Array) -> None:
+    start = 0
+    for i in idx:
+        out[i] = flat[start : start + leaves[i].size].reshape(leaves[i].shape)
+        out[i] = out[i].astype(leaves[i].dtype)
+        start += leaves[i].size
+
+
+def encoded_sum(leaves: list, axis_name: AxisName, codec: compress.Codec) -> tuple[list, list]:
+    """``(sum over replicas, what this replica's encoding lost)`` of a list of leaves.
+
+    Leaves of at least ``codec.min_size`` values travel encoded through
+    :func:`compress.compressed_sum` over the last axis name (the one between devices); they are
+    summed in float32 over the other names first (replicas on the same device). Smaller leaves
+    are summed in float32. The loss of a device's message is shared equally by its replicas.
+    """
+    axes = names(axis_name)
+    big, small = _split_big(leaves, codec.min_size)
+    out_sum, out_lost = list(leaves), list(leaves)
+    for i in small:
+        out_sum[i], out_lost[i] = replica_sum(leaves[i], axis_name), jnp.zeros_like(leaves[i])
+    if big:
+        flat = _concat(leaves, big)
+        if len(axes) > 1:  # replicas on one device: summed in memory first
+            flat = replica_sum(flat, axes[:-1])
+        total, loss = compress.compressed_sum(flat, axes[-1], codec)
+        if len(axes) > 1:
+            loss = loss / replica_sum(jnp.float32(1.0), axes[:-1])
+        _scatter(out_sum, leaves, big, total)
+        _scatter(out_lost, leaves, big, loss)
+    return out_sum, out_lost
+
+
+def encoded(axis_name: AxisName, codec: compress.Codec) -> Exchange:
+    """The weighted mean through ``codec``; state: the error-feedback residual (or ``()``)."""
+    feedback = codec.error_feedback
+
+    def init(leaves):
+        return [jnp.zeros_like(x) for x in leaves] if feedback else ()
+
+    def mean(delta, w, finite, residual):
+        sent = _weighted(delta, w)
+        if feedback:  # a replica left out sends nothing and keeps its residual
+            sent = [jnp.where(w > 0, s + e, 0.0) for s, e in zip(sent, residual, strict=True)]
+        total, lost = encoded_sum(sent, axis_name, codec)
+        if feedback:  # a non-finite replica's residual is dropped with the rest of its state
+            residual = [jnp.where(w > 0, n, jnp.where(finite, e, 0.0))
+                        for n, e in zip(lost, residual, strict=True)]  # fmt: skip
+        total_w = replica_sum(w, axis_name)
+        return _divide(total, total_w), residual, total_w
+
+    return Exchange(init, mean)
+
+
+def dct_momentum(axis_name: AxisName, config: dct.DctConfig) -> Exchange:
+    """DCT momentum: per replica ``m <- beta m + w delta``; the ``topk`` largest DCT components
+    of each chunk of ``m`` are sent (value and position) and subtracted from ``m``; the mean is
+    the inverse DCT of everybody's sent components, divided by the total weight. Leaves under
+    ``config.min_size`` values are averaged in float32. State: the local momentum ``m``."""
+
+    def init(leaves):
+        big, _ = _split_big(leaves, config.min_size)
+        size = sum(leaves[i].size for i in big)
+        return jnp.zeros(dct.padded(size, config.chunk), jnp.float32) if big else ()
+
+    def mean(delta, w, finite, momentum):
+        big, small = _split_big(delta, config.min_size)
+        out = list(delta)
+        for i in small:
+            out[i] = replica_sum(jnp.where(w > 0, w * delta[i], 0.0), axis_name)
+        if big:
+            flat = _concat(delta, big)
+            flat = jnp.pad(flat, (0, momentum.shape[0] - flat.shape[0]))
+            update = config.beta * momentum + jnp.where(w > 0, w * flat, 0.0)
+            vals_NxK, idx_NxK, kept = dct.extract(update, config.chunk, config.topk)
+            # a replica left out sends zeros and keeps its momentum (dropped if non-finite)
+            vals_NxK = jnp.where(w > 0, vals_NxK, 0.0)
+            momentum = jnp.where(w > 0, kept, jnp.where(finite, momentum, 0.0))
+            for name in names(axis_name):  # everybody's (values, positions), then decode
+                vals_NxK, idx_NxK = lax.all_gather((vals_NxK, idx_NxK), name, axis=1, tiled=True)
+            total = dct.decode(vals_NxK, idx_NxK, config.chunk)
+            _scatter(out, delta, big, total)
+        total_w = replica_sum(w, axis_name)
+        return _divide(out, total_w), momentum, total_w
+
+    return Exchange(init, mean)
