@@ -34,21 +34,32 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> Non
 
 def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "") -> None:
     """Final validation loss against bytes each replica sent (log scale); runs that sent
-    nothing are drawn as horizontal lines."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    nothing are drawn as horizontal lines. Runs named ``family: label`` get one colour per
+    family (a legend) and are annotated with their label."""
+    fig, ax = plt.subplots(figsize=(10, 6) if len(rows) > 8 else (7, 4.5))
+    colours: dict[str, str] = {}
     for row in rows:
+        family, _, label = row["run"].rpartition(": ")
+        if family not in colours:
+            colours[family] = f"C{len(colours) % 10}"
+        colour = colours[family]
         if row["bytes_per_replica"] > 0:
-            ax.scatter(row["bytes_per_replica"], row["final_eval_loss"])
-            ax.annotate(row["run"], (row["bytes_per_replica"], row["final_eval_loss"]),
+            ax.scatter(row["bytes_per_replica"], row["final_eval_loss"], color=colour,
+                       label=family or None)  # fmt: skip
+            ax.annotate(label, (row["bytes_per_replica"], row["final_eval_loss"]),
                         fontsize=7, xytext=(4, 2), textcoords="offset points")  # fmt: skip
         else:
             ax.axhline(row["final_eval_loss"], linestyle=":", color="gray")
-            ax.annotate(f"{row['run']} (no communication)", (0.02, row["final_eval_loss"]),
+            ax.annotate(f"{label} (no communication)", (0.02, row["final_eval_loss"]),
                         xycoords=("axes fraction", "data"), fontsize=7)  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per replica (log scale)")
     ax.set_ylabel("final validation loss (nats/token)")
     ax.grid(alpha=0.3, which="both")
+    handles, labels = ax.get_legend_handles_labels()
+    if any(labels):
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(unique.values(), unique.keys(), fontsize=8)
     ax.set_title(title or "loss against communication")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -157,6 +157,7 @@ def test_compressed_sum_mesh_equals_simulator(name):
     np.testing.assert_allclose(on_mesh, sim, atol=2e-6)
 
 
+@pytest.mark.slow  # 25 s; test_variants' sim == mesh with streaming + int8 trains on a mesh too
 def test_int8_training_mesh_equals_simulator_to_one_code_step():
     codec = Codec("int8", block=BLOCK, min_size=64, error_feedback=True)
     sim_state, _ = helpers.run(codec_tx(codec), helpers.sim(4), 8)

@@ -151,6 +151,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_exactly(two_p
     chex.assert_trees_all_equal(final_params(workdir), two_processes[1])
 
 
+@pytest.mark.slow  # 25 s; the SIGKILL test also runs the launcher and checks no process is left
 def test_launcher_passes_ctrl_c_on_and_leaves_no_process(tmp_path):
     workdir = tmp_path / "w"
     proc = launch(workdir)

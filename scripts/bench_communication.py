@@ -1,15 +1,18 @@
-"""Benchmark: bytes per sync and per token of each pseudo-gradient codec against ddp in float32,
-for the default model and a ~1B-parameter one (computed from shapes), and the time to encode and
-decode the default model's pseudo-gradient against one inner step.
+"""Benchmark: bytes per sync and per token of each way DiLoCo sends less (pseudo-gradient codecs,
+Streaming DiLoCo fragments, overlapped outer steps, DCT momentum) against ddp in float32, for the
+default model and a ~1B-parameter one (computed from shapes), and the time to encode and decode
+the default model's pseudo-gradient against one inner step.
 
-    uv run python scripts/bench_codecs.py [--replicas 4] [--sync_every 50] [--repeats 20]
+    uv run python scripts/bench_communication.py [--replicas 4] [--sync_every 50] [--repeats 20]
 
-Bytes are what one replica sends (ring all-reduce; ``diloco_jax.comms.sync_payload``), with the
-codec defaults (block 256, top-k 1%, leaves under 4096 values in float32). Per token: over one
-round of ``sync_every`` inner steps of R replicas at the default batch (16 x 128 tokens); ddp
-reduces float32 gradients every step. Timing: ``compress.roundtrip`` of the whole flattened
-pseudo-gradient under ``jit`` (median of ``--repeats``) against the default preset's vmapped
-inner step divided by R (one replica's step).
+Bytes are what one replica sends (ring all-reduce, or all-gather for top-k and DCT momentum;
+``diloco_jax.comms.sync_payloads``) with the config defaults (block 256, top-k 1%, DCT chunk 64
+with 4 of 64 coefficients, leaves under 4096 values in float32). *Peak* is the largest single sync
+(streaming syncs one fragment at a time); *per round* is what ``sync_every`` inner steps send.
+Per token: over one round of R replicas at the default batch (16 x 128 tokens); ddp reduces
+float32 gradients every step. Delayed and eager outer steps send what plain DiLoCo sends but hide
+it behind a round of compute. Timing: encode + decode of the whole flattened pseudo-gradient under
+``jit`` (median of ``--repeats``) against the default preset's vmapped inner step divided by R.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from diloco_jax import comms, compress  # noqa: E402
+from diloco_jax import comms, compress, dct  # noqa: E402
 from diloco_jax import model as model_lib  # noqa: E402
 from diloco_jax.compress import Codec  # noqa: E402
 from diloco_jax.data import VOCAB_SIZE  # noqa: E402
+from diloco_jax.dct import DctConfig  # noqa: E402
 
 BIG = {"d_model": 2048, "num_layers": 20, "num_heads": 16, "mlp_ratio": 4}  # ~1.0 B parameters
 DEFAULT = {"d_model": 128, "num_layers": 2, "num_heads": 4, "mlp_ratio": 4}
 CODECS = [Codec(name) for name in compress.CODECS]
+DCT = DctConfig()
 
 
 def shapes(model: dict):
@@ -43,22 +48,39 @@ def shapes(model: dict):
     )
 
 
+def options(model: dict, sync_every: int):
+    """(label, codec, dct config, fragments) of every option worth a row for ``model``."""
+    rows = [(c.name, c, None, 1) for c in CODECS]
+    rows.append((f"dct momentum (k={DCT.topk}/{DCT.chunk})", None, DCT, 1))
+    for f in (2, 5, 10):
+        if f <= model["num_layers"] and sync_every % f == 0:
+            rows.append((f"streaming F={f}", None, None, f))
+            rows.append((f"streaming F={f} + int4", Codec("int4"), None, f))
+    return rows
+
+
 def bytes_table(replicas: int, sync_every: int) -> list[str]:
     tokens_per_round = replicas * 16 * 128 * sync_every
-    lines = ["| model | codec | bytes per sync per replica | vs fp32 DiLoCo | vs ddp (per round) "
-             "| bytes per token |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| model | option | peak bytes per sync | bytes per round | vs fp32 DiLoCo "
+             "| vs ddp | bytes per token |", "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for label, model in (("default", DEFAULT), ("1B: d 2048, 20 layers", BIG)):
         tree = shapes(model)
         size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
         fp32 = comms.bytes_per_replica(comms.sync_payload(tree, None, replicas), replicas)
         ddp_round = sync_every * fp32
-        for codec in CODECS:
-            sent = comms.bytes_per_replica(comms.sync_payload(tree, codec, replicas), replicas)
+        for name, codec, dct_config, fragments in options(model, sync_every):
+            payloads = comms.sync_payloads(tree, codec, replicas, dct_config=dct_config,
+                                           num_fragments=fragments)  # fmt: skip
+            sent = [comms.bytes_per_replica(p, replicas) for p in payloads]
+            per_round = sum(sent)  # every fragment syncs once per round
             # per token only at the batch this model trains with here (the default preset's)
-            per_token = f"{sent * replicas / tokens_per_round:.3f}" if model is DEFAULT else "-"
+            per_token = (
+                f"{per_round * replicas / tokens_per_round:.3f}" if model is DEFAULT else "-"
+            )
             lines.append(
-                f"| {label} ({size / 1e6:,.2f} M values) | {codec.name} | {sent:,.0f} | "
-                f"{sent / fp32:.3f} | {sent / ddp_round:.5f} | {per_token} |"
+                f"| {label} ({size / 1e6:,.2f} M values) | {name} | {max(sent):,.0f} | "
+                f"{per_round:,.0f} | {per_round / fp32:.3f} | {per_round / ddp_round:.5f} | "
+                f"{per_token} |"
             )
     return lines
 
@@ -94,15 +116,26 @@ def timing(replicas: int, repeats: int) -> list[str]:
             padded = compress.padded_size(size, 1, codec.block)
             arg = jnp.pad(flat, (0, padded - size)).reshape(-1, codec.block)
             fn = jax.jit(lambda x, name=codec.name: compress.roundtrip(x, name))
-        jax.block_until_ready(fn(arg))
-        times = []
-        for _ in range(repeats):
-            tick = time.perf_counter()
-            jax.block_until_ready(fn(arg))
-            times.append(time.perf_counter() - tick)
-        ms = float(np.median(times)) * 1e3
+        ms = _median_ms(fn, arg, repeats)
         lines.append(f"| {codec.name} | {ms:.2f} | {ms / 1e3 / step_s:.3f} |")
+    padded = dct.padded(size, DCT.chunk)
+    arg = jnp.pad(flat, (0, padded - size))
+    fn = jax.jit(lambda x: dct.decode(*dct.extract(x, DCT.chunk, DCT.topk)[:2], DCT.chunk))
+    ms = _median_ms(fn, arg, repeats)
+    lines.append(
+        f"| dct momentum (k={DCT.topk}/{DCT.chunk}) | {ms:.2f} | {ms / 1e3 / step_s:.3f} |"
+    )
     return lines
+
+
+def _median_ms(fn, arg, repeats: int) -> float:
+    jax.block_until_ready(fn(arg))
+    times = []
+    for _ in range(repeats):
+        tick = time.perf_counter()
+        jax.block_until_ready(fn(arg))
+        times.append(time.perf_counter() - tick)
+    return float(np.median(times)) * 1e3
 
 
 def main() -> None:

@@ -1,0 +1,76 @@
+"""``python -m sim.combine``: one table and one loss-against-bytes figure from several sweeps.
+
+    python -m sim.combine SWEEP_DIR... --out DIR [--title TEXT]
+
+Reads each sweep's ``summary.csv`` (written by ``python -m sim``), writes ``DIR/table.md`` (a
+markdown table sorted by bytes) and ``DIR/tradeoff.png`` (final validation loss against total
+bytes each replica sent, log scale; runs that send nothing as horizontal lines). A run is named
+``<sweep dir name>: <run>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import pathlib
+import sys
+
+from sim import plots
+
+NUMBERS = ("final_eval_loss", "final_eval_loss_std", "best_eval_loss", "bytes_per_replica",
+           "bytes_vs_ddp", "sim_wallclock_s", "utilization", "seeds", "tokens")  # fmt: skip
+
+
+def read(sweep_dirs: list[pathlib.Path]) -> list[dict]:
+    """The summary rows of every sweep, numbers parsed, runs named by their sweep."""
+    rows = []
+    for directory in sweep_dirs:
+        path = directory / "summary.csv"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: run `python -m sim` into {directory} first")
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                for key in NUMBERS:
+                    row[key] = float(row[key])
+                row["run"] = f"{directory.name}: {row['run']}"
+                rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown, sorted by bytes sent (then loss)."""
+    head = ("run", "communication", "final val loss", "bytes sent per replica", "vs ddp",
+            "sim wall-clock (s)", "utilization")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for r in sorted(rows, key=lambda r: (r["bytes_per_replica"], r["final_eval_loss"])):
+        spread = f" ± {r['final_eval_loss_std']:.3f}" if r["seeds"] > 1 else ""
+        lines.append(
+            f"| {r['run']} | {r['codec']} | {r['final_eval_loss']:.3f}{spread} | "
+            f"{r['bytes_per_replica']:.3g} | {r['bytes_vs_ddp']:.3g} | "
+            f"{r['sim_wallclock_s']:.4g} | {r['utilization']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sim.combine", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("sweeps", nargs="+", type=pathlib.Path, help="sweep directories")
+    parser.add_argument("--out", type=pathlib.Path, required=True, help="output directory")
+    parser.add_argument("--title", default="final loss against bytes sent")
+    args = parser.parse_args(argv)
+    try:
+        rows = read(args.sweeps)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(table(rows))
+    plots.tradeoff(rows, args.out / "tradeoff.png", title=args.title)
+    print(table(rows), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
