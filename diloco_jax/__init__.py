@@ -5,8 +5,12 @@ one replica; ``diloco_jax.parallel`` runs it over replicas with ``vmap`` (simula
 ``shard_map`` (mesh); ``python -m diloco_jax.train`` trains a Transformer LM with it.
 """
 
+from diloco_jax.compress import Codec
+from diloco_jax.dct import DctConfig
 from diloco_jax.diloco import (
     DilocoState,
+    EagerDilocoState,
+    Streaming,
     SyncStats,
     apply_updates,
     data_parallel,
@@ -18,7 +22,11 @@ from diloco_jax.diloco import diloco as diloco  # the function shadows its modul
 from diloco_jax.optim import inner_adamw, make_tx, outer_nesterov
 
 __all__ = [
+    "Codec",
+    "DctConfig",
     "DilocoState",
+    "EagerDilocoState",
+    "Streaming",
     "SyncStats",
     "apply_updates",
     "data_parallel",

@@ -3,7 +3,8 @@
 # DiLoCo (R=4, sync_every=50, 400 inner steps) with each way of sending less: pseudo-gradient
 # codecs (with and without error feedback), Streaming DiLoCo (fragments, overlap, mixing),
 # delayed and eager outer steps, and DCT momentum; against ddp and single.
-# About 30 minutes on 2 CPU cores (23 runs of ~75 s). Finished runs are reused on a rerun.
+# Accounted for a 1 Gbit/s, 50 ms WAN (sim.network=wan_1gbit), where communication shows.
+# About 30 minutes on 2 CPU cores (22 runs of ~75 s). Finished runs are reused on a rerun.
 #   bash scripts/communication_study.sh [WORKDIR]     (default runs/study)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,10 @@ if [[ ! -d "$out/pretrain/params" ]]; then  # the warm start of scripts/converge
       --config.inner.final_lr_fraction=1.0
 fi
 comm="$out/communication"
-sweep() { uv run python -m sim --config "$preset" --config.train.init_from="$out/pretrain" "$@"; }
+sweep() {
+  uv run python -m sim --config "$preset" --config.train.init_from="$out/pretrain" \
+      --config.sim.network=wan_1gbit "$@"
+}
 sweep --workdir "$comm/baselines" --baselines single,ddp
 sweep --workdir "$comm/codecs" --sweep compress.codec=none,bf16,int8,fp8,int4,topk
 sweep --workdir "$comm/error-feedback" --sweep compress.codec=int4,topk \
@@ -25,9 +29,11 @@ sweep --workdir "$comm/streaming" --config.streaming.fragments=2 \
 sweep --workdir "$comm/streaming-int4" --config.streaming.fragments=2 \
     --config.streaming.overlap=5 --config.compress.codec=int4 --config.compress.error_feedback=true
 sweep --workdir "$comm/overlapped-outer" --sweep outer.mode=delayed,eager
+sweep --workdir "$comm/overlapped-outer-lr0.35" --sweep outer.mode=delayed,eager \
+    --config.outer.learning_rate=0.35
 sweep --workdir "$comm/dct-momentum" --config.compress.codec=dct --sweep compress.dct_topk=4,16
-uv run python -m sim.combine "$comm"/{baselines,codecs,error-feedback,streaming,streaming-int4,overlapped-outer,dct-momentum} \
-    --out "$comm" --title "DiLoCo R=4, sync_every=50: final loss against bytes sent"
+uv run python -m sim.combine "$comm"/{baselines,codecs,error-feedback,streaming,streaming-int4,overlapped-outer,overlapped-outer-lr0.35,dct-momentum} \
+    --out "$comm" --title "DiLoCo R=4, sync_every=50, 400 steps: final loss against bytes sent"
 mkdir -p docs
 cp "$comm/tradeoff.png" docs/communication_tradeoff.png
 echo "table: $comm/table.md; figure copied to docs/communication_tradeoff.png"

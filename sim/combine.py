@@ -4,7 +4,8 @@
 
 Reads each sweep's ``summary.csv`` (written by ``python -m sim``), writes ``DIR/table.md`` (a
 markdown table sorted by bytes) and ``DIR/tradeoff.png`` (final validation loss against total
-bytes each replica sent, log scale; runs that send nothing as horizontal lines). A run is named
+bytes each replica sent, and against the peak bytes of one sync zoomed on the runs within 0.2 nats
+of the best; log scales; runs that send nothing as horizontal lines). A run is named
 ``<sweep dir name>: <run>``.
 """
 
@@ -18,7 +19,8 @@ import sys
 from sim import plots
 
 NUMBERS = ("final_eval_loss", "final_eval_loss_std", "best_eval_loss", "bytes_per_replica",
-           "bytes_vs_ddp", "sim_wallclock_s", "utilization", "seeds", "tokens")  # fmt: skip
+           "bytes_vs_ddp", "sim_wallclock_s", "utilization", "seeds", "tokens",
+           "peak_sync_bytes")  # fmt: skip
 
 
 def read(sweep_dirs: list[pathlib.Path]) -> list[dict]:
@@ -40,14 +42,14 @@ def read(sweep_dirs: list[pathlib.Path]) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """Markdown, sorted by bytes sent (then loss)."""
     head = ("run", "communication", "final val loss", "bytes sent per replica", "vs ddp",
-            "sim wall-clock (s)", "utilization")  # fmt: skip
+            "peak bytes per sync", "sim wall-clock (s)", "utilization")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for r in sorted(rows, key=lambda r: (r["bytes_per_replica"], r["final_eval_loss"])):
         spread = f" ± {r['final_eval_loss_std']:.3f}" if r["seeds"] > 1 else ""
         lines.append(
             f"| {r['run']} | {r['codec']} | {r['final_eval_loss']:.3f}{spread} | "
             f"{r['bytes_per_replica']:.3g} | {r['bytes_vs_ddp']:.3g} | "
-            f"{r['sim_wallclock_s']:.4g} | {r['utilization']:.2f} |"
+            f"{r['peak_sync_bytes']:.3g} | {r['sim_wallclock_s']:.4g} | {r['utilization']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table(rows))
-    plots.tradeoff(rows, args.out / "tradeoff.png", title=args.title)
+    plots.tradeoff_two_panels(rows, args.out / "tradeoff.png", title=args.title)
     print(table(rows), end="")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
@@ -61,6 +62,52 @@ def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "") -> None:
         unique = dict(zip(labels, handles, strict=True))
         ax.legend(unique.values(), unique.keys(), fontsize=8)
     ax.set_title(title or "loss against communication")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _panel(ax, rows: list[dict], x_key: str, colours: dict[str, str]) -> None:
+    """Scatter of final loss against ``x_key`` (log), labels stacked where points coincide."""
+    stacked: dict[tuple, int] = {}
+    for row in rows:
+        family = row["run"].rpartition(": ")[0]
+        colour = colours.setdefault(family, f"C{len(colours) % 10}")
+        x, y = row[x_key], row["final_eval_loss"]
+        if x <= 0:
+            ax.axhline(y, linestyle=":", color="gray")
+            ax.annotate(f"{row['run']} (no communication)", (0.02, y),
+                        xycoords=("axes fraction", "data"), fontsize=7)  # fmt: skip
+            continue
+        ax.scatter(x, y, color=colour, label=family)
+        slot = (round(float(np.log10(x)), 1), round(y, 2))
+        stacked[slot] = stacked.get(slot, -1) + 1
+        name = row["run"].rpartition(": ")[2]
+        label = name if name in ("ddp", "single", "diloco") else row.get("codec", name)
+        ax.annotate(label, (x, y), fontsize=6.5, color=colour,
+                    xytext=(4, 2 - 8 * stacked[slot]), textcoords="offset points")  # fmt: skip
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3, which="both")
+
+
+def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = "") -> None:
+    """Left: final loss against total bytes per replica, every run. Right: against the peak
+    bytes of one sync, only the runs within 0.2 nats of the best (where codecs and streaming
+    differ). Points are labelled with how they communicate; colours are the sweeps."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6.5))
+    colours: dict[str, str] = {}
+    _panel(left, rows, "bytes_per_replica", colours)
+    best = min(r["final_eval_loss"] for r in rows)
+    close = [r for r in rows if r["final_eval_loss"] <= best + 0.2]
+    _panel(right, close, "peak_sync_bytes", colours)
+    left.set_xlabel("bytes sent per replica over the run (log scale)")
+    right.set_xlabel("peak bytes of one sync per replica (log scale)")
+    left.set_ylabel("final validation loss (nats/token)")
+    right.set_title(f"zoom: runs within 0.2 nats of the best ({best:.3f})", fontsize=10)
+    handles, labels = left.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    left.legend(unique.values(), unique.keys(), fontsize=8, loc="upper right")
+    fig.suptitle(title or "loss against communication")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -25,6 +25,7 @@ from sim import clock, plots
 COLUMNS = [
     "run", "algorithm", "replicas", "sync_every", "outer_lr", "outer_momentum", "codec", "seed",
     "tokens", "steps", "final_eval_loss", "best_eval_loss", "syncs", "bytes_per_replica",
+    "peak_sync_bytes",
     "bytes_per_token", "bytes_vs_ddp", "sim_wallclock_s", "utilization", "comm_fraction",
     "step_time_s",
 ]  # fmt: skip
@@ -146,7 +147,8 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
     else:
         events = [0] * comms.reduces(cfg.algorithm, steps, cfg.outer.sync_every)
     syncs = len(events)
-    sent = sum(comms.bytes_per_replica(payloads[f], replicas, sim.topology) for f in events)
+    per_sync = [comms.bytes_per_replica(p, replicas, sim.topology) for p in payloads]
+    sent = sum(per_sync[f] for f in events)
     ddp_sent = steps * comms.bytes_per_replica(fp32_payload, cfg.parallel.replicas, sim.topology)
     preset = comms.NETWORKS[sim.network]
     network = comms.Network(
@@ -168,7 +170,7 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
         "outer_lr": cfg.outer.learning_rate, "outer_momentum": cfg.outer.momentum,
         "codec": codec_label(cfg), "seed": cfg.seed, "tokens": done["tokens"], "steps": steps,
         "final_eval_loss": done["final_eval_loss"], "best_eval_loss": min(losses),
-        "syncs": syncs, "bytes_per_replica": sent,
+        "syncs": syncs, "bytes_per_replica": sent, "peak_sync_bytes": max(per_sync) if syncs else 0,
         "bytes_per_token": sent * replicas / done["tokens"],
         "bytes_vs_ddp": sent / ddp_sent if ddp_sent else 0.0,
         "sim_wallclock_s": c.wallclock_s, "utilization": c.utilization,
@@ -193,6 +195,7 @@ def summarize(rows: list[dict], groups: dict[str, str]) -> list[dict]:
             "final_eval_loss_std": float(losses.std()),
             "best_eval_loss": float(np.mean([m["best_eval_loss"] for m in members])),
             "bytes_per_replica": first["bytes_per_replica"], "bytes_vs_ddp": first["bytes_vs_ddp"],
+            "peak_sync_bytes": first["peak_sync_bytes"],
             "sim_wallclock_s": float(np.mean([m["sim_wallclock_s"] for m in members])),
             "utilization": float(np.mean([m["utilization"] for m in members])),
         })  # fmt: skip

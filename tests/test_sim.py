@@ -221,7 +221,7 @@ def test_combine_sweeps_into_one_table_and_figure(tmp_path):
 
     base = {"seeds": 1, "replicas": 4, "sync_every": 50, "outer_lr": 0.7, "tokens": 100,
             "final_eval_loss_std": 0.0, "best_eval_loss": 1.0, "sim_wallclock_s": 2.0,
-            "utilization": 0.9}  # fmt: skip
+            "utilization": 0.9, "peak_sync_bytes": 1e5}  # fmt: skip
     (tmp_path / "codecs").mkdir()
     write_csv(tmp_path / "codecs" / "summary.csv", [
         {**base, "run": "compress.codec=int8", "codec": "int8", "final_eval_loss": 1.9,
@@ -244,6 +244,6 @@ def test_combine_sweeps_into_one_table_and_figure(tmp_path):
         "| codecs: compress.codec=int8",
         "| codecs: compress.codec=none",
     ]
-    assert "| 1.900 | 5e+06 | 0.005 |" in rows[1]
+    assert "| 1.900 | 5e+06 | 0.005 | 1e+05 |" in rows[1]
     assert (out / "tradeoff.png").stat().st_size > 10_000
     assert combine.main([str(tmp_path / "missing"), "--out", str(out)]) == 2

@@ -370,8 +370,9 @@ def test_overlapped_reduce_stalls_only_past_the_hidden_compute():
     {"model.num_layers": 2, "outer.sync_every": 10, "streaming.fragments": 2,
      "streaming.overlap": 2, "streaming.mix": 0.3, "compress.codec": "int4",
      "compress.error_feedback": True, "compress.min_size": 64},
-    {"outer.mode": "eager"},
-    {"compress.codec": "dct", "compress.min_size": 64},
+    # 17 s each: slow (the first one carries the most state)
+    pytest.param({"outer.mode": "eager"}, marks=pytest.mark.slow),
+    pytest.param({"compress.codec": "dct", "compress.min_size": 64}, marks=pytest.mark.slow),
 ], ids=["streaming_int4_ef", "eager", "dct"])  # fmt: skip
 def test_resume_mid_run_is_bitwise_identical(variant, tmp_path):
     """The checkpoint holds every variant's state (fragment outer states, a fragment in flight,
