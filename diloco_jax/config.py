@@ -16,6 +16,7 @@ from typing import Any, get_type_hints
 
 from diloco_jax.compress import CODECS
 from diloco_jax.diloco import OUTER_MODES
+from diloco_jax.model import COMPUTE_DTYPES
 from diloco_jax.optim import ALGORITHMS
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
@@ -28,10 +29,16 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The Transformer (``diloco_jax/model.py``); size presets: ``configs/lm_*.py``."""
+
     d_model: int = 128
     num_layers: int = 2
     num_heads: int = 4
     mlp_ratio: int = 4
+    tied_embeddings: bool = False  # the output head is the transposed token embedding
+    dropout: float = 0.0  # after attention and MLP, in training only
+    compute_dtype: str = "float32"  # float32 | bfloat16 (parameters stay float32)
+    remat: bool = False  # recompute block activations in the backward pass (less memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +256,9 @@ def validate(cfg: Config) -> None:
         ("parallel.runtime", p.runtime in RUNTIMES, f"must be one of {RUNTIMES}"),
         ("model.d_model", m.d_model % m.num_heads == 0,
          f"must be divisible by model.num_heads = {m.num_heads}"),
+        ("model.dropout", 0 <= m.dropout < 1, "must be in [0, 1)"),
+        ("model.compute_dtype", m.compute_dtype in COMPUTE_DTYPES,
+         f"must be one of {tuple(COMPUTE_DTYPES)}"),
         ("data.val_fraction", 0 < cfg.data.val_fraction < 1, "must be in (0, 1)"),
         ("inner.learning_rate", cfg.inner.learning_rate > 0, "must be > 0"),
         ("inner.final_lr_fraction", 0 <= cfg.inner.final_lr_fraction <= 1, "must be in [0, 1]"),

@@ -1,8 +1,13 @@
-"""A small decoder-only Transformer LM in Flax NNX, and its pure functional form.
+"""A decoder-only Transformer LM in Flax NNX, and its pure functional form.
 
 Pre-norm blocks (RMSNorm -> causal self-attention -> residual; RMSNorm -> GELU MLP -> residual),
-learned absolute positions, untied output head. The model is defined as an NNX object and split
-once into ``(graphdef, params)``; training works on the ``params`` pytree only.
+learned absolute positions. The model is defined as an NNX object and split once into
+``(graphdef, params)``; training works on the ``params`` pytree only.
+
+Options: ``tied_embeddings`` (the output head is the transposed token embedding), ``dropout``
+(after attention and MLP, active only when :func:`apply` gets a ``dropout_key``),
+``compute_dtype`` (``bfloat16`` computes in bf16 while parameters stay float32) and ``remat``
+(recompute each block's activations in the backward pass instead of storing them).
 """
 
 from __future__ import annotations
@@ -13,12 +18,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
 
 class Attention(nnx.Module):
-    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, num_heads: int, *, dtype, rngs: nnx.Rngs):
         self.num_heads = num_heads
-        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs)
+        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         b, seq, d = x_BxLxD.shape
@@ -29,16 +43,20 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, *, rngs: nnx.Rngs):
-        self.norm1 = nnx.RMSNorm(d_model, rngs=rngs)
-        self.attn = Attention(d_model, num_heads, rngs=rngs)
-        self.norm2 = nnx.RMSNorm(d_model, rngs=rngs)
-        self.up = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
-        self.down = nnx.Linear(mlp_ratio * d_model, d_model, rngs=rngs)
+    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, *, dropout: float, dtype,
+                 rngs: nnx.Rngs):  # fmt: skip
+        self.dropout = dropout
+        self.norm1 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
+        self.attn = Attention(d_model, num_heads, dtype=dtype, rngs=rngs)
+        self.norm2 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
+        self.up = nnx.Linear(d_model, mlp_ratio * d_model, dtype=dtype, rngs=rngs)
+        self.down = nnx.Linear(mlp_ratio * d_model, d_model, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.attn(self.norm1(x_BxLxD))
-        return x_BxLxD + self.down(jax.nn.gelu(self.up(self.norm2(x_BxLxD))))
+    def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        keys = (None, None) if key is None else tuple(jax.random.split(key))
+        x_BxLxD = x_BxLxD + _dropout(self.attn(self.norm1(x_BxLxD)), self.dropout, keys[0])
+        y_BxLxD = self.down(jax.nn.gelu(self.up(self.norm2(x_BxLxD))))
+        return x_BxLxD + _dropout(y_BxLxD, self.dropout, keys[1])
 
 
 class Transformer(nnx.Module):
@@ -53,22 +71,36 @@ class Transformer(nnx.Module):
         num_layers: int,
         num_heads: int,
         mlp_ratio: int,
+        tied_embeddings: bool = False,
+        dropout: float = 0.0,
+        compute_dtype: str = "float32",
+        remat: bool = False,
         rngs: nnx.Rngs,
     ):
-        self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
+        dtype = COMPUTE_DTYPES[compute_dtype]
+        self.remat = remat
+        self.embed = nnx.Embed(vocab_size, d_model, dtype=dtype, rngs=rngs)
         self.pos_LxD = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, d_model)))
-        self.blocks = nnx.List(
-            [Block(d_model, num_heads, mlp_ratio, rngs=rngs) for _ in range(num_layers)]
-        )
-        self.norm = nnx.RMSNorm(d_model, rngs=rngs)
-        self.head = nnx.Linear(d_model, vocab_size, use_bias=False, rngs=rngs)
+        self.blocks = nnx.List([
+            Block(d_model, num_heads, mlp_ratio, dropout=dropout, dtype=dtype, rngs=rngs)
+            for _ in range(num_layers)
+        ])  # fmt: skip
+        self.norm = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
+        self.tied = tied_embeddings
+        if not tied_embeddings:  # else the head is the transposed embedding (no parameter)
+            self.head = nnx.Linear(d_model, vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         seq = tokens_BxL.shape[1]
-        x_BxLxD = self.embed(tokens_BxL) + self.pos_LxD[:seq]
-        for block in self.blocks:
-            x_BxLxD = block(x_BxLxD)
-        return self.head(self.norm(x_BxLxD))
+        x_BxLxD = self.embed(tokens_BxL) + self.pos_LxD[:seq].astype(self.embed.dtype)
+        keys = [None] * len(self.blocks)
+        if dropout_key is not None:
+            keys = list(jax.random.split(dropout_key, len(self.blocks)))
+        run = nnx.remat(lambda block, x, key: block(x, key)) if self.remat else None
+        for block, key in zip(self.blocks, keys, strict=True):
+            x_BxLxD = run(block, x_BxLxD, key) if run else block(x_BxLxD, key)
+        x_BxLxD = self.norm(x_BxLxD)
+        return self.embed.attend(x_BxLxD) if self.tied else self.head(x_BxLxD)
 
 
 def init_model(seed: int, **model_kwargs) -> tuple[nnx.GraphDef, Any]:
@@ -78,10 +110,13 @@ def init_model(seed: int, **model_kwargs) -> tuple[nnx.GraphDef, Any]:
     return graphdef, nnx.to_pure_dict(params)
 
 
-def apply(graphdef: nnx.GraphDef, params: Any, tokens_BxL: jax.Array) -> jax.Array:
-    """Pure forward pass: ``logits_BxLxV`` of ``tokens_BxL`` under ``params``."""
+def apply(
+    graphdef: nnx.GraphDef, params: Any, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None
+) -> jax.Array:
+    """Pure forward pass: ``logits_BxLxV`` of ``tokens_BxL`` under ``params`` (dropout only with
+    a ``dropout_key``)."""
     state = nnx.State(params) if not isinstance(params, nnx.State) else params
-    return nnx.merge(graphdef, state)(tokens_BxL)
+    return nnx.merge(graphdef, state)(tokens_BxL, dropout_key)
 
 
 def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:

@@ -26,6 +26,8 @@ from diloco_jax.diloco import (
     replica_axes,
 )
 
+_DROPOUT_STREAM = 0x0D0  # keeps dropout keys apart from the batch keys of sample_batch
+
 
 class TrainState(NamedTuple):
     """Everything that evolves during training.
@@ -94,6 +96,7 @@ def make_replica_step(
     data_axis: str | None = None,
     data_shards: int = 1,
     controlled: bool = True,
+    dropout: bool = False,
 ):
     """One inner step of one replica: ``replica_step(state, replica, shard_S, control) ->
     (state, metrics)``, ``control`` a :class:`StepControl` for this replica. With
@@ -104,14 +107,15 @@ def make_replica_step(
     loss and gradients are averaged over ``data_axis`` (explicitly: the mesh runtime runs
     ``shard_map`` with ``check_vma=False``, so nothing is summed behind our back). Then
     ``params += tx.update(grads)``; with DiLoCo, ``tx`` syncs the replicas every ``sync_every``
-    steps.
+    steps. With ``dropout`` the model's dropout is active, its key drawn from ``(seed, step,
+    replica)`` (and the data shard: masks then differ from an unsharded run's).
     """
     if batch_size % data_shards:
         raise ValueError(f"batch_size {batch_size} is not divisible by data_shards {data_shards}")
     rows = batch_size // data_shards
 
-    def loss_fn(params, tokens_BxL1):
-        logits_BxLxV = model_lib.apply(graphdef, params, tokens_BxL1[:, :-1])
+    def loss_fn(params, tokens_BxL1, dropout_key):
+        logits_BxLxV = model_lib.apply(graphdef, params, tokens_BxL1[:, :-1], dropout_key)
         return model_lib.token_nll(logits_BxLxV, tokens_BxL1[:, 1:]).mean()
 
     def replica_step(state: TrainState, replica: jax.Array, shard_S: jax.Array, control):
@@ -122,7 +126,13 @@ def make_replica_step(
         if data_axis is not None:
             start = lax.axis_index(data_axis) * rows
             tokens_BxL1 = lax.dynamic_slice_in_dim(tokens_BxL1, start, rows)
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BxL1)
+        key = None
+        if dropout:  # a pure function of (seed, step, replica, data shard), like the batch
+            key = jax.random.fold_in(jax.random.key(seed), state.step)
+            key = jax.random.fold_in(jax.random.fold_in(key, replica), _DROPOUT_STREAM)
+            if data_axis is not None:
+                key = jax.random.fold_in(key, lax.axis_index(data_axis))
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BxL1, key)
         if data_axis is not None and data_shards > 1:
             loss, grads = lax.pmean((loss, grads), data_axis)
         extra = control._asdict() if controlled else {}

@@ -159,6 +159,7 @@ def build(cfg: config_lib.Config) -> Setup:
         seq_len=d.seq_len,
         data_axis=None if mesh is None else parallel.DATA,
         data_shards=layout.data_devices,
+        dropout=m.dropout > 0,
         controlled=schedule.needs_control(
             speeds=cfg.sim.speeds, dylu=cfg.sim.dylu, drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob
         ),
