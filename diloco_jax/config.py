@@ -43,10 +43,14 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    corpus: str = "shakespeare"  # a shipped corpus name, or a .txt / .txt.gz / .txt.xz path
+    # a shipped corpus name, a .txt / .txt.gz / .txt.xz path, or tfds:NAME (a TFDS dataset in
+    # array_record format under data.data_dir; see `python -m diloco_jax.data.prepare`)
+    corpus: str = "shakespeare"
+    data_dir: str = ""  # TFDS data dir; "": ~/tensorflow_datasets
+    text_feature: str = "text"  # the text feature of a TFDS dataset that has no 'tokens'
     seq_len: int = 128
     batch_size: int = 16  # per replica, per inner step
-    val_fraction: float = 0.05
+    val_fraction: float = 0.05  # text files only; a TFDS dataset has its own splits
     eval_windows: int = 256  # validation windows per eval; <= 0 for the whole split
 
 

@@ -1,4 +1,4 @@
-"""Text generation from a trained byte-level model."""
+"""Text generation from a trained language model."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from flax import nnx
 from jax import lax
 
 from diloco_jax import model as model_lib
+from diloco_jax.data.tokenizer import ByteTokenizer
 
 
 @partial(jax.jit, static_argnames=("graphdef", "num_tokens", "seq_len", "temperature"))
@@ -41,22 +42,23 @@ def generate_text(
     seq_len: int,
     seed: int = 0,
     temperature: float = 0.8,
+    tokenizer=None,
 ) -> str:
-    """``prompt`` followed by ``num_chars`` bytes sampled from the model at ``temperature``."""
-    prompt_bytes = prompt.encode("utf-8") or b"\n"
-    total = len(prompt_bytes) + num_chars
-    if total < seq_len:
-        # The window must hold seq_len tokens; pad the front with newlines.
-        prompt_bytes = b"\n" * (seq_len - total) + prompt_bytes
-    prompt_P = jnp.asarray(np.frombuffer(prompt_bytes, np.uint8).astype(np.int32))
+    """``prompt`` followed by ``num_chars`` tokens (bytes, with the default byte tokenizer)
+    sampled from the model at ``temperature``."""
+    tokenizer = tokenizer or ByteTokenizer()
+    prompt_P = tokenizer.encode(prompt or "\n")
+    pad = max(0, seq_len - (len(prompt_P) + num_chars))
+    # The window must hold seq_len tokens; pad the front with newlines (dropped from the text).
+    newline = tokenizer.encode("\n")
+    filler = np.full(pad, newline[0] if len(newline) else 0, np.int32)
     out_T = _generate(
         graphdef,
         params,
-        prompt_P,
+        jnp.asarray(np.concatenate([filler, prompt_P]).astype(np.int32)),
         jax.random.key(seed),
         num_tokens=num_chars,
         seq_len=seq_len,
         temperature=temperature,
     )
-    text = bytes(np.asarray(out_T, np.uint8)).decode("utf-8", errors="replace")
-    return text.lstrip("\n") if total < seq_len else text
+    return tokenizer.decode(np.asarray(out_T)[pad:])

@@ -33,7 +33,6 @@ from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
 from diloco_jax.compress import Codec
 from diloco_jax.data import (
-    VOCAB_SIZE,
     DataError,
     eval_windows,
     load_corpus,
@@ -74,6 +73,7 @@ class Setup:
     outer_fn: Any = outer_params  # state -> the parameters to evaluate, replicated
     fingerprints: Any = None  # mesh only: params -> uint32 [devices], each device's copy
     num_params: int = 0
+    tokenizer: Any = None  # the corpus's (None: bytes)
 
 
 def effective_replicas(cfg: config_lib.Config) -> int:
@@ -136,12 +136,13 @@ def build(cfg: config_lib.Config) -> Setup:
     config_lib.validate(cfg)
     m, d = cfg.model, cfg.data
     replicas = effective_replicas(cfg)
-    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction)
+    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction, data_dir=d.data_dir,
+                         text_feature=d.text_feature)  # fmt: skip
     shards_RxS = replica_shards(corpus.train_N, replicas, d.seq_len)  # a view: nothing copied
     windows = eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows)
     layout = _layout(cfg, replicas)
     graphdef, params = model_lib.init_model(
-        cfg.seed, vocab_size=VOCAB_SIZE, seq_len=d.seq_len, **dataclasses.asdict(m)
+        cfg.seed, vocab_size=corpus.vocab_size, seq_len=d.seq_len, **dataclasses.asdict(m)
     )
     # The pairwise cosine costs one more all-reduce: worth it only in the simulator.
     diagnostics = cfg.sim.diagnostics and layout.runtime == "sim"
@@ -189,6 +190,7 @@ def build(cfg: config_lib.Config) -> Setup:
         outer_fn=outer_fn,
         fingerprints=fingerprints,
         num_params=model_lib.count_params(params),
+        tokenizer=corpus.tokenizer,
     )
 
 
@@ -262,6 +264,7 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         summary["sample"] = generate_text(
             s.graphdef, parallel.host_copy(params), cfg.train.sample_prompt,
             num_chars=cfg.train.sample_chars, seq_len=cfg.data.seq_len, seed=cfg.seed,
+            tokenizer=s.tokenizer,
         )  # fmt: skip
     return summary
 

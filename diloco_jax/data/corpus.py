@@ -13,7 +13,7 @@ from __future__ import annotations
 import gzip
 import lzma
 import pathlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,17 +29,21 @@ class DataError(ValueError):
 
 
 class Corpus(NamedTuple):
-    """Byte tokens of a corpus split by position.
+    """Tokens of a corpus, split into training and validation.
 
     Attributes:
-      train_N: uint8 ``[N]`` tokens of the training split.
-      val_M: uint8 ``[M]`` tokens of the validation split.
+      train_N: ``[N]`` tokens of the training split (uint8 bytes, or a wider integer type).
+      val_M: ``[M]`` tokens of the validation split.
       source: where the text came from (path).
+      vocab_size: the tokenizer's vocabulary (256 for bytes).
+      tokenizer: encodes and decodes text (:mod:`diloco_jax.data.tokenizer`); None: bytes.
     """
 
     train_N: np.ndarray
     val_M: np.ndarray
     source: str
+    vocab_size: int = VOCAB_SIZE
+    tokenizer: Any = None
 
 
 def _read_bytes(path: pathlib.Path) -> bytes:
@@ -53,8 +57,17 @@ def _read_bytes(path: pathlib.Path) -> bytes:
         raise DataError(f"cannot read data file {path}: {e}") from None
 
 
-def load_corpus(name_or_path: str, *, val_fraction: float) -> Corpus:
-    """Loads ``name_or_path`` (``"shakespeare"`` or a .txt/.txt.gz/.txt.xz file) as byte tokens."""
+def load_corpus(
+    name_or_path: str, *, val_fraction: float, data_dir: str = "", text_feature: str = "text"
+) -> Corpus:
+    """Loads ``name_or_path``: ``"shakespeare"`` or a .txt/.txt.gz/.txt.xz file as byte tokens
+    (the last ``val_fraction`` is the validation split), or ``tfds:NAME``, a TFDS dataset in
+    array_record format under ``data_dir`` (:func:`diloco_jax.data.tfds_text.load`: its own
+    splits and tokenizer)."""
+    if name_or_path.startswith("tfds:"):
+        from diloco_jax.data import tfds_text
+
+        return tfds_text.load(name_or_path, data_dir, text_feature=text_feature)
     path = _SHIPPED.get(name_or_path, pathlib.Path(name_or_path).expanduser())
     tokens = np.frombuffer(_read_bytes(path), dtype=np.uint8)
     num_val = int(round(len(tokens) * val_fraction))
@@ -128,7 +141,7 @@ def eval_windows(val_M: np.ndarray, *, seq_len: int, max_windows: int) -> np.nda
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
-    """Entropy in nats of the byte distribution of ``tokens`` (a no-context baseline loss)."""
-    counts = np.bincount(tokens, minlength=VOCAB_SIZE).astype(np.float64)
+    """Entropy in nats of the token distribution of ``tokens`` (a no-context baseline loss)."""
+    counts = np.bincount(tokens).astype(np.float64)
     probs = counts[counts > 0] / counts.sum()
     return float(-(probs * np.log(probs)).sum())

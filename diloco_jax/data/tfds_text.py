@@ -1,0 +1,162 @@
+"""Text datasets in TFDS's array_record format: prepared from local files, read without
+TensorFlow through ``tfds.data_source`` and ``grain``.
+
+:func:`prepare` turns text files into a TFDS dataset ``NAME`` (splits ``train`` and
+``validation``) under a data dir: the text is tokenized (bytes, or a SentencePiece model trained
+on the training text and saved as ``DATA_DIR/NAME/tokenizer.model``), cut into records of
+``record_tokens`` tokens, each with its position (``index``), and written by a TFDS builder.
+
+:func:`load` reads a prepared dataset, or any TFDS dataset prepared in array_record format whose
+records hold a text feature, into a :class:`~diloco_jax.data.corpus.Corpus`: every record of a
+split, in ``index`` order when present, concatenated into one token stream (text records joined
+by a newline), so sequences are packed across record boundaries. Sharding, batch sampling and
+evaluation then work as for the shipped corpus.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import numpy as np
+
+from diloco_jax.data.corpus import Corpus, DataError
+from diloco_jax.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
+
+TOKENIZER_FILE = "tokenizer.model"
+TFDS_PREFIX = "tfds:"
+
+
+def default_data_dir() -> pathlib.Path:
+    return pathlib.Path("~/tensorflow_datasets").expanduser()
+
+
+def _read_texts(paths: list[pathlib.Path]) -> str:
+    parts = []
+    for path in paths:
+        try:
+            parts.append(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise DataError(f"text file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"cannot read text file {path} as UTF-8: {e}") from None
+    return "\n".join(parts)
+
+
+def _builder(name: str, splits: dict[str, np.ndarray], record_tokens: int):
+    """A TFDS builder class (not registered) that writes ``splits`` as records."""
+    import tensorflow_datasets as tfds
+
+    dtype = splits["train"].dtype
+
+    class TextTokens(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            features = tfds.features.FeaturesDict({
+                "tokens": tfds.features.Tensor(shape=(None,), dtype=dtype),
+                "index": np.int64,
+            })  # fmt: skip
+            return tfds.core.DatasetInfo(builder=self, features=features)
+
+        def _split_generators(self, dl_manager):
+            return {split: self._generate_examples(tokens) for split, tokens in splits.items()}
+
+        def _generate_examples(self, tokens):
+            for i, start in enumerate(range(0, len(tokens), record_tokens)):
+                yield i, {"tokens": tokens[start : start + record_tokens], "index": i}
+
+    TextTokens.name = name
+    return TextTokens
+
+
+def prepare(
+    texts: list[str | pathlib.Path],
+    data_dir: str | pathlib.Path,
+    *,
+    name: str = "text",
+    val_fraction: float = 0.05,
+    tokenizer: str = "byte",
+    vocab_size: int = 1024,
+    record_tokens: int = 4096,
+) -> pathlib.Path:
+    """Writes the TFDS dataset ``name`` into ``data_dir``; returns its directory. The last
+    ``val_fraction`` of the (concatenated) text is the validation split."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise DataError(f"dataset name {name!r} must be snake_case: [a-z][a-z0-9_]*")
+    if tokenizer not in ("byte", "sentencepiece"):
+        raise DataError(f"tokenizer {tokenizer!r} must be byte or sentencepiece")
+    if not 0 < val_fraction < 1 or record_tokens < 1:
+        raise DataError(f"val_fraction {val_fraction} must be in (0, 1), record_tokens >= 1")
+    text = _read_texts([pathlib.Path(t) for t in texts])
+    cut = len(text) - int(round(len(text) * val_fraction))
+    if cut < 2 or len(text) - cut < 2:
+        raise DataError(f"{len(text)} characters of text are too few to split")
+    data_dir = pathlib.Path(data_dir).expanduser()
+    root = data_dir / name
+    if tokenizer == "sentencepiece":
+        tok = train_sentencepiece(text[:cut], root / TOKENIZER_FILE, vocab_size=vocab_size)
+    else:
+        (root / TOKENIZER_FILE).unlink(missing_ok=True)
+        tok = ByteTokenizer()
+    dtype = (
+        np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.int32
+    )
+    splits = {"train": tok.encode(text[:cut]).astype(dtype),
+              "validation": tok.encode(text[cut:]).astype(dtype)}  # fmt: skip
+    builder = _builder(name, splits, record_tokens)(data_dir=str(data_dir),
+                                                   file_format="array_record")  # fmt: skip
+    builder.download_and_prepare()
+    return root
+
+
+def tokenizer_for(name: str, data_dir: str | pathlib.Path):
+    """The dataset's SentencePiece model if it has one, else bytes."""
+    path = pathlib.Path(data_dir or default_data_dir()).expanduser() / name / TOKENIZER_FILE
+    return SentencePieceTokenizer(path) if path.is_file() else ByteTokenizer()
+
+
+def _split_tokens(source, tokenizer, text_feature: str) -> np.ndarray:
+    import grain
+
+    def tokens(record):
+        if "tokens" in record:
+            return int(record.get("index", 0)), np.asarray(record["tokens"])
+        if text_feature not in record:
+            raise DataError(f"records have no 'tokens' or {text_feature!r} feature "
+                            f"(features: {sorted(record)}); set data.text_feature")  # fmt: skip
+        value = record[text_feature]
+        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        return 0, tokenizer.encode(text + "\n")
+
+    pieces = list(grain.MapDataset.source(source).map(tokens))
+    pieces.sort(key=lambda p: p[0])  # stable: text records keep the source's order
+    return np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0, np.int32)
+
+
+def load(spec: str, data_dir: str = "", *, text_feature: str = "text") -> Corpus:
+    """``spec`` is ``tfds:NAME``; reads splits ``train`` and ``validation`` (or ``test``)."""
+    import tensorflow_datasets as tfds
+
+    name = spec[len(TFDS_PREFIX) :]
+    root = pathlib.Path(data_dir or default_data_dir()).expanduser()
+    if not (root / name).is_dir():
+        raise DataError(
+            f"TFDS dataset {name!r} not found in {root}: prepare it with `python -m "
+            f"diloco_jax.data.prepare --text FILE... --out {root} --name {name}` (or `tfds build "
+            f"{name} --data_dir {root} --file_format array_record` where it can be downloaded)"
+        )
+    try:
+        sources = tfds.data_source(name, data_dir=str(root))
+    except Exception as e:  # TFDS raises several types for unreadable or foreign datasets
+        raise DataError(f"cannot read TFDS dataset {name!r} in {root}: {e}") from None
+    val_split = "validation" if "validation" in sources else "test"
+    if "train" not in sources or val_split not in sources:
+        raise DataError(f"TFDS dataset {name!r} needs a train and a validation (or test) split; "
+                        f"it has {sorted(sources)}")  # fmt: skip
+    tok = tokenizer_for(name, root)
+    train = _split_tokens(sources["train"], tok, text_feature)
+    val = _split_tokens(sources[val_split], tok, text_feature)
+    if len(train) < 2 or len(val) < 2:
+        raise DataError(f"TFDS dataset {name!r} has too few tokens ({len(train)}, {len(val)})")
+    return Corpus(train, val, f"{root / name} ({tok.name} tokens)", tok.vocab_size, tok)
