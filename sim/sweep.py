@@ -242,12 +242,16 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     """Runs the plan, writes results.csv, summary.csv, curves.png, tradeoff.png; returns the
     summary table (a row per group: mean and spread over seeds)."""
     from diloco_jax import model as model_lib
-    from diloco_jax.data import VOCAB_SIZE
+    from diloco_jax.data import VOCAB_SIZE, tfds_text
     from diloco_jax.reporting import progress_bar, setup_logging
 
     runs = plan(base, sweeps, baselines, seeds)
     setup_logging(logging.WARNING)  # the sweep's bar and table say enough
-    _, params = model_lib.init_model(0, vocab_size=VOCAB_SIZE, seq_len=base.data.seq_len,
+    vocab = VOCAB_SIZE  # the model's shapes give the bytes: its vocabulary is the corpus's
+    if base.data.corpus.startswith(tfds_text.TFDS_PREFIX):
+        name = base.data.corpus[len(tfds_text.TFDS_PREFIX) :]
+        vocab = tfds_text.tokenizer_for(name, base.data.data_dir).vocab_size
+    _, params = model_lib.init_model(0, vocab_size=vocab, seq_len=base.data.seq_len,
                                      **config_lib.to_dict(base)["model"])  # fmt: skip
     workdir.mkdir(parents=True, exist_ok=True)
     rows, dones, groups = [], [], {}
