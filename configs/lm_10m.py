@@ -2,23 +2,17 @@
 a small GPU or a patient CPU.
 """
 
-from diloco_jax.config import (
-    Config,
-    DataConfig,
-    InnerConfig,
-    ModelConfig,
-    OuterConfig,
-    ParallelConfig,
-    TrainConfig,
-)
+import dataclasses
+import pathlib
+
+from diloco_jax.config import Config, load_preset
 
 
 def get_config() -> Config:
-    return Config(
-        model=ModelConfig(d_model=384, num_layers=6, num_heads=6, mlp_ratio=4),
-        data=DataConfig(seq_len=256, batch_size=32),
-        inner=InnerConfig(learning_rate=1e-3, warmup_steps=100),
-        outer=OuterConfig(sync_every=100),
-        parallel=ParallelConfig(replicas=4),
-        train=TrainConfig(total_steps=5000, log_every=50, eval_every=500),
+    base = load_preset(pathlib.Path(__file__).with_name("lm_1m.py"))  # the shared settings
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, d_model=384, num_layers=6, num_heads=6),
+        data=dataclasses.replace(base.data, seq_len=256, batch_size=32),
+        inner=dataclasses.replace(base.inner, learning_rate=1e-3),
     )
