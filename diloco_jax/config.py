@@ -42,9 +42,20 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ResNetConfig:
+    """The image model (``diloco_jax/vision.py``), used when ``data.corpus`` is an image
+    dataset (``digits``)."""
+
+    width: int = 16  # channels of the first stage (doubling per stage)
+    stages: int = 2
+    depth: int = 1  # residual blocks per stage
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
-    # a shipped corpus name, a .txt / .txt.gz / .txt.xz path, or tfds:NAME (a TFDS dataset in
-    # array_record format under data.data_dir; see `python -m diloco_jax.data.prepare`)
+    # a shipped corpus name, a .txt / .txt.gz / .txt.xz path, tfds:NAME (a TFDS dataset in
+    # array_record format under data.data_dir; see `python -m diloco_jax.data.prepare`), or an
+    # image dataset (digits: image classification with a ResNet, see the resnet section)
     corpus: str = "shakespeare"
     data_dir: str = ""  # TFDS data dir; "": ~/tensorflow_datasets
     text_feature: str = "text"  # the text feature of a TFDS dataset that has no 'tokens'
@@ -145,6 +156,7 @@ class Config:
     algorithm: str = "diloco"  # diloco | ddp | single
     seed: int = 0
     model: ModelConfig = ModelConfig()
+    resnet: ResNetConfig = ResNetConfig()
     data: DataConfig = DataConfig()
     inner: InnerConfig = InnerConfig()
     outer: OuterConfig = OuterConfig()
@@ -232,7 +244,7 @@ _POSITIVE = (
     "model.d_model", "model.num_layers", "model.num_heads", "model.mlp_ratio", "data.seq_len",
     "data.batch_size", "outer.sync_every", "parallel.replicas", "train.total_steps",
     "train.log_every", "train.eval_every", "train.keep_checkpoints", "streaming.fragments",
-    "compress.dct_chunk", "compress.dct_topk",
+    "compress.dct_chunk", "compress.dct_topk", "resnet.width", "resnet.stages", "resnet.depth",
 )  # fmt: skip
 _NON_NEGATIVE = (
     "parallel.replica_devices", "parallel.data_devices", "inner.warmup_steps", "train.sample_chars",

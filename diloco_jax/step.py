@@ -8,6 +8,7 @@ simulator runs it under ``jax.vmap`` and the mesh runtime under ``jax.shard_map`
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -97,6 +98,7 @@ def make_replica_step(
     data_shards: int = 1,
     controlled: bool = True,
     dropout: bool = False,
+    task=None,
 ):
     """One inner step of one replica: ``replica_step(state, replica, shard_S, control) ->
     (state, metrics)``, ``control`` a :class:`StepControl` for this replica. With
@@ -109,30 +111,40 @@ def make_replica_step(
     ``params += tx.update(grads)``; with DiLoCo, ``tx`` syncs the replicas every ``sync_every``
     steps. With ``dropout`` the model's dropout is active, its key drawn from ``(seed, step,
     replica)`` (and the data shard: masks then differ from an unsharded run's).
+
+    ``task``: another task's ``(sample(shard, seed, replica, step, batch_size) -> batch,
+    loss(graphdef, params, batch, dropout_key) -> loss)`` (:mod:`diloco_jax.tasks`); None: the
+    language model on token shards.
     """
     if batch_size % data_shards:
         raise ValueError(f"batch_size {batch_size} is not divisible by data_shards {data_shards}")
     rows = batch_size // data_shards
 
-    def loss_fn(params, tokens_BxL1, dropout_key):
+    def lm_loss(params, tokens_BxL1, dropout_key):
         logits_BxLxV = model_lib.apply(graphdef, params, tokens_BxL1[:, :-1], dropout_key)
         return model_lib.token_nll(logits_BxLxV, tokens_BxL1[:, 1:]).mean()
 
+    loss_fn = lm_loss if task is None else functools.partial(task.loss, graphdef)
+
+    def sample(shard_S, replica, step):
+        if task is not None:
+            return task.sample(shard_S, seed=seed, replica=replica, step=step,
+                               batch_size=batch_size)  # fmt: skip
+        return sample_batch(shard_S, seed=seed, replica=replica, step=step,
+                            batch_size=batch_size, seq_len=seq_len)  # fmt: skip
+
     def replica_step(state: TrainState, replica: jax.Array, shard_S: jax.Array, control):
-        tokens_BxL1 = sample_batch(
-            shard_S, seed=seed, replica=replica, step=state.step, batch_size=batch_size,
-            seq_len=seq_len,
-        )  # fmt: skip
+        batch = sample(shard_S, replica, state.step)  # tokens_BxL1, or a task's pytree of rows
         if data_axis is not None:
             start = lax.axis_index(data_axis) * rows
-            tokens_BxL1 = lax.dynamic_slice_in_dim(tokens_BxL1, start, rows)
+            batch = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, rows), batch)
         key = None
         if dropout:  # a pure function of (seed, step, replica, data shard), like the batch
             key = jax.random.fold_in(jax.random.key(seed), state.step)
             key = jax.random.fold_in(jax.random.fold_in(key, replica), _DROPOUT_STREAM)
             if data_axis is not None:
                 key = jax.random.fold_in(key, lax.axis_index(data_axis))
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BxL1, key)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
         if data_axis is not None and data_shards > 1:
             loss, grads = lax.pmean((loss, grads), data_axis)
         extra = control._asdict() if controlled else {}

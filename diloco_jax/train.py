@@ -13,7 +13,7 @@ import json
 import pathlib
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,8 @@ from diloco_jax import (
     reporting,
     resume,
     schedule,
+    tasks,
+    vision,
 )
 from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
@@ -39,6 +41,7 @@ from diloco_jax.data import (
     replica_shards,
     unigram_entropy,
 )
+from diloco_jax.data.images import IMAGE_DATASETS, image_shards, load_images
 from diloco_jax.dct import DctConfig
 from diloco_jax.diloco import EagerDilocoState, Streaming, find_anchor, find_diloco_state
 from diloco_jax.preemption import Preemption
@@ -74,6 +77,12 @@ class Setup:
     fingerprints: Any = None  # mesh only: params -> uint32 [devices], each device's copy
     num_params: int = 0
     tokenizer: Any = None  # the corpus's (None: bytes)
+    task: Any = None  # diloco_jax.tasks.Task; None: language modelling
+
+    @property
+    def tokens_per_row(self) -> int:
+        """What one batch row counts as in "tokens": seq_len tokens, or one example (images)."""
+        return self.cfg.data.seq_len if self.task is None else 1
 
 
 def effective_replicas(cfg: config_lib.Config) -> int:
@@ -130,20 +139,54 @@ def _layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
     return layout
 
 
+class _Problem(NamedTuple):
+    """What the data decides: shards, evaluation data, the model, the task."""
+
+    shards: Any  # [R, S] tokens, or a task's pytree of [R, S, ...] arrays
+    eval_data: Any
+    graphdef: Any
+    params: Any
+    eval_fn: Any
+    baseline_nats: float  # unigram entropy of the tokens, or log(classes)
+    tokenizer: Any = None
+    task: Any = None  # None: language modelling
+
+
+def _problem(cfg: config_lib.Config, replicas: int) -> _Problem:
+    m, d = cfg.model, cfg.data
+    if d.corpus in IMAGE_DATASETS:  # image classification with a ResNet
+        imgs = load_images(d.corpus, val_fraction=d.val_fraction)
+        r = cfg.resnet
+        graphdef, params = vision.init_model(
+            cfg.seed, channels=imgs.train_images.shape[-1], num_classes=imgs.num_classes,
+            width=r.width, stages=r.stages, depth=r.depth,
+        )  # fmt: skip
+        task = tasks.IMAGE_CLASSIFICATION
+        return _Problem(image_shards(imgs.train_images, imgs.train_labels, replicas),
+                        (imgs.val_images, imgs.val_labels), graphdef, params,
+                        task.make_eval_fn(graphdef), float(np.log(imgs.num_classes)),
+                        task=task)  # fmt: skip
+    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction, data_dir=d.data_dir,
+                         text_feature=d.text_feature)  # fmt: skip
+    graphdef, params = model_lib.init_model(
+        cfg.seed, vocab_size=corpus.vocab_size, seq_len=d.seq_len, **dataclasses.asdict(m)
+    )
+    return _Problem(
+        replica_shards(corpus.train_N, replicas, d.seq_len),  # a view: nothing copied
+        eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows),
+        graphdef, params, make_eval_fn(graphdef), unigram_entropy(corpus.val_M), corpus.tokenizer,
+    )  # fmt: skip
+
+
 def build(cfg: config_lib.Config) -> Setup:
     """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
     DataError before anything is compiled."""
     config_lib.validate(cfg)
     m, d = cfg.model, cfg.data
     replicas = effective_replicas(cfg)
-    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction, data_dir=d.data_dir,
-                         text_feature=d.text_feature)  # fmt: skip
-    shards_RxS = replica_shards(corpus.train_N, replicas, d.seq_len)  # a view: nothing copied
-    windows = eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows)
+    problem = _problem(cfg, replicas)
+    graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
     layout = _layout(cfg, replicas)
-    graphdef, params = model_lib.init_model(
-        cfg.seed, vocab_size=corpus.vocab_size, seq_len=d.seq_len, **dataclasses.asdict(m)
-    )
     # The pairwise cosine costs one more all-reduce: worth it only in the simulator.
     diagnostics = cfg.sim.diagnostics and layout.runtime == "sim"
     tx = make_tx(cfg, layout.replica_axis_names, diagnostics=diagnostics)
@@ -160,7 +203,8 @@ def build(cfg: config_lib.Config) -> Setup:
         seq_len=d.seq_len,
         data_axis=None if mesh is None else parallel.DATA,
         data_shards=layout.data_devices,
-        dropout=m.dropout > 0,
+        dropout=m.dropout > 0 and problem.task is None,
+        task=problem.task,
         controlled=schedule.needs_control(
             speeds=cfg.sim.speeds, dylu=cfg.sim.dylu, drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob
         ),
@@ -168,7 +212,8 @@ def build(cfg: config_lib.Config) -> Setup:
     steps = cfg.train.log_every
     if mesh is None:
         run_chunk = parallel.simulator_steps(replica_step, axes, steps)
-        shards_RxS, outer_fn, fingerprints = jnp.asarray(shards_RxS), outer_params, None
+        shards_RxS = jax.tree.map(jnp.asarray, shards_RxS)
+        outer_fn, fingerprints = outer_params, None
     else:
         run_chunk = parallel.mesh_steps(replica_step, axes, mesh, steps)
         shards_RxS = parallel.split_over_replicas(shards_RxS, mesh)  # local replicas' rows only
@@ -183,14 +228,15 @@ def build(cfg: config_lib.Config) -> Setup:
         run_chunk=run_chunk,
         replicas_R=parallel.split_over_replicas(jnp.arange(replicas, dtype=jnp.int32), mesh),
         shards_RxS=shards_RxS,
-        eval_windows=parallel.replicated(jnp.asarray(windows), mesh),
-        eval_fn=make_eval_fn(graphdef),
-        unigram_nats=unigram_entropy(corpus.val_M),
+        eval_windows=parallel.replicated(jax.tree.map(jnp.asarray, problem.eval_data), mesh),
+        eval_fn=problem.eval_fn,
+        unigram_nats=problem.baseline_nats,
         tx=tx,
         outer_fn=outer_fn,
         fingerprints=fingerprints,
         num_params=model_lib.count_params(params),
-        tokenizer=corpus.tokenizer,
+        tokenizer=problem.tokenizer,
+        task=problem.task,
     )
 
 
@@ -251,7 +297,7 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         "final_eval_loss": eval_loss,
         "steps": step,
         "outer_steps": outer_steps(cfg, step),
-        "tokens": step * s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len,
+        "tokens": step * s.layout.replicas * cfg.data.batch_size * s.tokens_per_row,
         "train_seconds": round(seconds, 2),
         "unigram_entropy": s.unigram_nats,
         "preempted": preempted,
@@ -260,7 +306,7 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         return summary
     params = s.outer_fn(state)
     checkpoint.save_params(workdir / "params", params)  # every process writes its part
-    if cfg.train.sample_chars and jax.process_index() == 0:
+    if cfg.train.sample_chars and s.task is None and jax.process_index() == 0:
         summary["sample"] = generate_text(
             s.graphdef, parallel.host_copy(params), cfg.train.sample_prompt,
             num_chars=cfg.train.sample_chars, seq_len=cfg.data.seq_len, seed=cfg.seed,
@@ -278,7 +324,7 @@ def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float)
     cfg, n = s.cfg, s.cfg.train.log_every
     _log_syncs(runlog, cfg, step - n, metrics_NxR)
     loss_R = metrics_NxR["loss"][-1]
-    tokens_per_s = s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len * n / seconds
+    tokens_per_s = s.layout.replicas * cfg.data.batch_size * s.tokens_per_row * n / seconds
     outer = outer_steps(cfg, step)
     runlog.write("train", step, loss=float(loss_R.mean()), replica_loss=loss_R,
                  tokens_per_s=tokens_per_s, outer_steps=outer)  # fmt: skip
@@ -288,12 +334,15 @@ def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float)
 
 def _evaluate(s: Setup, runlog, state, step: int, total: int) -> float:
     cfg = s.cfg
-    eval_loss = float(s.eval_fn(s.outer_fn(state), s.eval_windows))
-    tokens = step * s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len
+    result = jax.device_get(s.eval_fn(s.outer_fn(state), s.eval_windows))
+    values = {k: float(v) for k, v in result.items()} if isinstance(result, dict) else {}
+    eval_loss = values.pop("eval_loss", None) if values else float(result)
+    tokens = step * s.layout.replicas * cfg.data.batch_size * s.tokens_per_row
     outer = outer_steps(cfg, step)
-    runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer, tokens=tokens)
-    log.info("step %d/%d, outer step %d: eval_loss %.4f nats/token (outer params)",
-             step, total, outer, eval_loss)  # fmt: skip
+    runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer, tokens=tokens, **values)
+    extra = "".join(f", {k} {v:.4f}" for k, v in values.items())
+    log.info("step %d/%d, outer step %d: eval_loss %.4f nats%s (outer params)",
+             step, total, outer, eval_loss, extra)  # fmt: skip
     return eval_loss
 
 
@@ -343,7 +392,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
         "%d tokens per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
         s.layout.replica_devices, s.layout.data_devices, jax.process_count(),
         s.num_params,
-        s.layout.replicas * cfg.data.batch_size * cfg.data.seq_len,
+        s.layout.replicas * cfg.data.batch_size * s.tokens_per_row,
     )  # fmt: skip
     log.info("compiling %d steps per call ...", t.log_every)
     t0 = time.time()
@@ -410,10 +459,11 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
         print(f"\nstopped by {summary['preempted']} at step {summary['steps']}; "
               f"checkpoint in {workdir}/checkpoints; run the same command to continue")  # fmt: skip
         return 0
+    unit = "example" if cfg.data.corpus in IMAGE_DATASETS else "token"
     print(
-        f"\nfinal eval loss {summary['final_eval_loss']:.4f} nats/token after "
+        f"\nfinal eval loss {summary['final_eval_loss']:.4f} nats/{unit} after "
         f"{summary['steps']} inner / {summary['outer_steps']} outer steps "
-        f"({summary['tokens']:,} tokens, {summary['train_seconds']:.0f}s); outputs in {workdir}"
+        f"({summary['tokens']:,} {unit}s, {summary['train_seconds']:.0f}s); outputs in {workdir}"
     )
     if "sample" in summary:
         print("\n--- sample from the outer parameters ---\n" + summary["sample"])

@@ -66,6 +66,7 @@ def test_mismatched_model_names_the_parameter_and_both_shapes(tmp_path):
     assert (tmp_path / "checkpoints" / "20").is_dir()  # nothing was lost
 
 
+@pytest.mark.slow  # 25 s; test_multiprocess covers the same stop with two processes
 def test_sigterm_stops_with_a_checkpoint_and_resume_continues_exactly(tmp_path):
     over = {"train.total_steps": 1500, "train.log_every": 5, "train.eval_every": 1500}
     workdir = tmp_path / "w"

@@ -78,6 +78,7 @@ def tiny(data_dir, name="plays", **extra):
                            [(k, str(v)) for k, v in overrides.items()])  # fmt: skip
 
 
+@pytest.mark.slow  # 12 s; the round trip and vocabulary are checked by default
 def test_train_on_a_sentencepiece_dataset(data_dir, tmp_path):
     cfg = tiny(data_dir, "plays_sp", **{"train.checkpoint": False, "train.total_steps": 10})
     done = train(cfg, tmp_path, show_progress=False)

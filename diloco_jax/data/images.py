@@ -1,0 +1,61 @@
+"""Image-classification data: scikit-learn's digits (shipped inside the package, no download).
+
+``load_images("digits", val_fraction)`` shuffles the 1,797 8x8 grayscale digits once with a fixed
+seed and keeps the last ``val_fraction`` for validation. Pixels are scaled to [0, 1]. Replicas
+get contiguous, disjoint shards of the training examples (:func:`image_shards`); the examples a
+replica trains on at a step are a pure function of ``(seed, replica, step)``
+(:func:`sample_images`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax.data.corpus import DataError
+
+IMAGE_DATASETS = ("digits",)
+
+
+class Images(NamedTuple):
+    train_images: np.ndarray  # float32 [N, H, W, C]
+    train_labels: np.ndarray  # int32 [N]
+    val_images: np.ndarray
+    val_labels: np.ndarray
+    num_classes: int
+
+
+def load_images(name: str, *, val_fraction: float) -> Images:
+    if name != "digits":
+        raise DataError(f"image dataset {name!r} is not one of {IMAGE_DATASETS}")
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    order = np.random.default_rng(0).permutation(len(digits.target))
+    images = (digits.images[order] / 16.0).astype(np.float32)[..., None]
+    labels = digits.target[order].astype(np.int32)
+    cut = len(labels) - int(round(len(labels) * val_fraction))
+    return Images(images[:cut], labels[:cut], images[cut:], labels[cut:], 10)
+
+
+def image_shards(images: np.ndarray, labels: np.ndarray, replicas: int):
+    """``(images_RxSx..., labels_RxS)``: contiguous, disjoint shards (the last N mod R unused)."""
+    size = len(labels) // replicas
+    if size < 1:
+        raise DataError(f"{len(labels)} training examples are too few for {replicas} replicas")
+    keep = replicas * size
+    return (images[:keep].reshape(replicas, size, *images.shape[1:]),
+            labels[:keep].reshape(replicas, size))  # fmt: skip
+
+
+def sample_images(shard, *, seed, replica, step, batch_size: int):
+    """The ``batch_size`` examples (uniform, with replacement) ``replica`` trains on at ``step``
+    from its shard ``(images_Sx..., labels_S)``, drawn from ``fold_in(fold_in(key(seed), step),
+    replica)``."""
+    images_S, labels_S = shard
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), replica)
+    idx_B = jax.random.randint(key, (batch_size,), 0, labels_S.shape[0], dtype=jnp.int32)
+    return images_S[idx_B], labels_S[idx_B]
