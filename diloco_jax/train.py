@@ -13,7 +13,7 @@ import json
 import pathlib
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,23 +25,16 @@ from diloco_jax import (
     distributed,
     optim,
     parallel,
+    problems,
     reporting,
     resume,
     schedule,
-    tasks,
-    vision,
 )
 from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
 from diloco_jax.compress import Codec
-from diloco_jax.data import (
-    DataError,
-    eval_windows,
-    load_corpus,
-    replica_shards,
-    unigram_entropy,
-)
-from diloco_jax.data.images import IMAGE_DATASETS, image_shards, load_images
+from diloco_jax.data import DataError
+from diloco_jax.data.images import IMAGE_DATASETS
 from diloco_jax.dct import DctConfig
 from diloco_jax.diloco import EagerDilocoState, Streaming, find_anchor, find_diloco_state
 from diloco_jax.preemption import Preemption
@@ -50,7 +43,6 @@ from diloco_jax.sample import generate_text
 from diloco_jax.step import (
     StepControl,
     init_state,
-    make_eval_fn,
     make_replica_step,
     outer_params,
     state_axes,
@@ -139,52 +131,13 @@ def _layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
     return layout
 
 
-class _Problem(NamedTuple):
-    """What the data decides: shards, evaluation data, the model, the task."""
-
-    shards: Any  # [R, S] tokens, or a task's pytree of [R, S, ...] arrays
-    eval_data: Any
-    graphdef: Any
-    params: Any
-    eval_fn: Any
-    baseline_nats: float  # unigram entropy of the tokens, or log(classes)
-    tokenizer: Any = None
-    task: Any = None  # None: language modelling
-
-
-def _problem(cfg: config_lib.Config, replicas: int) -> _Problem:
-    m, d = cfg.model, cfg.data
-    if d.corpus in IMAGE_DATASETS:  # image classification with a ResNet
-        imgs = load_images(d.corpus, val_fraction=d.val_fraction)
-        r = cfg.resnet
-        graphdef, params = vision.init_model(
-            cfg.seed, channels=imgs.train_images.shape[-1], num_classes=imgs.num_classes,
-            width=r.width, stages=r.stages, depth=r.depth,
-        )  # fmt: skip
-        task = tasks.IMAGE_CLASSIFICATION
-        return _Problem(image_shards(imgs.train_images, imgs.train_labels, replicas),
-                        (imgs.val_images, imgs.val_labels), graphdef, params,
-                        task.make_eval_fn(graphdef), float(np.log(imgs.num_classes)),
-                        task=task)  # fmt: skip
-    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction, data_dir=d.data_dir,
-                         text_feature=d.text_feature)  # fmt: skip
-    graphdef, params = model_lib.init_model(
-        cfg.seed, vocab_size=corpus.vocab_size, seq_len=d.seq_len, **dataclasses.asdict(m)
-    )
-    return _Problem(
-        replica_shards(corpus.train_N, replicas, d.seq_len),  # a view: nothing copied
-        eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows),
-        graphdef, params, make_eval_fn(graphdef), unigram_entropy(corpus.val_M), corpus.tokenizer,
-    )  # fmt: skip
-
-
 def build(cfg: config_lib.Config) -> Setup:
     """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
     DataError before anything is compiled."""
     config_lib.validate(cfg)
     m, d = cfg.model, cfg.data
     replicas = effective_replicas(cfg)
-    problem = _problem(cfg, replicas)
+    problem = problems.load(cfg, replicas)
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
     layout = _layout(cfg, replicas)
     # The pairwise cosine costs one more all-reduce: worth it only in the simulator.

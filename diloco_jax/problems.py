@@ -1,0 +1,56 @@
+"""What a run learns: its data, model and task, chosen by ``data.corpus``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from diloco_jax import config as config_lib
+from diloco_jax import model as model_lib
+from diloco_jax import tasks, vision
+from diloco_jax.data import eval_windows, load_corpus, replica_shards, unigram_entropy
+from diloco_jax.data.images import IMAGE_DATASETS, image_shards, load_images
+from diloco_jax.step import make_eval_fn
+
+
+class Problem(NamedTuple):
+    """What the data decides: shards, evaluation data, the model, the task."""
+
+    shards: Any  # [R, S] tokens, or a task's pytree of [R, S, ...] arrays
+    eval_data: Any
+    graphdef: Any
+    params: Any
+    eval_fn: Any
+    baseline_nats: float  # unigram entropy of the tokens, or log(classes)
+    tokenizer: Any = None
+    task: Any = None  # None: language modelling
+
+
+def load(cfg: config_lib.Config, replicas: int) -> Problem:
+    """Loads the data ``cfg`` names and builds its model: text (or tokens) for the Transformer,
+    images for the ResNet. Raises DataError for missing or unusable data."""
+    m, d = cfg.model, cfg.data
+    if d.corpus in IMAGE_DATASETS:  # image classification with a ResNet
+        imgs = load_images(d.corpus, val_fraction=d.val_fraction)
+        r = cfg.resnet
+        graphdef, params = vision.init_model(
+            cfg.seed, channels=imgs.train_images.shape[-1], num_classes=imgs.num_classes,
+            width=r.width, stages=r.stages, depth=r.depth,
+        )  # fmt: skip
+        task = tasks.IMAGE_CLASSIFICATION
+        return Problem(image_shards(imgs.train_images, imgs.train_labels, replicas),
+                        (imgs.val_images, imgs.val_labels), graphdef, params,
+                        task.make_eval_fn(graphdef), float(np.log(imgs.num_classes)),
+                        task=task)  # fmt: skip
+    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction, data_dir=d.data_dir,
+                         text_feature=d.text_feature)  # fmt: skip
+    graphdef, params = model_lib.init_model(
+        cfg.seed, vocab_size=corpus.vocab_size, seq_len=d.seq_len, **dataclasses.asdict(m)
+    )
+    return Problem(
+        replica_shards(corpus.train_N, replicas, d.seq_len),  # a view: nothing copied
+        eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows),
+        graphdef, params, make_eval_fn(graphdef), unigram_entropy(corpus.val_M), corpus.tokenizer,
+    )  # fmt: skip
