@@ -34,45 +34,32 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> Non
 
 
 def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "") -> None:
-    """Final validation loss against bytes each replica sent (log scale); runs that sent
-    nothing are drawn as horizontal lines. Runs named ``family: label`` get one colour per
-    family (a legend) and are annotated with their label."""
-    fig, ax = plt.subplots(figsize=(10, 6) if len(rows) > 8 else (7, 4.5))
-    colours: dict[str, str] = {}
-    for row in rows:
-        family, _, label = row["run"].rpartition(": ")
-        if family not in colours:
-            colours[family] = f"C{len(colours) % 10}"
-        colour = colours[family]
-        if row["bytes_per_replica"] > 0:
-            ax.scatter(row["bytes_per_replica"], row["final_eval_loss"], color=colour,
-                       label=family or None)  # fmt: skip
-            ax.annotate(label, (row["bytes_per_replica"], row["final_eval_loss"]),
-                        fontsize=7, xytext=(4, 2), textcoords="offset points")  # fmt: skip
-        else:
-            ax.axhline(row["final_eval_loss"], linestyle=":", color="gray")
-            ax.annotate(f"{label} (no communication)", (0.02, row["final_eval_loss"]),
-                        xycoords=("axes fraction", "data"), fontsize=7)  # fmt: skip
-    ax.set_xscale("log")
+    """Final validation loss against bytes each replica sent (log scale), a point per run named
+    by its run; runs that sent nothing are drawn as horizontal lines."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    _panel(ax, rows, "bytes_per_replica", {}, label_of=lambda row: row["run"])
     ax.set_xlabel("bytes sent per replica (log scale)")
     ax.set_ylabel("final validation loss (nats/token)")
-    ax.grid(alpha=0.3, which="both")
-    handles, labels = ax.get_legend_handles_labels()
-    if any(labels):
-        unique = dict(zip(labels, handles, strict=True))
-        ax.legend(unique.values(), unique.keys(), fontsize=8)
     ax.set_title(title or "loss against communication")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _panel(ax, rows: list[dict], x_key: str, colours: dict[str, str]) -> None:
-    """Scatter of final loss against ``x_key`` (log), labels stacked where points coincide."""
+def _communication_label(row: dict) -> str:
+    name = row["run"].rpartition(": ")[2]
+    return name if name in ("ddp", "single", "diloco") else row.get("codec", name)
+
+
+def _panel(ax, rows: list[dict], x_key: str, colours: dict[str, str], *,
+           label_of=_communication_label) -> None:  # fmt: skip
+    """Scatter of final loss against ``x_key`` (log), one colour per family (runs named
+    ``family: label``), labels stacked where points coincide."""
     stacked: dict[tuple, int] = {}
     for row in rows:
         family = row["run"].rpartition(": ")[0]
-        colour = colours.setdefault(family, f"C{len(colours) % 10}")
+        # a colour per family; runs without one each get their own
+        colour = colours.setdefault(family or row["run"], f"C{len(colours) % 10}")
         x, y = row[x_key], row["final_eval_loss"]
         if x <= 0:
             ax.axhline(y, linestyle=":", color="gray")
@@ -82,9 +69,7 @@ def _panel(ax, rows: list[dict], x_key: str, colours: dict[str, str]) -> None:
         ax.scatter(x, y, color=colour, label=family)
         slot = (round(float(np.log10(x)), 1), round(y, 2))
         stacked[slot] = stacked.get(slot, -1) + 1
-        name = row["run"].rpartition(": ")[2]
-        label = name if name in ("ddp", "single", "diloco") else row.get("codec", name)
-        ax.annotate(label, (x, y), fontsize=6.5, color=colour,
+        ax.annotate(label_of(row), (x, y), fontsize=6.5, color=colour,
                     xytext=(4, 2 - 8 * stacked[slot]), textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
     ax.grid(alpha=0.3, which="both")
