@@ -55,13 +55,17 @@ class ResNetConfig:
 class DataConfig:
     # a shipped corpus name, a .txt / .txt.gz / .txt.xz path, tfds:NAME (a TFDS dataset in
     # array_record format under data.data_dir; see `python -m diloco_jax.data.prepare`), or an
-    # image dataset (digits: image classification with a ResNet, see the resnet section)
+    # image dataset (digits: image classification with a ResNet, see the resnet section). A TFDS
+    # dataset with an image feature (data.image_feature) is image classification too.
     corpus: str = "shakespeare"
     data_dir: str = ""  # TFDS data dir; "": ~/tensorflow_datasets
     text_feature: str = "text"  # the text feature of a TFDS dataset that has no 'tokens'
+    image_feature: str = "image"  # TFDS image datasets: the image and label features
+    label_feature: str = "label"
+    image_size: int = 0  # > 0: resize TFDS images to this square size; 0: keep (one size)
     seq_len: int = 128
     batch_size: int = 16  # per replica, per inner step
-    val_fraction: float = 0.05  # text files only; a TFDS dataset has its own splits
+    val_fraction: float = 0.05  # text files and digits; a TFDS dataset has its own splits
     eval_windows: int = 256  # validation windows per eval; <= 0 for the whole split
 
 
@@ -248,7 +252,7 @@ _POSITIVE = (
 )  # fmt: skip
 _NON_NEGATIVE = (
     "parallel.replica_devices", "parallel.data_devices", "inner.warmup_steps", "train.sample_chars",
-    "train.checkpoint_every", "streaming.overlap",
+    "train.checkpoint_every", "streaming.overlap", "data.image_size",
 )  # fmt: skip
 
 

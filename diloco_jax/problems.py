@@ -11,7 +11,7 @@ from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
 from diloco_jax import tasks, vision
 from diloco_jax.data import eval_windows, load_corpus, replica_shards, unigram_entropy
-from diloco_jax.data.images import IMAGE_DATASETS, image_shards, load_images
+from diloco_jax.data.images import image_shards, is_image_data, load_images
 from diloco_jax.step import make_eval_fn
 
 
@@ -32,8 +32,10 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
     """Loads the data ``cfg`` names and builds its model: text (or tokens) for the Transformer,
     images for the ResNet. Raises DataError for missing or unusable data."""
     m, d = cfg.model, cfg.data
-    if d.corpus in IMAGE_DATASETS:  # image classification with a ResNet
-        imgs = load_images(d.corpus, val_fraction=d.val_fraction)
+    if is_image_data(d):  # image classification with a ResNet
+        imgs = load_images(d.corpus, val_fraction=d.val_fraction, data_dir=d.data_dir,
+                           image_feature=d.image_feature, label_feature=d.label_feature,
+                           image_size=d.image_size)  # fmt: skip
         r = cfg.resnet
         graphdef, params = vision.init_model(
             cfg.seed, channels=imgs.train_images.shape[-1], num_classes=imgs.num_classes,

@@ -81,10 +81,11 @@ def _plain(value: Any) -> Any:
 
 
 def progress_bar(
-    total: int, *, initial: int = 0, enabled: bool = True, unit: str = "step"
+    total: int, *, initial: int = 0, enabled: bool = True, unit: str = "step", desc: str = ""
 ) -> tqdm.tqdm:
     return tqdm.tqdm(
         total=total,
+        desc=desc or None,
         initial=initial,
         unit=unit,
         dynamic_ncols=True,

@@ -34,7 +34,6 @@ from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
 from diloco_jax.compress import Codec
 from diloco_jax.data import DataError
-from diloco_jax.data.images import IMAGE_DATASETS
 from diloco_jax.dct import DctConfig
 from diloco_jax.diloco import EagerDilocoState, Streaming, find_anchor, find_diloco_state
 from diloco_jax.preemption import Preemption
@@ -75,6 +74,10 @@ class Setup:
     def tokens_per_row(self) -> int:
         """What one batch row counts as in "tokens": seq_len tokens, or one example (images)."""
         return self.cfg.data.seq_len if self.task is None else 1
+
+    @property
+    def unit(self) -> str:
+        return "token" if self.task is None else "example"
 
 
 def effective_replicas(cfg: config_lib.Config) -> int:
@@ -251,6 +254,7 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         "steps": step,
         "outer_steps": outer_steps(cfg, step),
         "tokens": step * s.layout.replicas * cfg.data.batch_size * s.tokens_per_row,
+        "unit": s.unit,  # what "tokens" counts
         "train_seconds": round(seconds, 2),
         "unigram_entropy": s.unigram_nats,
         "preempted": preempted,
@@ -282,7 +286,8 @@ def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float)
     runlog.write("train", step, loss=float(loss_R.mean()), replica_loss=loss_R,
                  tokens_per_s=tokens_per_s, outer_steps=outer)  # fmt: skip
     bar.update(n)
-    bar.set_postfix(loss=f"{loss_R.mean():.3f}", tok_s=f"{tokens_per_s:,.0f}", outer=outer)
+    rate = {"tok_s" if s.task is None else "ex_s": f"{tokens_per_s:,.0f}"}
+    bar.set_postfix(loss=f"{loss_R.mean():.3f}", **rate, outer=outer)
 
 
 def _evaluate(s: Setup, runlog, state, step: int, total: int) -> float:
@@ -342,10 +347,10 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     runlog = reporting.RunLog(workdir, enabled=lead)
     log.info(
         "%s: %d replicas on %s (%d replica x %d data devices, %d processes), %d params, "
-        "%d tokens per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
+        "%d %ss per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
         s.layout.replica_devices, s.layout.data_devices, jax.process_count(),
         s.num_params,
-        s.layout.replicas * cfg.data.batch_size * s.tokens_per_row,
+        s.layout.replicas * cfg.data.batch_size * s.tokens_per_row, s.unit,
     )  # fmt: skip
     log.info("compiling %d steps per call ...", t.log_every)
     t0 = time.time()
@@ -412,7 +417,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
         print(f"\nstopped by {summary['preempted']} at step {summary['steps']}; "
               f"checkpoint in {workdir}/checkpoints; run the same command to continue")  # fmt: skip
         return 0
-    unit = "example" if cfg.data.corpus in IMAGE_DATASETS else "token"
+    unit = summary["unit"]
     print(
         f"\nfinal eval loss {summary['final_eval_loss']:.4f} nats/{unit} after "
         f"{summary['steps']} inner / {summary['outer_steps']} outer steps "

@@ -241,18 +241,13 @@ def mean_curves(dones: list[dict], groups: dict[str, str]) -> dict[str, dict]:
 def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progress=True) -> list:
     """Runs the plan, writes results.csv, summary.csv, curves.png, tradeoff.png; returns the
     summary table (a row per group: mean and spread over seeds)."""
-    from diloco_jax import model as model_lib
-    from diloco_jax.data import VOCAB_SIZE, tfds_text
+    from diloco_jax import problems
     from diloco_jax.reporting import progress_bar, setup_logging
 
     runs = plan(base, sweeps, baselines, seeds)
     setup_logging(logging.WARNING)  # the sweep's bar and table say enough
-    vocab = VOCAB_SIZE  # the model's shapes give the bytes: its vocabulary is the corpus's
-    if base.data.corpus.startswith(tfds_text.TFDS_PREFIX):
-        name = base.data.corpus[len(tfds_text.TFDS_PREFIX) :]
-        vocab = tfds_text.tokenizer_for(name, base.data.data_dir).vocab_size
-    _, params = model_lib.init_model(0, vocab_size=vocab, seq_len=base.data.seq_len,
-                                     **config_lib.to_dict(base)["model"])  # fmt: skip
+    # the model's shapes give the bytes: the data decide the model (its vocabulary or classes)
+    params = problems.load(base, replicas=1).params
     workdir.mkdir(parents=True, exist_ok=True)
     rows, dones, groups = [], [], {}
     bar = progress_bar(len(runs), enabled=show_progress, unit="run")

@@ -1,10 +1,12 @@
-"""Image-classification data: scikit-learn's digits (shipped inside the package, no download).
+"""Image-classification data: scikit-learn's digits (shipped inside the package, no download),
+or any TFDS image dataset prepared locally (``tfds:NAME``, :mod:`diloco_jax.data.tfds_images`).
 
 ``load_images("digits", val_fraction)`` shuffles the 1,797 8x8 grayscale digits once with a fixed
-seed and keeps the last ``val_fraction`` for validation. Pixels are scaled to [0, 1]. Replicas
-get contiguous, disjoint shards of the training examples (:func:`image_shards`); the examples a
-replica trains on at a step are a pure function of ``(seed, replica, step)``
-(:func:`sample_images`).
+seed and keeps the last ``val_fraction`` for validation; its pixels are float32 in [0, 1]. A TFDS
+dataset keeps its own splits and uint8 pixels (4x less memory), scaled to [0, 1] when sampled
+(:func:`as_float`). Replicas get contiguous, disjoint shards of the training examples
+(:func:`image_shards`); the examples a replica trains on at a step are a pure function of
+``(seed, replica, step)`` (:func:`sample_images`).
 """
 
 from __future__ import annotations
@@ -21,16 +23,44 @@ IMAGE_DATASETS = ("digits",)
 
 
 class Images(NamedTuple):
-    train_images: np.ndarray  # float32 [N, H, W, C]
+    train_images: np.ndarray  # [N, H, W, C]: float32 in [0, 1], or uint8 (see as_float)
     train_labels: np.ndarray  # int32 [N]
     val_images: np.ndarray
     val_labels: np.ndarray
     num_classes: int
 
 
-def load_images(name: str, *, val_fraction: float) -> Images:
+def is_image_data(cfg_data) -> bool:
+    """True when a config's ``data`` section names image data: a shipped image dataset, or a
+    TFDS dataset with an image feature."""
+    from diloco_jax.data import tfds_images, tfds_io
+
+    if cfg_data.corpus in IMAGE_DATASETS:
+        return True
+    corpus = cfg_data.corpus
+    return corpus.startswith(tfds_io.TFDS_PREFIX) and tfds_images.is_image_dataset(
+        corpus, cfg_data.data_dir
+    )
+
+
+def load_images(
+    name: str,
+    *,
+    val_fraction: float,
+    data_dir: str = "",
+    image_feature: str = "image",
+    label_feature: str = "label",
+    image_size: int = 0,
+) -> Images:
+    """``digits`` (split by ``val_fraction``) or ``tfds:NAME`` (its own splits; the other
+    arguments: :func:`diloco_jax.data.tfds_images.load`)."""
+    from diloco_jax.data import tfds_images, tfds_io
+
+    if name.startswith(tfds_io.TFDS_PREFIX):
+        return tfds_images.load(name, data_dir, image_feature=image_feature,
+                                label_feature=label_feature, image_size=image_size)  # fmt: skip
     if name != "digits":
-        raise DataError(f"image dataset {name!r} is not one of {IMAGE_DATASETS}")
+        raise DataError(f"image dataset {name!r} is not one of {IMAGE_DATASETS} or tfds:NAME")
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -51,6 +81,13 @@ def image_shards(images: np.ndarray, labels: np.ndarray, replicas: int):
             labels[:keep].reshape(replicas, size))  # fmt: skip
 
 
+def as_float(images):
+    """Pixels as float32 in [0, 1]: uint8 images divided by 255, float images as they are."""
+    if images.dtype == jnp.uint8:
+        return images.astype(jnp.float32) * jnp.float32(1 / 255)
+    return images
+
+
 def sample_images(shard, *, seed, replica, step, batch_size: int):
     """The ``batch_size`` examples (uniform, with replacement) ``replica`` trains on at ``step``
     from its shard ``(images_Sx..., labels_S)``, drawn from ``fold_in(fold_in(key(seed), step),
@@ -58,4 +95,4 @@ def sample_images(shard, *, seed, replica, step, batch_size: int):
     images_S, labels_S = shard
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), replica)
     idx_B = jax.random.randint(key, (batch_size,), 0, labels_S.shape[0], dtype=jnp.int32)
-    return images_S[idx_B], labels_S[idx_B]
+    return as_float(images_S[idx_B]), labels_S[idx_B]

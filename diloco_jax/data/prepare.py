@@ -1,9 +1,14 @@
-"""``python -m diloco_jax.data.prepare``: local text files -> a TFDS dataset (array_record).
+"""``python -m diloco_jax.data.prepare``: local text files or an image folder -> a TFDS dataset
+(array_record).
 
     python -m diloco_jax.data.prepare --text FILE [FILE ...] --out DATA_DIR [--name NAME]
         [--val_fraction 0.05] [--tokenizer byte|sentencepiece] [--vocab_size 1024]
         [--record_tokens 4096]
+    python -m diloco_jax.data.prepare --images DIR --out DATA_DIR [--name NAME]
+        [--val_fraction 0.1] [--size N]
 
+An image folder holds one subfolder of images per class (``DIR/CLASS/*.png``), or predefined
+splits (``DIR/train/CLASS/...`` and ``DIR/validation/CLASS/...`` or ``DIR/test/CLASS/...``).
 Then train on it with ``--config.data.corpus=tfds:NAME --config.data.data_dir=DATA_DIR``.
 Nothing is downloaded; TensorFlow is not needed.
 """
@@ -16,32 +21,70 @@ import sys
 from diloco_jax.data.corpus import DataError
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
+def _prepare(args):
+    """Writes the dataset; returns its directory and a line describing it."""
+    if args.text:
+        from diloco_jax.data import tfds_text
+
+        root = tfds_text.prepare(
+            args.text, args.out, name=args.name or "text",
+            val_fraction=_or(args.val_fraction, 0.05), tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size, record_tokens=args.record_tokens,
+        )  # fmt: skip
+        corpus = tfds_text.load(f"tfds:{root.name}", args.out)
+        return root, (
+            f"prepared {root}: {len(corpus.train_N):,} training and {len(corpus.val_M):,} "
+            f"validation tokens ({corpus.source}, vocabulary {corpus.vocab_size})"
+        )
+    from diloco_jax.data import tfds_images
+
+    root = tfds_images.prepare(
+        args.images, args.out, name=args.name or "images",
+        val_fraction=_or(args.val_fraction, 0.1), size=args.size,
+    )  # fmt: skip
+    imgs = tfds_images.load(f"tfds:{root.name}", args.out)
+    return root, (
+        f"prepared {root}: {len(imgs.train_labels):,} training and {len(imgs.val_labels):,} "
+        f"validation images of {'x'.join(map(str, imgs.train_images.shape[1:]))}, "
+        f"{imgs.num_classes} classes"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diloco_jax.data.prepare",
-                                     description=__doc__.split("\n")[0])  # fmt: skip
-    parser.add_argument("--text", nargs="+", required=True, help="UTF-8 text files")
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", nargs="+", help="UTF-8 text files")
+    source.add_argument("--images", help="a folder with one subfolder of images per class")
     parser.add_argument("--out", required=True, help="TFDS data dir to write into")
-    parser.add_argument("--name", default="text", help="dataset name (snake_case)")
-    parser.add_argument("--val_fraction", type=float, default=0.05)
+    parser.add_argument("--name", default="", help="dataset name (snake_case; text / images)")
+    parser.add_argument(
+        "--val_fraction",
+        type=float,
+        default=None,
+        help="validation share (text: 0.05 of the end; images: 0.1 per class)",
+    )
     parser.add_argument("--tokenizer", default="byte", choices=("byte", "sentencepiece"))
     parser.add_argument("--vocab_size", type=int, default=1024, help="sentencepiece only")
     parser.add_argument("--record_tokens", type=int, default=4096, help="tokens per record")
+    parser.add_argument(
+        "--size",
+        type=int,
+        default=0,
+        help="images only: resize to SIZE x SIZE (needed when sizes differ)",
+    )
     args = parser.parse_args(argv)
-    from diloco_jax.data import tfds_text
-
     try:
-        root = tfds_text.prepare(
-            args.text, args.out, name=args.name, val_fraction=args.val_fraction,
-            tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-            record_tokens=args.record_tokens,
-        )  # fmt: skip
+        root, line = _prepare(args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    corpus = tfds_text.load(f"tfds:{args.name}", args.out)
-    print(f"prepared {root}: {len(corpus.train_N):,} training and {len(corpus.val_M):,} "
-          f"validation tokens ({corpus.source}, vocabulary {corpus.vocab_size}); train with "
-          f"--config.data.corpus=tfds:{args.name} --config.data.data_dir={args.out}")  # fmt: skip
+    print(f"{line}; train with --config.data.corpus=tfds:{root.name} "
+          f"--config.data.data_dir={args.out}")  # fmt: skip
     return 0
 
 

@@ -16,19 +16,14 @@ evaluation then work as for the shipped corpus.
 from __future__ import annotations
 
 import pathlib
-import re
 
 import numpy as np
 
+from diloco_jax.data import tfds_io
 from diloco_jax.data.corpus import Corpus, DataError
 from diloco_jax.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 
 TOKENIZER_FILE = "tokenizer.model"
-TFDS_PREFIX = "tfds:"
-
-
-def default_data_dir() -> pathlib.Path:
-    return pathlib.Path("~/tensorflow_datasets").expanduser()
 
 
 def _read_texts(paths: list[pathlib.Path]) -> str:
@@ -43,33 +38,6 @@ def _read_texts(paths: list[pathlib.Path]) -> str:
     return "\n".join(parts)
 
 
-def _builder(name: str, splits: dict[str, np.ndarray], record_tokens: int):
-    """A TFDS builder class (not registered) that writes ``splits`` as records."""
-    import tensorflow_datasets as tfds
-
-    dtype = splits["train"].dtype
-
-    class TextTokens(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        VERSION = tfds.core.Version("1.0.0")
-
-        def _info(self):
-            features = tfds.features.FeaturesDict({
-                "tokens": tfds.features.Tensor(shape=(None,), dtype=dtype),
-                "index": np.int64,
-            })  # fmt: skip
-            return tfds.core.DatasetInfo(builder=self, features=features)
-
-        def _split_generators(self, dl_manager):
-            return {split: self._generate_examples(tokens) for split, tokens in splits.items()}
-
-        def _generate_examples(self, tokens):
-            for i, start in enumerate(range(0, len(tokens), record_tokens)):
-                yield i, {"tokens": tokens[start : start + record_tokens], "index": i}
-
-    TextTokens.name = name
-    return TextTokens
-
-
 def prepare(
     texts: list[str | pathlib.Path],
     data_dir: str | pathlib.Path,
@@ -82,8 +50,7 @@ def prepare(
 ) -> pathlib.Path:
     """Writes the TFDS dataset ``name`` into ``data_dir``; returns its directory. The last
     ``val_fraction`` of the (concatenated) text is the validation split."""
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-        raise DataError(f"dataset name {name!r} must be snake_case: [a-z][a-z0-9_]*")
+    tfds_io.check_name(name)
     if tokenizer not in ("byte", "sentencepiece"):
         raise DataError(f"tokenizer {tokenizer!r} must be byte or sentencepiece")
     if not 0 < val_fraction < 1 or record_tokens < 1:
@@ -104,15 +71,28 @@ def prepare(
     )
     splits = {"train": tok.encode(text[:cut]).astype(dtype),
               "validation": tok.encode(text[cut:]).astype(dtype)}  # fmt: skip
-    builder = _builder(name, splits, record_tokens)(data_dir=str(data_dir),
-                                                   file_format="array_record")  # fmt: skip
-    builder.download_and_prepare()
-    return root
+
+    def features():
+        import tensorflow_datasets as tfds
+
+        return tfds.features.FeaturesDict({
+            "tokens": tfds.features.Tensor(shape=(None,), dtype=dtype),
+            "index": np.int64,
+        })  # fmt: skip
+
+    def records(tokens):
+        return lambda: (
+            (i, {"tokens": tokens[start : start + record_tokens], "index": i})
+            for i, start in enumerate(range(0, len(tokens), record_tokens))
+        )
+
+    return tfds_io.write(name, data_dir, features,
+                         {split: records(tokens) for split, tokens in splits.items()})  # fmt: skip
 
 
 def tokenizer_for(name: str, data_dir: str | pathlib.Path):
     """The dataset's SentencePiece model if it has one, else bytes."""
-    path = pathlib.Path(data_dir or default_data_dir()).expanduser() / name / TOKENIZER_FILE
+    path = tfds_io.data_root(data_dir) / name / TOKENIZER_FILE
     return SentencePieceTokenizer(path) if path.is_file() else ByteTokenizer()
 
 
@@ -136,27 +116,12 @@ def _split_tokens(source, tokenizer, text_feature: str) -> np.ndarray:
 
 def load(spec: str, data_dir: str = "", *, text_feature: str = "text") -> Corpus:
     """``spec`` is ``tfds:NAME``; reads splits ``train`` and ``validation`` (or ``test``)."""
-    import tensorflow_datasets as tfds
-
-    name = spec[len(TFDS_PREFIX) :]
-    root = pathlib.Path(data_dir or default_data_dir()).expanduser()
-    if not (root / name).is_dir():
-        raise DataError(
-            f"TFDS dataset {name!r} not found in {root}: prepare it with `python -m "
-            f"diloco_jax.data.prepare --text FILE... --out {root} --name {name}` (or `tfds build "
-            f"{name} --data_dir {root} --file_format array_record` where it can be downloaded)"
-        )
-    try:
-        sources = tfds.data_source(name, data_dir=str(root))
-    except Exception as e:  # TFDS raises several types for unreadable or foreign datasets
-        raise DataError(f"cannot read TFDS dataset {name!r} in {root}: {e}") from None
-    val_split = "validation" if "validation" in sources else "test"
-    if "train" not in sources or val_split not in sources:
-        raise DataError(f"TFDS dataset {name!r} needs a train and a validation (or test) split; "
-                        f"it has {sorted(sources)}")  # fmt: skip
-    tok = tokenizer_for(name, root)
-    train = _split_tokens(sources["train"], tok, text_feature)
-    val = _split_tokens(sources[val_split], tok, text_feature)
+    splits = tfds_io.open_splits(spec, data_dir)
+    tok = tokenizer_for(splits.name, splits.root)
+    train = _split_tokens(splits.train, tok, text_feature)
+    val = _split_tokens(splits.val, tok, text_feature)
     if len(train) < 2 or len(val) < 2:
-        raise DataError(f"TFDS dataset {name!r} has too few tokens ({len(train)}, {len(val)})")
-    return Corpus(train, val, f"{root / name} ({tok.name} tokens)", tok.vocab_size, tok)
+        raise DataError(f"TFDS dataset {splits.name!r} has too few tokens "
+                        f"({len(train)}, {len(val)})")  # fmt: skip
+    return Corpus(train, val, f"{splits.root / splits.name} ({tok.name} tokens)",
+                  tok.vocab_size, tok)  # fmt: skip

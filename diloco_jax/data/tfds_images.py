@@ -1,0 +1,250 @@
+"""Image-classification datasets in TFDS's array_record format, read without TensorFlow.
+
+:func:`load` reads any TFDS dataset prepared in array_record format whose records hold an image
+feature (``tfds.features.Image``, e.g. ``tfds build mnist --file_format array_record``) and an
+integer or ``ClassLabel`` label: the encoded images are decoded with Pillow (TensorFlow is never
+imported), optionally resized to ``image_size`` x ``image_size``, and kept as uint8 in memory.
+The training split is shuffled once with a fixed seed, so contiguous per-replica shards are
+i.i.d. whatever order the records were written in.
+
+:func:`prepare` turns a folder of images, one subfolder per class (``DIR/CLASS/*.png``; or
+``DIR/train/CLASS/...`` with ``DIR/validation/CLASS/...`` or ``DIR/test/CLASS/...``), into such a
+dataset: PNG-encoded images and a ``ClassLabel`` named after the folders.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+
+import numpy as np
+
+from diloco_jax.data import tfds_io
+from diloco_jax.data.corpus import DataError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+_MODES = {1: "L", 3: "RGB"}  # channels -> Pillow mode
+
+
+def image_feature_of(splits: tfds_io.Splits, image_feature: str):
+    """The dataset's ``tfds.features.Image`` called ``image_feature``, or None."""
+    import tensorflow_datasets as tfds
+
+    features = splits.features
+    feature = features[image_feature] if image_feature in features.keys() else None
+    return feature if isinstance(feature, tfds.features.Image) else None
+
+
+def is_image_dataset(spec: str, data_dir: str = "") -> bool:
+    """True when ``tfds:NAME`` exists and has an image feature (whatever its name: a wrong
+    ``data.image_feature`` is then reported by :func:`load`)."""
+    import tensorflow_datasets as tfds
+
+    try:
+        splits = tfds_io.open_splits(spec, data_dir)
+    except DataError:
+        return False  # the text loader reports it
+    features = splits.features
+    return any(isinstance(features[k], tfds.features.Image) for k in features.keys())
+
+
+def _normalized(image, channels: int, size: int):
+    """A Pillow image in the mode of ``channels``, resized to ``size`` x ``size`` if ``size``."""
+    from PIL import Image
+
+    image = image.convert(_MODES[channels])
+    return image.resize((size, size), Image.Resampling.BILINEAR) if size else image
+
+
+def _decode(encoded: bytes, channels: int, size: int, where: str) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(encoded)) as image:
+            pixels = np.asarray(_normalized(image, channels, size), dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"cannot decode the image of {where}: {e}") from None
+    return pixels.reshape(*pixels.shape[:2], channels)
+
+
+def _read_split(source, split: str, spec, *, image_feature, label_feature, channels, size):
+    from diloco_jax.reporting import progress_bar
+
+    n = len(source)
+    images, labels = [], np.zeros(n, np.int64)
+    chunk = 1024
+    bar = progress_bar(
+        total=n, desc=f"decoding {spec} {split}", unit="image", enabled=n >= 10_000
+    )  # small splits decode in a blink
+    with bar:
+        for start in range(0, n, chunk):
+            records = source.__getitems__(list(range(start, min(n, start + chunk))))
+            for i, record in enumerate(records, start):
+                if label_feature not in record:
+                    raise DataError(
+                        f"records of {spec} have no label feature {label_feature!r} "
+                        f"(features: {sorted(record)}); set data.label_feature"
+                    )
+                labels[i] = int(np.asarray(record[label_feature]))
+                images.append(_decode(record[image_feature], channels, size, f"{split}[{i}]"))
+            bar.update(len(records))
+    shapes = {im.shape for im in images}
+    if len(shapes) > 1:
+        a, b = sorted(shapes)[:2]
+        raise DataError(f"the images of {spec} {split} have different sizes ({a}, {b}, ...): set "
+                        f"data.image_size to resize them all to one square size")  # fmt: skip
+    return np.stack(images), labels
+
+
+def load(
+    spec: str,
+    data_dir: str = "",
+    *,
+    image_feature: str = "image",
+    label_feature: str = "label",
+    image_size: int = 0,
+):
+    """Reads ``tfds:NAME``'s train and validation (or test) splits into
+    :class:`~diloco_jax.data.images.Images` (uint8 ``[N, H, W, C]``; ``image_size`` > 0 resizes
+    to ``image_size`` x ``image_size``)."""
+    import tensorflow_datasets as tfds
+
+    from diloco_jax.data.images import Images
+
+    decoders = {image_feature: tfds.decode.SkipDecoding()}
+    splits = tfds_io.open_splits(spec, data_dir, decoders=decoders)
+    feature = image_feature_of(splits, image_feature)
+    if feature is None:
+        raise DataError(
+            f"TFDS dataset {splits.name!r} has no image feature {image_feature!r} "
+            f"(features: {sorted(splits.features)}); set data.image_feature"
+        )
+    if feature.np_dtype != np.uint8:
+        raise DataError(f"{spec}: {image_feature!r} holds {feature.np_dtype} images; only uint8 "
+                        f"images are supported")  # fmt: skip
+    channels = feature.shape[-1] or 3
+    if channels not in _MODES:
+        raise DataError(f"{spec}: images with {channels} channels are not supported (1 or 3)")
+    read = dict(image_feature=image_feature, label_feature=label_feature, channels=channels,
+                size=image_size)  # fmt: skip
+    train_images, train_labels = _read_split(splits.train, "train", spec, **read)
+    val_images, val_labels = _read_split(splits.val, splits.val_split, spec, **read)
+    if train_images.shape[1:] != val_images.shape[1:]:
+        raise DataError(f"{spec}: training images are {train_images.shape[1:]} but validation "
+                        f"images are {val_images.shape[1:]}; set data.image_size")  # fmt: skip
+    label = splits.features[label_feature] if label_feature in splits.features.keys() else None
+    num_classes = getattr(label, "num_classes", None) or int(train_labels.max()) + 1
+    for split, labels in (("train", train_labels), (splits.val_split, val_labels)):
+        if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+            raise DataError(f"{spec} {split}: labels must lie in [0, {num_classes}), found "
+                            f"[{labels.min()}, {labels.max()}]")  # fmt: skip
+    order = np.random.default_rng(0).permutation(len(train_labels))  # i.i.d. contiguous shards
+    return Images(train_images[order], train_labels[order].astype(np.int32), val_images,
+                  val_labels.astype(np.int32), num_classes)  # fmt: skip
+
+
+def _class_folders(folder: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _image_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+    )
+
+
+def _folder_splits(image_dir: pathlib.Path, val_fraction: float):
+    """``(classes, {split: [(path, label), ...]})`` of an image folder."""
+    if not image_dir.is_dir():
+        raise DataError(f"image folder not found: {image_dir}")
+    top = {p.name: p for p in _class_folders(image_dir)}
+    val_name = "validation" if "validation" in top else "test" if "test" in top else None
+    if "train" in top and val_name:  # predefined splits
+        classes = [p.name for p in _class_folders(top["train"])]
+        splits = {}
+        for split, name in (("train", "train"), ("validation", val_name)):
+            splits[split] = [(f, classes.index(c.name)) for c in _class_folders(top[name])
+                             if c.name in classes for f in _image_files(c)]  # fmt: skip
+            unknown = {c.name for c in _class_folders(top[name])} - set(classes)
+            if unknown:
+                raise DataError(f"{top[name]} has classes that train does not: {sorted(unknown)}")
+        return classes, splits
+    classes = list(top)
+    if len(classes) < 2:
+        raise DataError(f"{image_dir} must hold one subfolder of images per class (at least 2); "
+                        f"found {classes}")  # fmt: skip
+    rng = np.random.default_rng(0)
+    splits = {"train": [], "validation": []}
+    for label, name in enumerate(classes):  # per class, so both splits hold every class
+        files = _image_files(top[name])
+        files = [files[i] for i in rng.permutation(len(files))]
+        held_out = max(1, int(round(len(files) * val_fraction))) if len(files) > 1 else 0
+        cut = len(files) - held_out
+        splits["train"] += [(f, label) for f in files[:cut]]
+        splits["validation"] += [(f, label) for f in files[cut:]]
+    return classes, splits
+
+
+def prepare(
+    image_dir: str | pathlib.Path,
+    data_dir: str | pathlib.Path,
+    *,
+    name: str = "images",
+    val_fraction: float = 0.1,
+    size: int = 0,
+    grayscale: bool | None = None,
+) -> pathlib.Path:
+    """Writes the TFDS dataset ``name`` (features ``image``: PNG, ``label``: ClassLabel named
+    after the class folders) into ``data_dir``; returns its directory. Without predefined splits
+    the last ``val_fraction`` of each class (at least one image of a class that has two; after a
+    fixed-seed shuffle) is the validation split.
+    ``size`` > 0 resizes every image to ``size`` x ``size``; otherwise all must share one size.
+    ``grayscale`` None: one channel when every image is grayscale, else RGB."""
+    tfds_io.check_name(name)
+    if not 0 < val_fraction < 1 or size < 0:
+        raise DataError(f"val_fraction {val_fraction} must be in (0, 1) and size {size} >= 0")
+    from PIL import Image, UnidentifiedImageError
+
+    classes, splits = _folder_splits(pathlib.Path(image_dir).expanduser(), val_fraction)
+    for split, items in splits.items():
+        if not items:
+            raise DataError(f"{image_dir}: the {split} split has no images "
+                            f"({', '.join(IMAGE_SUFFIXES)})")  # fmt: skip
+    shapes, modes = set(), set()
+    for path, _ in (item for items in splits.values() for item in items):  # check, then write
+        try:
+            with Image.open(path) as image:
+                shapes.add(image.size)
+                modes.add(image.mode)
+        except (UnidentifiedImageError, OSError) as e:
+            raise DataError(f"cannot read image {path}: {e}") from None
+    if not size and len(shapes) > 1:
+        a, b = sorted(shapes)[:2]
+        raise DataError(f"images in {image_dir} have different sizes ({a}, {b}, ...): pass "
+                        f"--size to resize them all to one square size")  # fmt: skip
+    if grayscale is None:
+        grayscale = modes <= {"1", "L", "I;16", "I"}
+    channels = 1 if grayscale else 3
+    width, height = (size, size) if size else shapes.pop()
+
+    def features():
+        import tensorflow_datasets as tfds
+
+        return tfds.features.FeaturesDict({
+            "image": tfds.features.Image(shape=(height, width, channels)),
+            "label": tfds.features.ClassLabel(names=classes),
+        })  # fmt: skip
+
+    def records(items):
+        def generate():
+            for i, (path, label) in enumerate(items):
+                with Image.open(path) as image:
+                    png = io.BytesIO()
+                    _normalized(image, channels, size).save(png, format="PNG")
+                yield i, {"image": png.getvalue(), "label": label}
+
+        return generate
+
+    return tfds_io.write(name, data_dir, features,
+                         {split: records(items) for split, items in splits.items()},
+                         description=f"{len(classes)} classes from {image_dir}")  # fmt: skip

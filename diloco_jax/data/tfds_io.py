@@ -1,0 +1,131 @@
+"""Reading and writing TFDS datasets in array_record format, without TensorFlow.
+
+:func:`open_splits` opens a dataset's training and validation (or test) splits through
+``tfds.data_source`` with one clear error when the dataset is missing or unreadable;
+:func:`write` writes examples through an (unregistered) TFDS builder, so the result is an
+ordinary TFDS dataset that ``tfds.data_source`` and ``tfds.builder_from_directory`` read.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+from diloco_jax.data.corpus import DataError
+
+TFDS_PREFIX = "tfds:"
+
+
+def default_data_dir() -> pathlib.Path:
+    return pathlib.Path("~/tensorflow_datasets").expanduser()
+
+
+def data_root(data_dir: str | pathlib.Path | None) -> pathlib.Path:
+    return pathlib.Path(data_dir or default_data_dir()).expanduser()
+
+
+def check_name(name: str) -> None:
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise DataError(f"dataset name {name!r} must be snake_case: [a-z][a-z0-9_]*")
+
+
+class Splits(NamedTuple):
+    name: str
+    root: pathlib.Path  # the data dir
+    train: Any  # a tfds ArrayRecordDataSource: len(), [i], __getitems__
+    val: Any
+    val_split: str  # "validation" or "test"
+    features: Any  # tfds.features.FeaturesDict
+
+
+def _version(path: pathlib.Path) -> tuple[int, ...] | None:
+    """``(major, minor, patch)`` of a version directory like ``1.0.0``, else None."""
+    if not re.fullmatch(r"\d+\.\d+\.\d+", path.name):
+        return None
+    return tuple(map(int, path.name.split(".")))
+
+
+def builder_dir(name: str, root: pathlib.Path) -> pathlib.Path:
+    """The newest prepared version of ``NAME`` or ``NAME/CONFIG`` under ``root``: read from the
+    directory, so a locally prepared dataset is found whatever TFDS has registered under its
+    name (and whichever version that registration expects)."""
+    prepared = [p.parent for p in (root / name).glob("*/dataset_info.json") if _version(p.parent)]
+    if not prepared:  # configs: NAME/CONFIG/VERSION
+        configs = sorted({p.parent.parent.name for p in (root / name).glob("*/*/dataset_info.json")
+                          if _version(p.parent)})  # fmt: skip
+        if len(configs) > 1:
+            raise DataError(f"TFDS dataset {name!r} in {root} has configs {configs}: name one, "
+                            f"as tfds:{name}/{configs[0]}")  # fmt: skip
+        prepared = [p.parent for p in (root / name).glob("*/*/dataset_info.json")
+                    if _version(p.parent)]  # fmt: skip
+    if not prepared:
+        raise DataError(f"TFDS dataset {name!r} in {root} has no prepared version (a directory "
+                        f"like {root / name / '1.0.0'} with a dataset_info.json)")  # fmt: skip
+    return max(prepared, key=_version)
+
+
+def open_splits(spec: str, data_dir: str = "", *, decoders=None) -> Splits:
+    """Opens ``tfds:NAME`` (or ``tfds:NAME/CONFIG``) under ``data_dir`` (default
+    ``~/tensorflow_datasets``): its newest prepared version's ``train`` split and its
+    ``validation`` split (else ``test``). Raises DataError naming how to prepare a missing
+    dataset."""
+    import tensorflow_datasets as tfds
+
+    name = spec.removeprefix(TFDS_PREFIX)
+    root = data_root(data_dir)
+    if not (root / name).is_dir():
+        raise DataError(
+            f"TFDS dataset {name!r} not found in {root}: prepare it with `python -m "
+            f"diloco_jax.data.prepare --text FILE... (or --images DIR) --out {root} --name "
+            f"{name}` (or `tfds build {name} --data_dir {root} --file_format array_record` "
+            f"where it can be downloaded)"
+        )
+    path = builder_dir(name, root)
+    try:
+        builder = tfds.builder_from_directory(path)
+        sources = builder.as_data_source(decoders=decoders)
+    except Exception as e:  # TFDS raises several types for unreadable or foreign datasets
+        raise DataError(f"cannot read TFDS dataset {name!r} in {path}: {e}") from None
+    val_split = "validation" if "validation" in sources else "test"
+    if "train" not in sources or val_split not in sources:
+        raise DataError(f"TFDS dataset {name!r} needs a train and a validation (or test) split; "
+                        f"it has {sorted(sources)}")  # fmt: skip
+    return Splits(
+        name, root, sources["train"], sources[val_split], val_split, builder.info.features
+    )
+
+
+def write(
+    name: str,
+    data_dir: str | pathlib.Path,
+    features: Callable[[], Any],
+    splits: dict[str, Callable[[], Iterable[tuple[Any, dict]]]],
+    *,
+    description: str = "",
+) -> pathlib.Path:
+    """Writes the TFDS dataset ``name`` (version 1.0.0, array_record) into ``data_dir``: its
+    features are ``features()`` (a FeaturesDict), split ``s`` holds the ``(key, example)`` pairs
+    of ``splits[s]()``. Returns the dataset's directory."""
+    import tensorflow_datasets as tfds
+
+    check_name(name)
+
+    class Prepared(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            return tfds.core.DatasetInfo(builder=self, features=features(),
+                                         description=description)  # fmt: skip
+
+        def _split_generators(self, dl_manager):
+            return {split: self._generate_examples(make) for split, make in splits.items()}
+
+        def _generate_examples(self, make):
+            yield from make()
+
+    Prepared.name = name
+    data_dir = pathlib.Path(data_dir).expanduser()
+    Prepared(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+    return data_dir / name
