@@ -2,16 +2,23 @@
 
 ``inner_adamw`` is DiLoCo's inner optimizer (and the baselines' only one), ``outer_nesterov`` its
 outer optimizer; ``make_tx`` assembles the transform for an algorithm: ``diloco``, ``ddp``
-(synchronous data parallelism) or ``single`` (one replica, inner optimizer only).
+(synchronous data parallelism) or ``single`` (one replica, inner optimizer only);
+``tx_from_config`` builds it from a :class:`~diloco_jax.config.Config`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
 
 import optax
 
 from diloco_jax.compress import Codec
 from diloco_jax.dct import DctConfig
 from diloco_jax.diloco import AxisName, Streaming, data_parallel, diloco
+
+if TYPE_CHECKING:  # config imports this module
+    from diloco_jax.config import Config
 
 ALGORITHMS = ("diloco", "ddp", "single")
 
@@ -84,3 +91,39 @@ def make_tx(
     if algorithm == "single":
         return optax.with_extra_args_support(inner)
     raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+
+
+def codec_of(cfg: Config) -> Codec | None:
+    """The codec ``cfg`` asks for (None for ``dct``, which is not a codec but an exchange)."""
+    c = cfg.compress
+    if c.codec == "dct":
+        return None
+    return Codec(c.codec, c.block, c.topk_fraction, c.min_size, c.error_feedback)
+
+
+def dct_of(cfg: Config) -> DctConfig | None:
+    c = cfg.compress
+    return DctConfig(c.dct_chunk, c.dct_topk, c.dct_beta, c.min_size) if c.codec == "dct" else None
+
+
+def tx_from_config(cfg: Config, axis_name, *, diagnostics: bool = False):
+    """The per-replica transform that ``cfg`` asks for, reducing over ``axis_name``."""
+    inner = inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
+    outer = outer_nesterov(
+        learning_rate=cfg.outer.learning_rate,
+        momentum=cfg.outer.momentum,
+        nesterov=cfg.outer.nesterov,
+    )
+    return make_tx(
+        cfg.algorithm,
+        inner,
+        outer,
+        sync_every=cfg.outer.sync_every,
+        axis_name=axis_name,
+        reset_inner_state=cfg.outer.reset_inner_state,
+        diagnostics=diagnostics,
+        codec=codec_of(cfg),
+        dct_config=dct_of(cfg),
+        streaming=Streaming(**dataclasses.asdict(cfg.streaming)),
+        outer_mode=cfg.outer.mode,
+    )

@@ -32,10 +32,8 @@ from diloco_jax import (
 )
 from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
-from diloco_jax.compress import Codec
 from diloco_jax.data import DataError
-from diloco_jax.dct import DctConfig
-from diloco_jax.diloco import EagerDilocoState, Streaming, find_anchor, find_diloco_state
+from diloco_jax.diloco import EagerDilocoState, find_anchor, find_diloco_state
 from diloco_jax.preemption import Preemption
 from diloco_jax.reporting import log
 from diloco_jax.sample import generate_text
@@ -84,42 +82,6 @@ def effective_replicas(cfg: config_lib.Config) -> int:
     return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
 
 
-def codec_of(cfg: config_lib.Config) -> Codec | None:
-    """The codec ``cfg`` asks for (None for ``dct``, which is not a codec but an exchange)."""
-    c = cfg.compress
-    if c.codec == "dct":
-        return None
-    return Codec(c.codec, c.block, c.topk_fraction, c.min_size, c.error_feedback)
-
-
-def dct_of(cfg: config_lib.Config) -> DctConfig | None:
-    c = cfg.compress
-    return DctConfig(c.dct_chunk, c.dct_topk, c.dct_beta, c.min_size) if c.codec == "dct" else None
-
-
-def make_tx(cfg: config_lib.Config, axis_name, *, diagnostics: bool = False):
-    """The per-replica transform that ``cfg`` asks for, reducing over ``axis_name``."""
-    inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
-    outer = optim.outer_nesterov(
-        learning_rate=cfg.outer.learning_rate,
-        momentum=cfg.outer.momentum,
-        nesterov=cfg.outer.nesterov,
-    )
-    return optim.make_tx(
-        cfg.algorithm,
-        inner,
-        outer,
-        sync_every=cfg.outer.sync_every,
-        axis_name=axis_name,
-        reset_inner_state=cfg.outer.reset_inner_state,
-        diagnostics=diagnostics,
-        codec=codec_of(cfg),
-        dct_config=dct_of(cfg),
-        streaming=Streaming(**dataclasses.asdict(cfg.streaming)),
-        outer_mode=cfg.outer.mode,
-    )
-
-
 def _layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
     p = cfg.parallel
     layout = parallel.resolve_layout(
@@ -145,7 +107,7 @@ def build(cfg: config_lib.Config) -> Setup:
     layout = _layout(cfg, replicas)
     # The pairwise cosine costs one more all-reduce: worth it only in the simulator.
     diagnostics = cfg.sim.diagnostics and layout.runtime == "sim"
-    tx = make_tx(cfg, layout.replica_axis_names, diagnostics=diagnostics)
+    tx = optim.tx_from_config(cfg, layout.replica_axis_names, diagnostics=diagnostics)
     if cfg.train.init_from:
         params = resume.warm_start(cfg.train.init_from, params)
     state = init_state(params, tx, replicas)
