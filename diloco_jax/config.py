@@ -59,6 +59,8 @@ class DataConfig:
     # dataset with an image feature (data.image_feature) is image classification too.
     corpus: str = "shakespeare"
     data_dir: str = ""  # TFDS data dir; "": ~/tensorflow_datasets
+    train_split: str = "train"  # TFDS splits, slices too (train[:90%] / train[90%:])
+    eval_split: str = ""  # "": validation, else test
     text_feature: str = "text"  # the text feature of a TFDS dataset that has no 'tokens'
     image_feature: str = "image"  # TFDS image datasets: the image and label features
     label_feature: str = "label"

@@ -213,3 +213,16 @@ def test_cifar10_preset_on_a_cifar10_shaped_dataset(tmp_path):
     assert problem.task is tasks.IMAGE_CLASSIFICATION and problem.baseline_nats == np.log(10)
     metrics = problem.eval_fn(problem.params, problem.eval_data)  # 10 classes, untrained
     assert 0 <= float(metrics["accuracy"]) <= 1 and np.isfinite(float(metrics["eval_loss"]))
+
+
+def test_splits_by_name_and_slice(tmp_path):
+    write_mnist_like(tmp_path, "train_only", counts=(("train", 60),))
+    with pytest.raises(DataError, match=r"no split 'test' for data.eval_split .*\['train'\]"):
+        tfds_images.load("tfds:train_only", str(tmp_path))
+    imgs = tfds_images.load("tfds:train_only", str(tmp_path), train_split="train[:80%]",
+                            eval_split="train[80%:]")  # fmt: skip
+    assert len(imgs.train_labels) == 48 and len(imgs.val_labels) == 12
+    whole = tfds_images.load("tfds:train_only", str(tmp_path), eval_split="train")
+    # the two slices partition the split: every image once
+    sliced = np.concatenate([imgs.train_images, imgs.val_images])
+    assert sorted(map(bytes, sliced)) == sorted(map(bytes, whole.val_images))

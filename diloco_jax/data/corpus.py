@@ -58,7 +58,13 @@ def _read_bytes(path: pathlib.Path) -> bytes:
 
 
 def load_corpus(
-    name_or_path: str, *, val_fraction: float, data_dir: str = "", text_feature: str = "text"
+    name_or_path: str,
+    *,
+    val_fraction: float,
+    data_dir: str = "",
+    text_feature: str = "text",
+    train_split: str = "train",
+    eval_split: str = "",
 ) -> Corpus:
     """Loads ``name_or_path``: ``"shakespeare"`` or a .txt/.txt.gz/.txt.xz file as byte tokens
     (the last ``val_fraction`` is the validation split), or ``tfds:NAME``, a TFDS dataset in
@@ -67,7 +73,8 @@ def load_corpus(
     if name_or_path.startswith("tfds:"):
         from diloco_jax.data import tfds_text
 
-        return tfds_text.load(name_or_path, data_dir, text_feature=text_feature)
+        return tfds_text.load(name_or_path, data_dir, text_feature=text_feature,
+                              train_split=train_split, eval_split=eval_split)  # fmt: skip
     path = _SHIPPED.get(name_or_path, pathlib.Path(name_or_path).expanduser())
     tokens = np.frombuffer(_read_bytes(path), dtype=np.uint8)
     num_val = int(round(len(tokens) * val_fraction))

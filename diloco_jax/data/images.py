@@ -51,6 +51,8 @@ def load_images(
     image_feature: str = "image",
     label_feature: str = "label",
     image_size: int = 0,
+    train_split: str = "train",
+    eval_split: str = "",
 ) -> Images:
     """``digits`` (split by ``val_fraction``) or ``tfds:NAME`` (its own splits; the other
     arguments: :func:`diloco_jax.data.tfds_images.load`)."""
@@ -58,7 +60,8 @@ def load_images(
 
     if name.startswith(tfds_io.TFDS_PREFIX):
         return tfds_images.load(name, data_dir, image_feature=image_feature,
-                                label_feature=label_feature, image_size=image_size)  # fmt: skip
+                                label_feature=label_feature, image_size=image_size,
+                                train_split=train_split, eval_split=eval_split)  # fmt: skip
     if name != "digits":
         raise DataError(f"image dataset {name!r} is not one of {IMAGE_DATASETS} or tfds:NAME")
     from sklearn.datasets import load_digits

@@ -103,6 +103,8 @@ def load(
     image_feature: str = "image",
     label_feature: str = "label",
     image_size: int = 0,
+    train_split: str = "train",
+    eval_split: str = "",
 ):
     """Reads ``tfds:NAME``'s train and validation (or test) splits into
     :class:`~diloco_jax.data.images.Images` (uint8 ``[N, H, W, C]``; ``image_size`` > 0 resizes
@@ -112,7 +114,8 @@ def load(
     from diloco_jax.data.images import Images
 
     decoders = {image_feature: tfds.decode.SkipDecoding()}
-    splits = tfds_io.open_splits(spec, data_dir, decoders=decoders)
+    splits = tfds_io.open_splits(spec, data_dir, train_split=train_split, eval_split=eval_split,
+                                 decoders=decoders)  # fmt: skip
     feature = image_feature_of(splits, image_feature)
     if feature is None:
         raise DataError(
@@ -127,7 +130,7 @@ def load(
         raise DataError(f"{spec}: images with {channels} channels are not supported (1 or 3)")
     read = dict(image_feature=image_feature, label_feature=label_feature, channels=channels,
                 size=image_size)  # fmt: skip
-    train_images, train_labels = _read_split(splits.train, "train", spec, **read)
+    train_images, train_labels = _read_split(splits.train, train_split, spec, **read)
     val_images, val_labels = _read_split(splits.val, splits.val_split, spec, **read)
     if train_images.shape[1:] != val_images.shape[1:]:
         raise DataError(f"{spec}: training images are {train_images.shape[1:]} but validation "

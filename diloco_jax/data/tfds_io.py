@@ -36,7 +36,7 @@ class Splits(NamedTuple):
     root: pathlib.Path  # the data dir
     train: Any  # a tfds ArrayRecordDataSource: len(), [i], __getitems__
     val: Any
-    val_split: str  # "validation" or "test"
+    val_split: str  # the evaluation split's name (e.g. "validation", "test", "train[90%:]")
     features: Any  # tfds.features.FeaturesDict
 
 
@@ -66,11 +66,13 @@ def builder_dir(name: str, root: pathlib.Path) -> pathlib.Path:
     return max(prepared, key=_version)
 
 
-def open_splits(spec: str, data_dir: str = "", *, decoders=None) -> Splits:
+def open_splits(
+    spec: str, data_dir: str = "", *, train_split="train", eval_split="", decoders=None
+) -> Splits:
     """Opens ``tfds:NAME`` (or ``tfds:NAME/CONFIG``) under ``data_dir`` (default
-    ``~/tensorflow_datasets``): its newest prepared version's ``train`` split and its
-    ``validation`` split (else ``test``). Raises DataError naming how to prepare a missing
-    dataset."""
+    ``~/tensorflow_datasets``): its newest prepared version's ``train_split`` and
+    ``eval_split`` (default: ``validation``, else ``test``), TFDS split strings such as
+    ``train[:90%]`` included. Raises DataError naming how to prepare a missing dataset."""
     import tensorflow_datasets as tfds
 
     name = spec.removeprefix(TFDS_PREFIX)
@@ -85,16 +87,20 @@ def open_splits(spec: str, data_dir: str = "", *, decoders=None) -> Splits:
     path = builder_dir(name, root)
     try:
         builder = tfds.builder_from_directory(path)
-        sources = builder.as_data_source(decoders=decoders)
     except Exception as e:  # TFDS raises several types for unreadable or foreign datasets
         raise DataError(f"cannot read TFDS dataset {name!r} in {path}: {e}") from None
-    val_split = "validation" if "validation" in sources else "test"
-    if "train" not in sources or val_split not in sources:
-        raise DataError(f"TFDS dataset {name!r} needs a train and a validation (or test) split; "
-                        f"it has {sorted(sources)}")  # fmt: skip
-    return Splits(
-        name, root, sources["train"], sources[val_split], val_split, builder.info.features
-    )
+    have = sorted(builder.info.splits)
+    eval_split = eval_split or ("validation" if "validation" in have else "test")
+    for key, split in (("data.train_split", train_split), ("data.eval_split", eval_split)):
+        if split.split("[")[0] not in have:
+            raise DataError(f"TFDS dataset {name!r} has no split {split!r} for {key} (it has "
+                            f"{have}; a slice such as train[:90%] also works)")  # fmt: skip
+    try:
+        train, val = builder.as_data_source(split=[train_split, eval_split], decoders=decoders)
+    except Exception as e:
+        raise DataError(f"cannot read splits {train_split!r}, {eval_split!r} of TFDS dataset "
+                        f"{name!r} in {path}: {e}") from None  # fmt: skip
+    return Splits(name, root, train, val, eval_split, builder.info.features)
 
 
 def write(

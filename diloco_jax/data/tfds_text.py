@@ -114,9 +114,12 @@ def _split_tokens(source, tokenizer, text_feature: str) -> np.ndarray:
     return np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0, np.int32)
 
 
-def load(spec: str, data_dir: str = "", *, text_feature: str = "text") -> Corpus:
-    """``spec`` is ``tfds:NAME``; reads splits ``train`` and ``validation`` (or ``test``)."""
-    splits = tfds_io.open_splits(spec, data_dir)
+def load(
+    spec: str, data_dir: str = "", *, text_feature: str = "text", train_split="train", eval_split=""
+) -> Corpus:
+    """``spec`` is ``tfds:NAME``; reads ``train_split`` and ``eval_split`` (default
+    ``validation``, else ``test``)."""
+    splits = tfds_io.open_splits(spec, data_dir, train_split=train_split, eval_split=eval_split)
     tok = tokenizer_for(splits.name, splits.root)
     train = _split_tokens(splits.train, tok, text_feature)
     val = _split_tokens(splits.val, tok, text_feature)
