@@ -32,11 +32,11 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
     """Loads the data ``cfg`` names and builds its model: text (or tokens) for the Transformer,
     images for the ResNet. Raises DataError for missing or unusable data."""
     m, d = cfg.model, cfg.data
+    where = dict(val_fraction=d.val_fraction, data_dir=d.data_dir, train_split=d.train_split,
+                 eval_split=d.eval_split)  # fmt: skip
     if is_image_data(d):  # image classification with a ResNet
-        imgs = load_images(d.corpus, val_fraction=d.val_fraction, data_dir=d.data_dir,
-                           image_feature=d.image_feature, label_feature=d.label_feature,
-                           image_size=d.image_size, train_split=d.train_split,
-                           eval_split=d.eval_split)  # fmt: skip
+        imgs = load_images(d.corpus, **where, image_feature=d.image_feature,
+                           label_feature=d.label_feature, image_size=d.image_size)  # fmt: skip
         r = cfg.resnet
         graphdef, params = vision.init_model(
             cfg.seed, channels=imgs.train_images.shape[-1], num_classes=imgs.num_classes,
@@ -47,9 +47,7 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
                         (imgs.val_images, imgs.val_labels), graphdef, params,
                         task.make_eval_fn(graphdef), float(np.log(imgs.num_classes)),
                         task=task)  # fmt: skip
-    corpus = load_corpus(d.corpus, val_fraction=d.val_fraction, data_dir=d.data_dir,
-                         text_feature=d.text_feature, train_split=d.train_split,
-                         eval_split=d.eval_split)  # fmt: skip
+    corpus = load_corpus(d.corpus, **where, text_feature=d.text_feature)
     graphdef, params = model_lib.init_model(
         cfg.seed, vocab_size=corpus.vocab_size, seq_len=d.seq_len, **dataclasses.asdict(m)
     )

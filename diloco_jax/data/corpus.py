@@ -58,23 +58,16 @@ def _read_bytes(path: pathlib.Path) -> bytes:
 
 
 def load_corpus(
-    name_or_path: str,
-    *,
-    val_fraction: float,
-    data_dir: str = "",
-    text_feature: str = "text",
-    train_split: str = "train",
-    eval_split: str = "",
+    name_or_path: str, *, val_fraction: float, data_dir: str = "", **tfds_options
 ) -> Corpus:
     """Loads ``name_or_path``: ``"shakespeare"`` or a .txt/.txt.gz/.txt.xz file as byte tokens
     (the last ``val_fraction`` is the validation split), or ``tfds:NAME``, a TFDS dataset in
-    array_record format under ``data_dir`` (:func:`diloco_jax.data.tfds_text.load`: its own
-    splits and tokenizer)."""
+    array_record format under ``data_dir`` (:func:`diloco_jax.data.tfds_text.load`, whose
+    keywords ``tfds_options`` are: its own splits and tokenizer)."""
     if name_or_path.startswith("tfds:"):
         from diloco_jax.data import tfds_text
 
-        return tfds_text.load(name_or_path, data_dir, text_feature=text_feature,
-                              train_split=train_split, eval_split=eval_split)  # fmt: skip
+        return tfds_text.load(name_or_path, data_dir, **tfds_options)
     path = _SHIPPED.get(name_or_path, pathlib.Path(name_or_path).expanduser())
     tokens = np.frombuffer(_read_bytes(path), dtype=np.uint8)
     num_val = int(round(len(tokens) * val_fraction))

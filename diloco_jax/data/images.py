@@ -43,25 +43,13 @@ def is_image_data(cfg_data) -> bool:
     )
 
 
-def load_images(
-    name: str,
-    *,
-    val_fraction: float,
-    data_dir: str = "",
-    image_feature: str = "image",
-    label_feature: str = "label",
-    image_size: int = 0,
-    train_split: str = "train",
-    eval_split: str = "",
-) -> Images:
-    """``digits`` (split by ``val_fraction``) or ``tfds:NAME`` (its own splits; the other
-    arguments: :func:`diloco_jax.data.tfds_images.load`)."""
+def load_images(name: str, *, val_fraction: float, data_dir: str = "", **tfds_options) -> Images:
+    """``digits`` (split by ``val_fraction``) or ``tfds:NAME`` (its own splits; ``tfds_options``
+    are the keywords of :func:`diloco_jax.data.tfds_images.load`)."""
     from diloco_jax.data import tfds_images, tfds_io
 
     if name.startswith(tfds_io.TFDS_PREFIX):
-        return tfds_images.load(name, data_dir, image_feature=image_feature,
-                                label_feature=label_feature, image_size=image_size,
-                                train_split=train_split, eval_split=eval_split)  # fmt: skip
+        return tfds_images.load(name, data_dir, **tfds_options)
     if name != "digits":
         raise DataError(f"image dataset {name!r} is not one of {IMAGE_DATASETS} or tfds:NAME")
     from sklearn.datasets import load_digits
