@@ -282,6 +282,10 @@ def validate(cfg: Config) -> None:
         ("model.compute_dtype", m.compute_dtype in COMPUTE_DTYPES,
          f"must be one of {tuple(COMPUTE_DTYPES)}"),
         ("data.val_fraction", 0 < cfg.data.val_fraction < 1, "must be in (0, 1)"),
+        ("data.train_split",
+         cfg.data.corpus.startswith("tfds:") or (cfg.data.train_split, cfg.data.eval_split)
+         == ("train", ""), "only TFDS datasets (data.corpus=tfds:NAME) have named splits "
+         "(data.train_split, data.eval_split)"),
         ("inner.learning_rate", cfg.inner.learning_rate > 0, "must be > 0"),
         ("inner.final_lr_fraction", 0 <= cfg.inner.final_lr_fraction <= 1, "must be in [0, 1]"),
         ("outer.learning_rate", cfg.outer.learning_rate > 0, "must be > 0"),

@@ -103,6 +103,15 @@ def test_train_on_a_prepared_dataset_and_resume_exactly(data_dir, tmp_path):
     assert_bitwise_equal(resumed["state"], full["state"])
 
 
+def test_text_splits_by_slice(data_dir):
+    full = load_corpus("tfds:plays", val_fraction=0.1, data_dir=str(data_dir))
+    half = load_corpus("tfds:plays", val_fraction=0.1, data_dir=str(data_dir),
+                       train_split="train[:50%]", eval_split="train[50%:]")  # fmt: skip
+    # the two halves hold every training record once (records of 1,000 tokens)
+    assert len(half.train_N) + len(half.val_M) == len(full.train_N)
+    assert abs(len(half.train_N) - len(full.train_N) / 2) <= 1000
+
+
 def test_eval_uses_the_whole_validation_split(data_dir):
     from diloco_jax.data import eval_windows
 

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from diloco_jax import tasks, vision
-from diloco_jax.config import apply_overrides, load_preset
+from diloco_jax.config import ConfigError, apply_overrides, load_preset, validate
 from diloco_jax.data import DataError, tfds_images, tfds_io
 from diloco_jax.data.images import load_images, sample_images
 from diloco_jax.data.prepare import main as prepare_main
@@ -175,11 +175,11 @@ def test_prepare_images_cli(digit_folder, tmp_path, capsys):
     one.mkdir(parents=True)
     assert prepare_main(["--images", str(one.parent), "--out", str(tmp_path)]) == 2
     assert "one subfolder of images per class" in capsys.readouterr().err
-    mixed = tmp_path / "mixed"
-    for k, size in enumerate([(8, 8), (9, 7)]):
+    mixed = tmp_path / "mixed"  # class c1 in colour: the dataset is RGB
+    for k, shape in enumerate([(8, 8), (9, 7, 3)]):
         (mixed / f"c{k}").mkdir(parents=True)
         for i in range(3):
-            Image.fromarray(np.zeros(size, np.uint8)).save(mixed / f"c{k}" / f"{i}.png")
+            Image.fromarray(np.full(shape, 40 * k, np.uint8)).save(mixed / f"c{k}" / f"{i}.png")
     assert prepare_main(["--images", str(mixed), "--out", str(tmp_path)]) == 2
     assert "different sizes" in capsys.readouterr().err
     (mixed / "c1" / "broken.png").write_bytes(b"not a png")
@@ -188,12 +188,25 @@ def test_prepare_images_cli(digit_folder, tmp_path, capsys):
     (mixed / "c1" / "broken.png").unlink()
     assert prepare_main(["--images", str(mixed), "--out", str(tmp_path), "--size", "6",
                          "--name", "mixed"]) == 0  # fmt: skip
-    assert "4 training and 2 validation images of 6x6x1, 2 classes" in capsys.readouterr().out
-    # predefined splits: DIR/train/CLASS and DIR/test/CLASS
+    assert "4 training and 2 validation images of 6x6x3, 2 classes" in capsys.readouterr().out
+    # preparing a name again replaces its records
+    assert prepare_main(["--images", str(mixed), "--out", str(tmp_path), "--size", "4",
+                         "--name", "mixed"]) == 0  # fmt: skip
+    assert "images of 4x4x3" in capsys.readouterr().out
+    imgs = tfds_images.load("tfds:mixed", str(tmp_path))
+    assert imgs.train_images.shape == (4, 4, 4, 3) and imgs.val_images[..., 0].max() == 40
+    with pytest.raises(SystemExit):  # an option of the other kind is refused, not ignored
+        prepare_main(["--images", str(mixed), "--out", str(tmp_path), "--tokenizer", "byte",
+                      "--record_tokens", "9"])  # fmt: skip
+    assert "--record_tokens does not apply to --images" in capsys.readouterr().err
+    # predefined splits: DIR/train/CLASS and DIR/val/CLASS
     splits = tmp_path / "splits"
-    for split, n in (("train", 4), ("test", 2)):
+    (splits / "train").mkdir(parents=True)
+    assert prepare_main(["--images", str(splits), "--out", str(tmp_path), "--name", "sp"]) == 2
+    assert "a train folder but no validation, val or test folder" in capsys.readouterr().err
+    for split, n in (("train", 4), ("val", 2)):
         for k in range(2):
-            (splits / split / f"c{k}").mkdir(parents=True)
+            (splits / split / f"c{k}").mkdir(parents=True, exist_ok=True)
             for i in range(n):
                 src = next((folder / f"class_{k}").iterdir())
                 (splits / split / f"c{k}" / f"{i}.png").write_bytes(src.read_bytes())
@@ -226,3 +239,36 @@ def test_splits_by_name_and_slice(tmp_path):
     # the two slices partition the split: every image once
     sliced = np.concatenate([imgs.train_images, imgs.val_images])
     assert sorted(map(bytes, sliced)) == sorted(map(bytes, whole.val_images))
+    with pytest.raises(DataError, match="is empty"):
+        tfds_images.load("tfds:train_only", str(tmp_path), eval_split="train[100%:]")
+    with pytest.raises(DataError, match=r"no split .train\+nope. for data.eval_split"):
+        tfds_images.load("tfds:train_only", str(tmp_path), eval_split="train+nope")
+    # the config keys reach the loader: a train-only image dataset is still image data
+    from diloco_jax import problems
+
+    cfg = apply_overrides(load_preset("configs/digits.py"), [
+        ("data.corpus", "tfds:train_only"), ("data.data_dir", str(tmp_path)),
+        ("data.train_split", "train[:80%]"), ("data.eval_split", "train[80%:]")])  # fmt: skip
+    problem = problems.load(cfg, replicas=4)
+    assert problem.task is tasks.IMAGE_CLASSIFICATION and problem.shards[1].shape == (4, 12)
+    assert problem.eval_data[1].shape == (12,)
+    with pytest.raises(ConfigError, match="only TFDS datasets"):
+        validate(apply_overrides(load_preset("configs/digits.py"), [("data.eval_split", "test")]))
+
+
+def test_configs_of_a_dataset(data_dir, tmp_path):
+    import shutil
+
+    for config in ("small", "large"):  # NAME/CONFIG/VERSION, as tfds build writes configs
+        shutil.copytree(data_dir / "digit_pngs", tmp_path / "multi" / config)
+    with pytest.raises(DataError, match=r"has configs \['large', 'small'\]: name one"):
+        tfds_images.load("tfds:multi", str(tmp_path))
+    imgs = tfds_images.load("tfds:multi/small", str(tmp_path))
+    assert imgs.num_classes == 10 and imgs.train_images.shape[1:] == (8, 8, 1)
+
+
+def test_sixteen_bit_grayscale_keeps_its_top_byte():
+    wide = Image.fromarray(np.array([[0, 1000], [30000, 65535]], np.uint16))
+    assert wide.mode.startswith("I")
+    pixels = np.asarray(tfds_images._normalized(wide, 1, 0))
+    np.testing.assert_array_equal(pixels, [[0, 1000 >> 8], [30000 >> 8, 255]])

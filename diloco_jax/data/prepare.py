@@ -8,7 +8,8 @@
         [--val_fraction 0.1] [--size N]
 
 An image folder holds one subfolder of images per class (``DIR/CLASS/*.png``), or predefined
-splits (``DIR/train/CLASS/...`` and ``DIR/validation/CLASS/...`` or ``DIR/test/CLASS/...``).
+splits (``DIR/train/CLASS/...`` and ``DIR/validation/CLASS/...``, ``DIR/val/...`` or
+``DIR/test/...``).
 Then train on it with ``--config.data.corpus=tfds:NAME --config.data.data_dir=DATA_DIR``.
 Nothing is downloaded; TensorFlow is not needed.
 """
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         help="images only: resize to SIZE x SIZE (needed when sizes differ)",
     )
     args = parser.parse_args(argv)
+    kind = "images" if args.images else "text"
+    other = {"text": ("size",), "images": ("tokenizer", "vocab_size", "record_tokens")}[kind]
+    ignored = [f"--{key}" for key in other if getattr(args, key) != parser.get_default(key)]
+    if ignored:
+        parser.error(f"{', '.join(ignored)} does not apply to --{kind}")
     try:
         root, line = _prepare(args)
     except DataError as e:

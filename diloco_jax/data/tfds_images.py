@@ -8,8 +8,8 @@ The training split is shuffled once with a fixed seed, so contiguous per-replica
 i.i.d. whatever order the records were written in.
 
 :func:`prepare` turns a folder of images, one subfolder per class (``DIR/CLASS/*.png``; or
-``DIR/train/CLASS/...`` with ``DIR/validation/CLASS/...`` or ``DIR/test/CLASS/...``), into such a
-dataset: PNG-encoded images and a ``ClassLabel`` named after the folders.
+``DIR/train/CLASS/...`` with ``DIR/validation/CLASS/...``, ``DIR/val/...`` or ``DIR/test/...``),
+into such a dataset: PNG-encoded images and a ``ClassLabel`` named after the folders.
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ def is_image_dataset(spec: str, data_dir: str = "") -> bool:
     import tensorflow_datasets as tfds
 
     try:
-        splits = tfds_io.open_splits(spec, data_dir)
+        features = tfds_io.open_builder(spec, data_dir)[2].info.features
     except DataError:
         return False  # the text loader reports it
-    features = splits.features
     return any(isinstance(features[k], tfds.features.Image) for k in features.keys())
 
 
@@ -52,6 +51,9 @@ def _normalized(image, channels: int, size: int):
     """A Pillow image in the mode of ``channels``, resized to ``size`` x ``size`` if ``size``."""
     from PIL import Image
 
+    if image.mode.startswith("I"):  # 16-bit grayscale (I;16, I;16B, I): keep the top 8 bits
+        pixels = np.asarray(image, dtype=np.int64).clip(0, 65535) >> 8
+        image = Image.fromarray(pixels.astype(np.uint8))
     image = image.convert(_MODES[channels])
     return image.resize((size, size), Image.Resampling.BILINEAR) if size else image
 
@@ -85,7 +87,11 @@ def _read_split(source, split: str, spec, *, image_feature, label_feature, chann
                         f"records of {spec} have no label feature {label_feature!r} "
                         f"(features: {sorted(record)}); set data.label_feature"
                     )
-                labels[i] = int(np.asarray(record[label_feature]))
+                try:
+                    labels[i] = int(np.asarray(record[label_feature]))
+                except (TypeError, ValueError):
+                    raise DataError(f"{spec} {split}[{i}]: label {label_feature!r} is not one "
+                                    f"integer: {record[label_feature]!r}") from None  # fmt: skip
                 images.append(_decode(record[image_feature], channels, size, f"{split}[{i}]"))
             bar.update(len(records))
     shapes = {im.shape for im in images}
@@ -136,9 +142,11 @@ def load(
         raise DataError(f"{spec}: training images are {train_images.shape[1:]} but validation "
                         f"images are {val_images.shape[1:]}; set data.image_size")  # fmt: skip
     label = splits.features[label_feature] if label_feature in splits.features.keys() else None
-    num_classes = getattr(label, "num_classes", None) or int(train_labels.max()) + 1
-    for split, labels in (("train", train_labels), (splits.val_split, val_labels)):
-        if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+    num_classes = getattr(label, "num_classes", None) or 1 + int(
+        max(train_labels.max(), val_labels.max())
+    )
+    for split, labels in ((train_split, train_labels), (splits.val_split, val_labels)):
+        if labels.min() < 0 or labels.max() >= num_classes:
             raise DataError(f"{spec} {split}: labels must lie in [0, {num_classes}), found "
                             f"[{labels.min()}, {labels.max()}]")  # fmt: skip
     order = np.random.default_rng(0).permutation(len(train_labels))  # i.i.d. contiguous shards
@@ -161,8 +169,11 @@ def _folder_splits(image_dir: pathlib.Path, val_fraction: float):
     if not image_dir.is_dir():
         raise DataError(f"image folder not found: {image_dir}")
     top = {p.name: p for p in _class_folders(image_dir)}
-    val_name = "validation" if "validation" in top else "test" if "test" in top else None
-    if "train" in top and val_name:  # predefined splits
+    val_name = next((n for n in ("validation", "val", "test") if n in top), None)
+    if "train" in top and not val_name:
+        raise DataError(f"{image_dir} has a train folder but no validation, val or test folder "
+                        f"beside it (or use class folders directly)")  # fmt: skip
+    if "train" in top:  # predefined splits
         classes = [p.name for p in _class_folders(top["train"])]
         splits = {}
         for split, name in (("train", "train"), ("validation", val_name)):

@@ -72,7 +72,30 @@ def open_splits(
     """Opens ``tfds:NAME`` (or ``tfds:NAME/CONFIG``) under ``data_dir`` (default
     ``~/tensorflow_datasets``): its newest prepared version's ``train_split`` and
     ``eval_split`` (default: ``validation``, else ``test``), TFDS split strings such as
-    ``train[:90%]`` included. Raises DataError naming how to prepare a missing dataset."""
+    ``train[:90%]`` or ``train+validation`` included."""
+    name, root, builder = open_builder(spec, data_dir)
+    have = sorted(builder.info.splits)
+    eval_split = eval_split or ("validation" if "validation" in have else "test")
+    for key, split in (("data.train_split", train_split), ("data.eval_split", eval_split)):
+        try:
+            examples = builder.info.splits[split].num_examples  # slices and "a+b" too
+        except Exception:  # TFDS raises KeyError or ValueError for unknown or malformed splits
+            raise DataError(f"TFDS dataset {name!r} has no split {split!r} for {key} (it has "
+                            f"{have}; slices such as train[:90%] also work)") from None  # fmt: skip
+        if not examples:
+            raise DataError(f"split {split!r} ({key}) of TFDS dataset {name!r} is empty")
+    try:
+        train, val = builder.as_data_source(split=[train_split, eval_split], decoders=decoders)
+    except Exception as e:  # TFDS raises several types for bad slices or unreadable files
+        raise DataError(f"cannot read splits {train_split!r}, {eval_split!r} of TFDS dataset "
+                        f"{name!r} in {builder.data_dir}: {e}") from None  # fmt: skip
+    return Splits(name, root, train, val, eval_split, builder.info.features)
+
+
+def open_builder(spec: str, data_dir: str = ""):
+    """``(name, data dir, builder)`` of ``tfds:NAME`` (or ``tfds:NAME/CONFIG``): its newest
+    prepared version, read from its directory. Raises DataError naming how to prepare a missing
+    dataset."""
     import tensorflow_datasets as tfds
 
     name = spec.removeprefix(TFDS_PREFIX)
@@ -86,21 +109,9 @@ def open_splits(
         )
     path = builder_dir(name, root)
     try:
-        builder = tfds.builder_from_directory(path)
+        return name, root, tfds.builder_from_directory(path)
     except Exception as e:  # TFDS raises several types for unreadable or foreign datasets
         raise DataError(f"cannot read TFDS dataset {name!r} in {path}: {e}") from None
-    have = sorted(builder.info.splits)
-    eval_split = eval_split or ("validation" if "validation" in have else "test")
-    for key, split in (("data.train_split", train_split), ("data.eval_split", eval_split)):
-        if split.split("[")[0] not in have:
-            raise DataError(f"TFDS dataset {name!r} has no split {split!r} for {key} (it has "
-                            f"{have}; a slice such as train[:90%] also works)")  # fmt: skip
-    try:
-        train, val = builder.as_data_source(split=[train_split, eval_split], decoders=decoders)
-    except Exception as e:
-        raise DataError(f"cannot read splits {train_split!r}, {eval_split!r} of TFDS dataset "
-                        f"{name!r} in {path}: {e}") from None  # fmt: skip
-    return Splits(name, root, train, val, eval_split, builder.info.features)
 
 
 def write(
@@ -133,5 +144,10 @@ def write(
 
     Prepared.name = name
     data_dir = pathlib.Path(data_dir).expanduser()
-    Prepared(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+    again = tfds.download.DownloadConfig(  # preparing a name again replaces its records
+        download_mode=tfds.download.GenerateMode.FORCE_REDOWNLOAD
+    )
+    Prepared(data_dir=str(data_dir), file_format="array_record").download_and_prepare(
+        download_config=again
+    )
     return data_dir / name
