@@ -133,10 +133,13 @@ def test_images_of_several_sizes_need_image_size(tmp_path):
 
 def test_bad_features_are_named(tmp_path):
     write_mnist_like(tmp_path, "feats")
-    with pytest.raises(DataError, match="no image feature 'img' .*'id', 'image', 'label'"):
+    listed = ".*'id', 'image', 'label'"  # the dataset's features
+    with pytest.raises(DataError, match="no feature 'img' for data.image_feature " + listed):
         tfds_images.load("tfds:feats", str(tmp_path), image_feature="img")
-    with pytest.raises(DataError, match="no label feature 'class'.*data.label_feature"):
+    with pytest.raises(DataError, match="no feature 'class' for data.label_feature " + listed):
         tfds_images.load("tfds:feats", str(tmp_path), label_feature="class")
+    with pytest.raises(DataError, match="feature 'id' .* is not an image"):
+        tfds_images.load("tfds:feats", str(tmp_path), image_feature="id")
     with pytest.raises(DataError, match="not found in .*--images DIR"):
         tfds_images.load("tfds:absent", str(tmp_path))
 

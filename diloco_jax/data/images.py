@@ -35,12 +35,11 @@ def is_image_data(cfg_data) -> bool:
     TFDS dataset with an image feature."""
     from diloco_jax.data import tfds_images, tfds_io
 
-    if cfg_data.corpus in IMAGE_DATASETS:
-        return True
     corpus = cfg_data.corpus
-    return corpus.startswith(tfds_io.TFDS_PREFIX) and tfds_images.is_image_dataset(
-        corpus, cfg_data.data_dir
-    )
+    if corpus in IMAGE_DATASETS:
+        return True
+    tfds = corpus.startswith(tfds_io.TFDS_PREFIX)
+    return tfds and tfds_images.is_image_dataset(corpus, cfg_data.data_dir)
 
 
 def load_images(name: str, *, val_fraction: float, data_dir: str = "", **tfds_options) -> Images:

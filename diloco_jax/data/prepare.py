@@ -41,17 +41,18 @@ def _prepare(args):
             f"prepared {root}: {len(corpus.train_N):,} training and {len(corpus.val_M):,} "
             f"validation tokens ({corpus.source}, vocabulary {corpus.vocab_size})"
         )
-    from diloco_jax.data import tfds_images
+    from diloco_jax.data import tfds_images, tfds_io
 
     root = tfds_images.prepare(
         args.images, args.out, name=args.name or "images",
         val_fraction=_or(args.val_fraction, 0.1), size=args.size,
     )  # fmt: skip
-    imgs = tfds_images.load(f"tfds:{root.name}", args.out)
+    info = tfds_io.open_builder(f"tfds:{root.name}", args.out)[2].info  # no decoding
     return root, (
-        f"prepared {root}: {len(imgs.train_labels):,} training and {len(imgs.val_labels):,} "
-        f"validation images of {'x'.join(map(str, imgs.train_images.shape[1:]))}, "
-        f"{imgs.num_classes} classes"
+        f"prepared {root}: {info.splits['train'].num_examples:,} training and "
+        f"{info.splits['validation'].num_examples:,} validation images of "
+        f"{'x'.join(map(str, info.features['image'].shape))}, "
+        f"{info.features['label'].num_classes} classes"
     )
 
 

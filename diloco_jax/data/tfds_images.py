@@ -26,15 +26,6 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 _MODES = {1: "L", 3: "RGB"}  # channels -> Pillow mode
 
 
-def image_feature_of(splits: tfds_io.Splits, image_feature: str):
-    """The dataset's ``tfds.features.Image`` called ``image_feature``, or None."""
-    import tensorflow_datasets as tfds
-
-    features = splits.features
-    feature = features[image_feature] if image_feature in features.keys() else None
-    return feature if isinstance(feature, tfds.features.Image) else None
-
-
 def is_image_dataset(spec: str, data_dir: str = "") -> bool:
     """True when ``tfds:NAME`` exists and has an image feature (whatever its name: a wrong
     ``data.image_feature`` is then reported by :func:`load`)."""
@@ -82,11 +73,6 @@ def _read_split(source, split: str, spec, *, image_feature, label_feature, chann
         for start in range(0, n, chunk):
             records = source.__getitems__(list(range(start, min(n, start + chunk))))
             for i, record in enumerate(records, start):
-                if label_feature not in record:
-                    raise DataError(
-                        f"records of {spec} have no label feature {label_feature!r} "
-                        f"(features: {sorted(record)}); set data.label_feature"
-                    )
                 try:
                     labels[i] = int(np.asarray(record[label_feature]))
                 except (TypeError, ValueError):
@@ -122,12 +108,14 @@ def load(
     decoders = {image_feature: tfds.decode.SkipDecoding()}
     splits = tfds_io.open_splits(spec, data_dir, train_split=train_split, eval_split=eval_split,
                                  decoders=decoders)  # fmt: skip
-    feature = image_feature_of(splits, image_feature)
-    if feature is None:
-        raise DataError(
-            f"TFDS dataset {splits.name!r} has no image feature {image_feature!r} "
-            f"(features: {sorted(splits.features)}); set data.image_feature"
-        )
+    names = sorted(splits.features.keys())
+    for key, name in (("data.image_feature", image_feature), ("data.label_feature", label_feature)):
+        if name not in names:
+            raise DataError(f"TFDS dataset {splits.name!r} has no feature {name!r} for {key} "
+                            f"(features: {names})")  # fmt: skip
+    feature = splits.features[image_feature]
+    if not isinstance(feature, tfds.features.Image):
+        raise DataError(f"{spec}: feature {image_feature!r} (data.image_feature) is not an image")
     if feature.np_dtype != np.uint8:
         raise DataError(f"{spec}: {image_feature!r} holds {feature.np_dtype} images; only uint8 "
                         f"images are supported")  # fmt: skip
@@ -141,8 +129,7 @@ def load(
     if train_images.shape[1:] != val_images.shape[1:]:
         raise DataError(f"{spec}: training images are {train_images.shape[1:]} but validation "
                         f"images are {val_images.shape[1:]}; set data.image_size")  # fmt: skip
-    label = splits.features[label_feature] if label_feature in splits.features.keys() else None
-    num_classes = getattr(label, "num_classes", None) or 1 + int(
+    num_classes = getattr(splits.features[label_feature], "num_classes", None) or 1 + int(
         max(train_labels.max(), val_labels.max())
     )
     for split, labels in ((train_split, train_labels), (splits.val_split, val_labels)):

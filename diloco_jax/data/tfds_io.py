@@ -1,7 +1,8 @@
 """Reading and writing TFDS datasets in array_record format, without TensorFlow.
 
-:func:`open_splits` opens a dataset's training and validation (or test) splits through
-``tfds.data_source`` with one clear error when the dataset is missing or unreadable;
+:func:`open_splits` opens a dataset's training and evaluation splits from its prepared
+directory (``tfds.builder_from_directory``) with one clear error when the dataset, a split or
+its files are missing or unreadable;
 :func:`write` writes examples through an (unregistered) TFDS builder, so the result is an
 ordinary TFDS dataset that ``tfds.data_source`` and ``tfds.builder_from_directory`` read.
 """
