@@ -6,6 +6,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from diloco_jax import vision
 from diloco_jax.config import apply_overrides, load_preset
@@ -48,6 +49,7 @@ def digits(**extra):
                            [(k, str(v)) for k, v in overrides.items()])  # fmt: skip
 
 
+@pytest.mark.slow  # 9 s; test_tfds_images trains the same preset above chance on the mesh
 def test_digits_preset_trains_above_chance(tmp_path):
     done = train(digits(**{"parallel.runtime": "sim"}), tmp_path, show_progress=False)
     evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
