@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from diloco_jax import compress, dct, fragments
+from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.dct import DctConfig
 
 TOPOLOGIES = ("ring", "parameter_server")
@@ -120,4 +121,4 @@ def sync_payloads(
 
 def diloco_sync_events(steps: int, sync_every: int, num_fragments: int = 1) -> list[int]:
     """The fragment of every sync a DiLoCo run of ``steps`` inner steps makes, in order."""
-    return [f for _, f in fragments.sync_steps(steps, sync_every, num_fragments)]
+    return [f for _, f in SyncPlan(sync_every, num_fragments).sync_steps(1, steps)]

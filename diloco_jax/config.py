@@ -14,13 +14,16 @@ import importlib.util
 import pathlib
 from typing import Any, get_type_hints
 
-from diloco_jax.compress import CODECS
-from diloco_jax.diloco import OUTER_MODES
+from diloco_jax.algorithm.core import Streaming
+from diloco_jax.algorithm.timing import OUTER_MODES
+from diloco_jax.compress import CODECS, Codec
+from diloco_jax.dct import DctConfig
 from diloco_jax.model import COMPUTE_DTYPES
 from diloco_jax.optim import ALGORITHMS
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
 RUNTIMES = ("auto", "sim", "mesh")
+_CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()
 
 
 class ConfigError(ValueError):
@@ -115,6 +118,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     init_from: str = ""  # a workdir of an earlier run: start from its final outer params
+    # debug: after every call, check that every shared field (anchor, outer state, step, pending
+    # mean) is bitwise identical on all devices and processes (default: the anchor after syncs)
+    check_replicated: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,23 +144,24 @@ class SimConfig:
 class CompressConfig:
     """How DiLoCo's pseudo-gradients travel; see ``diloco_jax/compress.py``."""
 
-    codec: str = "none"  # none | bf16 | int8 | fp8 | int4 | topk | dct (DCT momentum)
-    block: int = 256  # values per scale (int8, fp8, int4)
-    topk_fraction: float = 0.01  # share of values topk sends
-    min_size: int = 4096  # leaves with fewer values travel in float32
-    error_feedback: bool = False  # keep what encoding lost; add it to the next pseudo-gradient
-    dct_chunk: int = 64  # dct: values per DCT chunk
-    dct_topk: int = 4  # dct: coefficients each replica sends per chunk
-    dct_beta: float = 0.9  # dct: decay of the local momentum of pseudo-gradients
+    # defaults are the library's own (Codec, DctConfig): one source
+    codec: str = _CODEC.name  # none | bf16 | int8 | fp8 | int4 | topk | dct (DCT momentum)
+    block: int = _CODEC.block  # values per scale (int8, fp8, int4)
+    topk_fraction: float = _CODEC.topk_fraction  # share of values topk sends
+    min_size: int = _CODEC.min_size  # leaves with fewer values travel in float32
+    error_feedback: bool = _CODEC.error_feedback  # keep what encoding lost; add it to the next
+    dct_chunk: int = _DCT.chunk  # dct: values per DCT chunk
+    dct_topk: int = _DCT.topk  # dct: coefficients each replica sends per chunk
+    dct_beta: float = _DCT.beta  # dct: decay of the local momentum of pseudo-gradients
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamingConfig:
-    """Streaming DiLoCo (arXiv 2501.18512); see ``diloco_jax/fragments.py``."""
+    """Streaming DiLoCo (arXiv 2501.18512); see ``diloco_jax/algorithm/plan.py``."""
 
-    fragments: int = 1  # F: fragment f syncs every outer.sync_every steps at offset f*H/F
-    overlap: int = 0  # tau: inner steps between a fragment's sync and its landing (< H/F)
-    mix: float = 0.0  # alpha: weight of the local parameters when the merged fragment lands
+    fragments: int = _STREAMING.fragments  # F: fragment f syncs every outer.sync_every steps
+    overlap: int = _STREAMING.overlap  # tau: inner steps from a fragment's sync to its landing
+    mix: float = _STREAMING.mix  # alpha: weight of the local parameters when it lands
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ from diloco_jax.exchange import replica_sum
 
 
 class SyncStats(NamedTuple):
-    """Diagnostics of the last sync (zeros before the first one).
+    """Diagnostics of a sync, returned as metrics by the step that starts it (zeros on other
+    steps). Every field is a float32 scalar except ``finite`` (bool).
 
     Attributes:
       drift: per-replica. ``|anchor - params_r|`` over the synced fragment: how far the replica
@@ -40,9 +41,19 @@ def _dot(a: Any, b: Any) -> jax.Array:
     return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+def zero_stats() -> SyncStats:
+    """The stats of a step that starts no sync."""
+    zero = jnp.zeros([], jnp.float32)
+    return SyncStats(zero, zero, zero, zero, zero, zero, jnp.ones([], bool))
+
+
 def sync_stats(delta, mean_delta, weight, outer_norm, axis_name, diagnostics) -> SyncStats:
     """:class:`SyncStats` of one replica's pseudo-gradient ``delta`` (a list of leaves) against
-    the ``mean_delta``; ``weight`` is the replica's weight in the mean."""
+    the ``mean_delta``; ``weight`` is the replica's weight in the mean. Computed in float32
+    whatever the parameters' dtype."""
+    delta = [d.astype(jnp.float32) for d in delta]
+    mean_delta = [m.astype(jnp.float32) for m in mean_delta]
+    outer_norm = jnp.asarray(outer_norm, jnp.float32)
     norm = optax.tree.norm(delta)
     unit = jax.tree.map(lambda d: d / jnp.maximum(norm, 1e-30), delta)
     cosine = _dot(unit, mean_delta) / jnp.maximum(optax.tree.norm(mean_delta), 1e-30)

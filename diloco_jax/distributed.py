@@ -148,7 +148,10 @@ def fingerprint(tree) -> jax.Array:
     total = jnp.uint32(0)
     for leaf in jax.tree.leaves(tree):
         leaf = jnp.asarray(leaf)
-        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
+        if leaf.dtype == jnp.bool_:
+            leaf = leaf.astype(jnp.uint8)
+        # 8-byte values (float64) bitcast to pairs of uint32
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[leaf.dtype.itemsize]
         bits = lax.bitcast_convert_type(leaf, width).astype(jnp.uint32).reshape(-1)
         odd = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
         total = total * jnp.uint32(0x01000193) + jnp.sum(bits * odd, dtype=jnp.uint32)

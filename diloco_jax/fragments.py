@@ -1,10 +1,6 @@
-"""Streaming DiLoCo's fragments and their schedule (Douillard et al., 2025, arXiv 2501.18512).
-
-The parameters are split into ``F`` fragments. Fragment ``f`` starts its sync every
-``sync_every`` steps at offset ``f * sync_every / F``: one fragment syncs every
-``period = sync_every / F`` steps, fragment ``(step / period) mod F`` at step ``step``, so peak
-bytes per sync fall by about ``F``. Its merged value lands ``overlap`` (tau) steps later, while
-training goes on; ``overlap = 0`` lands it at once. ``F = 1`` is plain DiLoCo.
+"""Streaming DiLoCo's fragments (Douillard et al., 2025, arXiv 2501.18512): which parameter
+leaf belongs to which of ``F`` fragments. When each fragment syncs and lands is the sync plan's
+business (:class:`diloco_jax.algorithm.plan.SyncPlan`).
 
 Assignment (:func:`strided`): the layers of a stack (a path holding ``blocks`` then an integer
 index) are strided, layer ``l`` in fragment ``l mod F``; every other leaf (embeddings, final norm,
@@ -16,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -52,31 +47,3 @@ def groups(assignment: list[int], fragments: int) -> list[list[int]]:
     if empty:
         raise ValueError(f"streaming fragments {empty} of {fragments} hold no parameters")
     return found
-
-
-def period(sync_every: int, fragments: int) -> int:
-    if sync_every % fragments:
-        raise ValueError(f"sync_every {sync_every} must be a multiple of fragments {fragments}")
-    return sync_every // fragments
-
-
-def starting(step: jax.Array, sync_every: int, fragments: int) -> tuple[jax.Array, jax.Array]:
-    """``(whether a sync starts after inner step `step`, which fragment)``; ``step`` counts
-    from 1 and is a shared scalar."""
-    every = period(sync_every, fragments)
-    return step % every == 0, (step // every) % fragments
-
-
-def landing(
-    step: jax.Array, sync_every: int, fragments: int, overlap: int
-) -> tuple[jax.Array, jax.Array]:
-    """``(whether a fragment lands after inner step `step`, which)``: the one whose sync started
-    ``overlap`` steps earlier."""
-    started, fragment = starting(step - overlap, sync_every, fragments)
-    return jnp.logical_and(started, step > overlap), fragment
-
-
-def sync_steps(total_steps: int, sync_every: int, fragments: int) -> list[tuple[int, int]]:
-    """Host side: ``(step, fragment)`` of every sync start in ``total_steps`` inner steps."""
-    every = period(sync_every, fragments)
-    return [(s, (s // every) % fragments) for s in range(every, total_steps + 1, every)]

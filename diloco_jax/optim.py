@@ -1,24 +1,18 @@
 """The optimizers, built in one place from named arguments.
 
 ``inner_adamw`` is DiLoCo's inner optimizer (and the baselines' only one), ``outer_nesterov`` its
-outer optimizer; ``make_tx`` assembles the transform for an algorithm: ``diloco``, ``ddp``
-(synchronous data parallelism) or ``single`` (one replica, inner optimizer only);
-``tx_from_config`` builds it from a :class:`~diloco_jax.config.Config`.
+outer optimizer; ``make_algorithm`` assembles an algorithm: ``diloco``, ``ddp`` (synchronous
+data parallelism) or ``single`` (one replica, inner optimizer only).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 import optax
 
+from diloco_jax.algorithm import Streaming, data_parallel, diloco, single
 from diloco_jax.compress import Codec
 from diloco_jax.dct import DctConfig
-from diloco_jax.diloco import AxisName, Streaming, data_parallel, diloco
-
-if TYPE_CHECKING:  # config imports this module
-    from diloco_jax.config import Config
+from diloco_jax.exchange import AxisName
 
 ALGORITHMS = ("diloco", "ddp", "single")
 
@@ -56,7 +50,7 @@ def outer_nesterov(
     return optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov and momentum > 0)
 
 
-def make_tx(
+def make_algorithm(
     algorithm: str,
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation,
@@ -69,61 +63,18 @@ def make_tx(
     dct_config: DctConfig | None = None,
     streaming: Streaming | None = None,
     outer_mode: str = "sync",
-) -> optax.GradientTransformationExtraArgs:
-    """The per-replica transform for ``algorithm`` (one of :data:`ALGORITHMS`). Every one takes
-    the :class:`~diloco_jax.step.StepControl` extra arguments (the baselines ignore them).
-    ``codec``, ``dct_config``, ``streaming`` and ``outer_mode`` are DiLoCo's variants."""
+):
+    """The algorithm named ``algorithm`` (one of :data:`ALGORITHMS`). Every one has
+    ``kinds``, ``init``, ``update(state, grads, **control)`` and ``outer_params``; ``codec``,
+    ``dct_config``, ``streaming`` and ``outer_mode`` are DiLoCo's variants."""
     if algorithm == "diloco":
         return diloco(
-            inner,
-            outer,
-            sync_every=sync_every,
-            axis_name=axis_name,
-            reset_inner_state=reset_inner_state,
-            diagnostics=diagnostics,
-            codec=codec,
-            dct_config=dct_config,
-            streaming=streaming,
-            outer_mode=outer_mode,
-        )
+            inner, outer, sync_every=sync_every, axis_name=axis_name,
+            reset_inner_state=reset_inner_state, diagnostics=diagnostics, codec=codec,
+            dct_config=dct_config, streaming=streaming, outer_mode=outer_mode,
+        )  # fmt: skip
     if algorithm == "ddp":
         return data_parallel(inner, axis_name=axis_name)
     if algorithm == "single":
-        return optax.with_extra_args_support(inner)
+        return single(inner)
     raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-
-
-def codec_of(cfg: Config) -> Codec | None:
-    """The codec ``cfg`` asks for (None for ``dct``, which is not a codec but an exchange)."""
-    c = cfg.compress
-    if c.codec == "dct":
-        return None
-    return Codec(c.codec, c.block, c.topk_fraction, c.min_size, c.error_feedback)
-
-
-def dct_of(cfg: Config) -> DctConfig | None:
-    c = cfg.compress
-    return DctConfig(c.dct_chunk, c.dct_topk, c.dct_beta, c.min_size) if c.codec == "dct" else None
-
-
-def tx_from_config(cfg: Config, axis_name, *, diagnostics: bool = False):
-    """The per-replica transform that ``cfg`` asks for, reducing over ``axis_name``."""
-    inner = inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
-    outer = outer_nesterov(
-        learning_rate=cfg.outer.learning_rate,
-        momentum=cfg.outer.momentum,
-        nesterov=cfg.outer.nesterov,
-    )
-    return make_tx(
-        cfg.algorithm,
-        inner,
-        outer,
-        sync_every=cfg.outer.sync_every,
-        axis_name=axis_name,
-        reset_inner_state=cfg.outer.reset_inner_state,
-        diagnostics=diagnostics,
-        codec=codec_of(cfg),
-        dct_config=dct_of(cfg),
-        streaming=Streaming(**dataclasses.asdict(cfg.streaming)),
-        outer_mode=cfg.outer.mode,
-    )

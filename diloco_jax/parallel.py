@@ -19,9 +19,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.axes import DATA, LOCAL_REPLICA, REPLICA
-from diloco_jax.config import ConfigError
-from diloco_jax.step import TrainState, scan_steps
+from diloco_jax.step import scan_steps
 
 
 class Layout(NamedTuple):
@@ -54,7 +54,8 @@ def resolve_layout(
     """Chooses how to place ``replicas`` on the devices; 0 means "choose for me".
 
     ``auto`` uses the simulator on one device and the mesh otherwise, giving each replica as many
-    devices as divide the count (replicas first, then the batch). Raises :class:`ConfigError`.
+    devices as divide the count (replicas first, then the batch). Raises ValueError naming
+    the config keys (the training application shows it as a config error).
     """
     num_devices = jax.device_count() if num_devices is None else num_devices
     if runtime == "auto":
@@ -63,18 +64,18 @@ def resolve_layout(
         return Layout("sim", replicas, 1, 1)
     rdev = replica_devices or _largest_divisor(replicas, num_devices)
     if replicas % rdev:
-        raise ConfigError(
+        raise ValueError(
             f"config key parallel.replica_devices = {rdev} is invalid: must divide "
             f"parallel.replicas = {replicas}"
         )
     ddev = data_devices or _largest_divisor(batch_size, max(1, num_devices // rdev))
     if batch_size % ddev:
-        raise ConfigError(
+        raise ValueError(
             f"config key data.batch_size = {batch_size} is invalid: must be divisible by "
             f"parallel.data_devices = {ddev}"
         )
     if rdev * ddev > num_devices:
-        raise ConfigError(
+        raise ValueError(
             f"config keys parallel.replica_devices x parallel.data_devices = {rdev} x {ddev} "
             f"need {rdev * ddev} devices, but only {num_devices} exist"
         )
@@ -91,26 +92,22 @@ def make_mesh(layout: Layout) -> Mesh:
     return Mesh(devices, (REPLICA, DATA), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def _specs(axes_prefix):
-    return jax.tree.map(
-        lambda a: P() if a is None else P(REPLICA), axes_prefix, is_leaf=lambda x: x is None
-    )
-
-
 def _shardings(mesh: Mesh, specs):
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
     )
 
 
-def simulator_steps(replica_step, axes: TrainState, num_steps: int):
+def simulator_steps(replica_step, kinds, num_steps: int):
     """``run(state, replicas_R, shards_RxS, control_NxR) -> (state, metrics_NxR)``:
-    ``num_steps`` vmapped steps in one compiled call."""
+    ``num_steps`` vmapped steps in one compiled call; ``kinds``: the algorithm's declaration of
+    its state's per-replica and shared fields."""
+    axes = state_lib.vmap_axes(kinds)
     step_R = jax.vmap(replica_step, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0), axis_name=REPLICA)
     return jax.jit(scan_steps(step_R, num_steps), donate_argnums=0)
 
 
-def mesh_steps(replica_step, axes: TrainState, mesh: Mesh, num_steps: int):
+def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int):
     """Like :func:`simulator_steps`, on ``mesh`` with ``shard_map``. The metrics come back
     replicated on every device, so every process can read them (an all-gather of ``[N, R]``
     scalars per call).
@@ -119,10 +116,11 @@ def mesh_steps(replica_step, axes: TrainState, mesh: Mesh, num_steps: int):
     with vma checks on (an assertion in ``pvary``). The step therefore averages over ``DATA``
     explicitly and differentiates only its own replica's (replica-varying) parameters.
     """
+    axes = state_lib.vmap_axes(kinds)
     step_R = jax.vmap(
         replica_step, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0), axis_name=LOCAL_REPLICA
     )
-    specs = _specs(axes)
+    specs = state_lib.specs(kinds)
     run = jax.shard_map(
         scan_steps(step_R, num_steps),
         mesh=mesh,
@@ -151,12 +149,13 @@ def put(tree, mesh: Mesh, spec: P | None = None, *, specs=None):
     return jax.tree.map(one, tree, _shardings(mesh, specs))
 
 
-def place(tree, axes, mesh: Mesh | None):
-    """Puts a replica-stacked tree on ``mesh`` (per-replica leaves split over ``REPLICA``, shared
-    ones replicated); a no-op for the simulator (``mesh is None``)."""
+def place(tree, kinds, mesh: Mesh | None):
+    """Puts a replica-stacked state on ``mesh`` (per-replica fields split over ``REPLICA``,
+    shared ones replicated, as ``kinds`` declare); a no-op for the simulator (``mesh is None``)."""
     if mesh is None:
         return tree
-    specs = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), _specs(axes), tree,
+    specs = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+                         state_lib.specs(kinds), tree,
                          is_leaf=lambda x: isinstance(x, P))  # fmt: skip
     return put(tree, mesh, specs=specs)
 

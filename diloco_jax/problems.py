@@ -12,7 +12,6 @@ from diloco_jax import model as model_lib
 from diloco_jax import tasks, vision
 from diloco_jax.data import eval_windows, load_corpus, replica_shards, unigram_entropy
 from diloco_jax.data.images import image_shards, is_image_data, load_images
-from diloco_jax.step import make_eval_fn
 
 
 class Problem(NamedTuple):
@@ -22,10 +21,9 @@ class Problem(NamedTuple):
     eval_data: Any
     graphdef: Any
     params: Any
-    eval_fn: Any
+    task: tasks.Task  # sample, loss and evaluation for this model and data
     baseline_nats: float  # unigram entropy of the tokens, or log(classes)
     tokenizer: Any = None
-    task: Any = None  # None: language modelling
 
 
 def load(cfg: config_lib.Config, replicas: int) -> Problem:
@@ -42,11 +40,10 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
             cfg.seed, channels=imgs.train_images.shape[-1], num_classes=imgs.num_classes,
             width=r.width, stages=r.stages, depth=r.depth,
         )  # fmt: skip
-        task = tasks.IMAGE_CLASSIFICATION
         return Problem(image_shards(imgs.train_images, imgs.train_labels, replicas),
-                        (imgs.val_images, imgs.val_labels), graphdef, params,
-                        task.make_eval_fn(graphdef), float(np.log(imgs.num_classes)),
-                        task=task)  # fmt: skip
+                       (imgs.val_images, imgs.val_labels), graphdef, params,
+                       tasks.image_classification(graphdef),
+                       float(np.log(imgs.num_classes)))  # fmt: skip
     corpus = load_corpus(d.corpus, **where, text_feature=d.text_feature)
     graphdef, params = model_lib.init_model(
         cfg.seed, vocab_size=corpus.vocab_size, seq_len=d.seq_len, **dataclasses.asdict(m)
@@ -54,5 +51,6 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
     return Problem(
         replica_shards(corpus.train_N, replicas, d.seq_len),  # a view: nothing copied
         eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows),
-        graphdef, params, make_eval_fn(graphdef), unigram_entropy(corpus.val_M), corpus.tokenizer,
+        graphdef, params, tasks.language_model(graphdef, seq_len=d.seq_len),
+        unigram_entropy(corpus.val_M), corpus.tokenizer,
     )  # fmt: skip

@@ -9,9 +9,9 @@ import jax
 
 from diloco_jax import checkpoint, parallel
 from diloco_jax import config as config_lib
-from diloco_jax.diloco import EagerDilocoState, find_anchor, find_diloco_state
+from diloco_jax.algorithm import PER_REPLICA, init_replicas
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.reporting import log
-from diloco_jax.step import init_state, state_axes
 
 
 def warm_start(workdir: str, params):
@@ -45,27 +45,24 @@ def resume(mngr, s, workdir: pathlib.Path):
 
 
 def elastic(mngr, s, saved_replicas: int):
-    """Resumes a checkpoint of ``saved_replicas`` replicas with this run's count: the saved
-    anchor, outer state and step are kept; every replica restarts from the anchor with a fresh
-    inner state (so an inner learning-rate schedule starts again)."""
-    if isinstance(find_diloco_state(s.state.opt_state), EagerDilocoState):
+    """Resumes a checkpoint of ``saved_replicas`` replicas with this run's count: the shared
+    fields (step, anchor, outer state, a pending mean: as the algorithm's kinds declare) are
+    kept; every replica restarts from the anchor with a fresh inner state (so an inner
+    learning-rate schedule starts again)."""
+    algorithm, kinds = s.algorithm, s.algorithm.kinds
+    if kinds.anchor == PER_REPLICA:
         raise checkpoint.CheckpointError(
             f"the checkpoint has {saved_replicas} replicas, this run {s.layout.replicas}: an "
             "elastic restart needs one anchor, and with outer.mode=eager every replica has its own"
         )
-    anchor = find_anchor(s.state.opt_state)
-    like = jax.eval_shape(lambda: init_state(anchor, s.tx, saved_replicas))
+    anchor = s.state.anchor
+    like = jax.eval_shape(lambda: init_replicas(algorithm, anchor, saved_replicas))
     old = checkpoint.restore(mngr, like)
-    old_diloco = find_diloco_state(old.opt_state)
-    fresh = init_state(old_diloco.anchor, s.tx, s.layout.replicas)
-    # the anchor, the outer state and a pending (delayed) mean are shared: they carry over
-    opt_state = fresh.opt_state._replace(
-        step=old_diloco.step, outer_state=old_diloco.outer_state, pending=old_diloco.pending
-    )
-    state = fresh._replace(step=old.step, opt_state=opt_state)
+    fresh = init_replicas(algorithm, old.anchor, s.layout.replicas)
+    state = state_lib.replace_shared(fresh, kinds, old)
     log.warning(
         "elastic restart at step %d: the checkpoint has %d replicas, this run %d; every replica "
         "restarts from the saved anchor with a fresh inner state (outer state kept)",
         int(old.step), saved_replicas, s.layout.replicas,
     )  # fmt: skip
-    return parallel.place(state, state_axes(state), s.mesh)
+    return parallel.place(state, kinds, s.mesh)

@@ -1,12 +1,13 @@
-"""Tasks other than language modelling: what a replica samples, its loss, the evaluation.
+"""Tasks: what a replica samples, its loss, and the evaluation of the outer parameters.
 
-The train step (:func:`diloco_jax.step.make_replica_step`) takes a task's ``sample`` and
-``loss``; ``diloco_jax.train`` picks the task from ``data.corpus`` (an image dataset name such
-as ``digits`` means image classification).
+A :class:`Task` is built for one model (its ``graphdef``) and one data layout, so the train
+step (:func:`diloco_jax.step.make_replica_step`) is generic: language modelling and image
+classification go through the same step.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -14,50 +15,78 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from diloco_jax import model as model_lib
 from diloco_jax import vision
+from diloco_jax.data import sample_batch
 from diloco_jax.data.images import as_float, sample_images
 
 
 class Task(NamedTuple):
-    sample: Callable  # (shard, *, seed, replica, step, batch_size) -> batch (rows first)
-    loss: Callable  # (graphdef, params, batch, dropout_key) -> mean loss
-    make_eval_fn: Callable  # graphdef -> jit (params, eval_data) -> {"eval_loss", ...}
+    """``sample(shard, *, seed, replica, step, batch_size) -> batch`` (rows first);
+    ``loss(params, batch, dropout_key) -> mean loss``; ``eval_fn(params, eval_data) ->
+    {"eval_loss", ...}`` (jitted); ``unit``: what one batch row counts as (``token``s of
+    ``tokens_per_row``, or one ``example``)."""
+
+    sample: Callable
+    loss: Callable
+    eval_fn: Callable
+    unit: str = "token"
+    tokens_per_row: int = 1
 
 
-def _image_loss(graphdef, params, batch, dropout_key):
-    del dropout_key  # the ResNet has no dropout
-    images_BxHxWxC, labels_B = batch
-    return vision.cross_entropy(vision.apply(graphdef, params, images_BxHxWxC), labels_B).mean()
+def _chunked(fn, count: int, chunk: int, *arrays):
+    """Sums of ``fn(*chunk_arrays, mask_K)`` over ``arrays`` cut into chunks of ``chunk`` rows,
+    padded with zeros and masked, to bound memory."""
+    pad = -count % chunk
+    mask = jnp.arange(count + pad) < count
+    padded = [jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) for x in arrays]
+    chunks = [x.reshape(-1, chunk, *x.shape[1:]) for x in (*padded, mask)]
+    return lax.map(lambda args: fn(*args), tuple(chunks))
 
 
-def _image_eval_fn(graphdef, *, chunk: int = 512):
-    """Loss and accuracy over every validation example, ``chunk`` at a time (padded and masked)
-    to bound memory."""
+def language_model(graphdef, *, seq_len: int, chunk: int = 64) -> Task:
+    """Next-token prediction with the Transformer: windows of ``seq_len + 1`` tokens from the
+    replica's shard; the evaluation is the mean nats per token over every validation window."""
+
+    def loss(params, tokens_BxL1, dropout_key):
+        logits_BxLxV = model_lib.apply(graphdef, params, tokens_BxL1[:, :-1], dropout_key)
+        return model_lib.token_nll(logits_BxLxV, tokens_BxL1[:, 1:]).mean()
+
+    @jax.jit
+    def eval_fn(params, windows_WxL1):
+        def chunk_loss(tokens_KxL1, mask_K):
+            logits_KxLxV = model_lib.apply(graphdef, params, tokens_KxL1[:, :-1])
+            nll_KxL = model_lib.token_nll(logits_KxLxV, tokens_KxL1[:, 1:])
+            return (nll_KxL.mean(axis=-1) * mask_K).sum()
+
+        count = windows_WxL1.shape[0]
+        return {"eval_loss": _chunked(chunk_loss, count, chunk, windows_WxL1).sum() / count}
+
+    sample = functools.partial(sample_batch, seq_len=seq_len)
+    return Task(sample, loss, eval_fn, "token", seq_len)
+
+
+def image_classification(graphdef, *, chunk: int = 512) -> Task:
+    """Classification with the ResNet: examples drawn with replacement from the replica's shard;
+    the evaluation gives loss and accuracy over every validation example."""
+
+    def loss(params, batch, dropout_key):
+        del dropout_key  # the ResNet has no dropout
+        images_BxHxWxC, labels_B = batch
+        return vision.cross_entropy(vision.apply(graphdef, params, images_BxHxWxC),
+                                    labels_B).mean()  # fmt: skip
 
     @jax.jit
     def eval_fn(params, data):
-        images_NxHxWxC, labels_N = data
-        count = labels_N.shape[0]
-        chunk_ = min(chunk, count)
-        pad = -count % chunk_
-        images = jnp.pad(images_NxHxWxC, ((0, pad),) + ((0, 0),) * (images_NxHxWxC.ndim - 1))
-        labels = jnp.pad(labels_N, (0, pad))
-        mask = jnp.arange(count + pad) < count
-
-        def chunk_sums(args):
-            images_KxHxWxC, labels_K, mask_K = args
+        def chunk_sums(images_KxHxWxC, labels_K, mask_K):
             logits_KxC = vision.apply(graphdef, params, as_float(images_KxHxWxC))
             nll_K = vision.cross_entropy(logits_KxC, labels_K)
             right_K = logits_KxC.argmax(-1) == labels_K
             return (nll_K * mask_K).sum(), (right_K * mask_K).sum()
 
-        def chunks(x):
-            return x.reshape(-1, chunk_, *x.shape[1:])
-
-        nll, right = lax.map(chunk_sums, (chunks(images), chunks(labels), chunks(mask)))
+        images_NxHxWxC, labels_N = data
+        count = labels_N.shape[0]
+        nll, right = _chunked(chunk_sums, count, min(chunk, count), images_NxHxWxC, labels_N)
         return {"eval_loss": nll.sum() / count, "accuracy": right.sum() / count}
 
-    return eval_fn
-
-
-IMAGE_CLASSIFICATION = Task(sample_images, _image_loss, _image_eval_fn)
+    return Task(sample_images, loss, eval_fn, "example", 1)

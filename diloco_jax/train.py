@@ -23,27 +23,23 @@ from diloco_jax import (
     checkpoint,
     cli,
     distributed,
-    optim,
     parallel,
     problems,
+    recipe,
     reporting,
     resume,
     schedule,
 )
 from diloco_jax import config as config_lib
 from diloco_jax import model as model_lib
+from diloco_jax.algorithm import PER_REPLICA, init_replicas
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.data import DataError
-from diloco_jax.diloco import EagerDilocoState, find_anchor, find_diloco_state
 from diloco_jax.preemption import Preemption
 from diloco_jax.reporting import log
 from diloco_jax.sample import generate_text
-from diloco_jax.step import (
-    StepControl,
-    init_state,
-    make_replica_step,
-    outer_params,
-    state_axes,
-)
+from diloco_jax.step import StepControl, make_replica_step
+from diloco_jax.tasks import Task
 
 
 @dataclasses.dataclass
@@ -59,23 +55,22 @@ class Setup:
     replicas_R: jax.Array
     shards_RxS: jax.Array  # each replica's training tokens; a process holds only its replicas'
     eval_windows: jax.Array
-    eval_fn: Any
     unigram_nats: float
-    tx: Any = None
-    outer_fn: Any = outer_params  # state -> the parameters to evaluate, replicated
-    fingerprints: Any = None  # mesh only: params -> uint32 [devices], each device's copy
+    algorithm: Any  # diloco_jax.algorithm.diloco(...) or a baseline
+    task: Task
+    outer_fn: Any  # state -> the parameters to evaluate, replicated
+    fingerprints: Any = None  # mesh only: tree -> uint32 [devices], each device's copy
     num_params: int = 0
     tokenizer: Any = None  # the corpus's (None: bytes)
-    task: Any = None  # diloco_jax.tasks.Task; None: language modelling
 
     @property
     def tokens_per_row(self) -> int:
         """What one batch row counts as in "tokens": seq_len tokens, or one example (images)."""
-        return self.cfg.data.seq_len if self.task is None else 1
+        return self.task.tokens_per_row
 
     @property
     def unit(self) -> str:
-        return "token" if self.task is None else "example"
+        return self.task.unit
 
 
 def effective_replicas(cfg: config_lib.Config) -> int:
@@ -84,10 +79,13 @@ def effective_replicas(cfg: config_lib.Config) -> int:
 
 def _layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
     p = cfg.parallel
-    layout = parallel.resolve_layout(
-        replicas=replicas, batch_size=cfg.data.batch_size, runtime=p.runtime,
-        replica_devices=p.replica_devices, data_devices=p.data_devices,
-    )  # fmt: skip
+    try:
+        layout = parallel.resolve_layout(
+            replicas=replicas, batch_size=cfg.data.batch_size, runtime=p.runtime,
+            replica_devices=p.replica_devices, data_devices=p.data_devices,
+        )  # fmt: skip
+    except ValueError as e:
+        raise config_lib.ConfigError(str(e)) from None
     if layout.runtime == "sim" and jax.process_count() > 1:
         raise config_lib.ConfigError(
             f"config key parallel.runtime = {p.runtime!r} is invalid with "
@@ -107,54 +105,53 @@ def build(cfg: config_lib.Config) -> Setup:
     layout = _layout(cfg, replicas)
     # The pairwise cosine costs one more all-reduce: worth it only in the simulator.
     diagnostics = cfg.sim.diagnostics and layout.runtime == "sim"
-    tx = optim.tx_from_config(cfg, layout.replica_axis_names, diagnostics=diagnostics)
+    algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names,
+                                             diagnostics=diagnostics)  # fmt: skip
     if cfg.train.init_from:
         params = resume.warm_start(cfg.train.init_from, params)
-    state = init_state(params, tx, replicas)
-    axes = state_axes(state)
+    state = init_replicas(algorithm, params, replicas)
+    kinds = algorithm.kinds
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     replica_step = make_replica_step(
-        graphdef,
-        tx,
+        algorithm,
+        problem.task,
         seed=cfg.seed,
         batch_size=d.batch_size,
-        seq_len=d.seq_len,
         data_axis=None if mesh is None else parallel.DATA,
         data_shards=layout.data_devices,
-        dropout=m.dropout > 0 and problem.task is None,
-        task=problem.task,
+        dropout=m.dropout > 0 and problem.task.unit == "token",
         controlled=schedule.needs_control(
             speeds=cfg.sim.speeds, dylu=cfg.sim.dylu, drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob
         ),
     )
     steps = cfg.train.log_every
     if mesh is None:
-        run_chunk = parallel.simulator_steps(replica_step, axes, steps)
+        run_chunk = parallel.simulator_steps(replica_step, kinds, steps)
         shards_RxS = jax.tree.map(jnp.asarray, shards_RxS)
-        outer_fn, fingerprints = outer_params, None
+        outer_fn, fingerprints = algorithm.outer_params, None
     else:
-        run_chunk = parallel.mesh_steps(replica_step, axes, mesh, steps)
+        run_chunk = parallel.mesh_steps(replica_step, kinds, mesh, steps)
         shards_RxS = parallel.split_over_replicas(shards_RxS, mesh)  # local replicas' rows only
-        outer_fn = jax.jit(outer_params, out_shardings=parallel.replicated_sharding(mesh))
+        outer_fn = jax.jit(algorithm.outer_params,
+                           out_shardings=parallel.replicated_sharding(mesh))  # fmt: skip
         fingerprints = distributed.make_device_fingerprints(mesh)
     return Setup(
         cfg=cfg,
         layout=layout,
         graphdef=graphdef,
-        state=parallel.place(state, axes, mesh),
+        state=parallel.place(state, kinds, mesh),
         mesh=mesh,
         run_chunk=run_chunk,
         replicas_R=parallel.split_over_replicas(jnp.arange(replicas, dtype=jnp.int32), mesh),
         shards_RxS=shards_RxS,
         eval_windows=parallel.replicated(jax.tree.map(jnp.asarray, problem.eval_data), mesh),
-        eval_fn=problem.eval_fn,
         unigram_nats=problem.baseline_nats,
-        tx=tx,
+        algorithm=algorithm,
+        task=problem.task,
         outer_fn=outer_fn,
         fingerprints=fingerprints,
         num_params=model_lib.count_params(params),
         tokenizer=problem.tokenizer,
-        task=problem.task,
     )
 
 
@@ -170,23 +167,22 @@ def chunk_control(cfg: config_lib.Config, s: Setup, start: int) -> StepControl:
     return parallel.split_over_replicas(StepControl(**masks), s.mesh, axis=1)
 
 
-def _log_syncs(runlog, cfg: config_lib.Config, first_step: int, metrics_NxR) -> None:
-    """One ``sync`` event per DiLoCo sync in a call: per-replica loss and drift diagnostics."""
-    if cfg.algorithm != "diloco":
+def _log_syncs(runlog, s: Setup, first_step: int, metrics_NxR) -> None:
+    """One ``sync`` event per DiLoCo sync started in a call (the plan says which steps):
+    per-replica drift diagnostics and the shared statistics."""
+    if s.cfg.algorithm != "diloco":
         return
-    every = cfg.outer.sync_every // cfg.streaming.fragments  # one fragment's sync each
-    for i in range(len(metrics_NxR["loss"])):
-        step = first_step + i + 1
-        if step % every:
-            continue
-        shared = ("pairwise_cosine", "outer_update_norm", "contributors")
+    plan = s.algorithm.plan
+    shared = ("pairwise_cosine", "outer_update_norm", "contributors")
+    for step, fragment in plan.sync_steps(first_step + 1, first_step + len(metrics_NxR["loss"])):
+        i = step - first_step - 1
         values = {k: v[i] for k, v in metrics_NxR.items() if k not in shared}
         values.update({k: float(metrics_NxR[k][i, 0]) for k in shared})
         if np.isnan(values["pairwise_cosine"]):  # not computed (sim.diagnostics off, or mesh)
             del values["pairwise_cosine"]
-        outer = step // cfg.outer.sync_every
-        if cfg.streaming.fragments > 1:
-            values["fragment"] = (step // every) % cfg.streaming.fragments
+        outer = plan.rounds(step)
+        if plan.fragments > 1:
+            values["fragment"] = fragment
         runlog.write("sync", step, outer_step=outer, **values)
         bad = [r for r, ok in enumerate(values["finite"]) if not ok]
         if bad and len(bad) == len(values["finite"]):
@@ -225,7 +221,7 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         return summary
     params = s.outer_fn(state)
     checkpoint.save_params(workdir / "params", params)  # every process writes its part
-    if cfg.train.sample_chars and s.task is None and jax.process_index() == 0:
+    if cfg.train.sample_chars and s.unit == "token" and jax.process_index() == 0:
         summary["sample"] = generate_text(
             s.graphdef, parallel.host_copy(params), cfg.train.sample_prompt,
             num_chars=cfg.train.sample_chars, seq_len=cfg.data.seq_len, seed=cfg.seed,
@@ -241,22 +237,22 @@ def _crossed(step: int, chunk: int, every: int) -> bool:
 
 def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float) -> None:
     cfg, n = s.cfg, s.cfg.train.log_every
-    _log_syncs(runlog, cfg, step - n, metrics_NxR)
+    _log_syncs(runlog, s, step - n, metrics_NxR)
     loss_R = metrics_NxR["loss"][-1]
     tokens_per_s = s.layout.replicas * cfg.data.batch_size * s.tokens_per_row * n / seconds
     outer = outer_steps(cfg, step)
     runlog.write("train", step, loss=float(loss_R.mean()), replica_loss=loss_R,
                  tokens_per_s=tokens_per_s, outer_steps=outer)  # fmt: skip
     bar.update(n)
-    rate = {"tok_s" if s.task is None else "ex_s": f"{tokens_per_s:,.0f}"}
+    rate = {"tok_s" if s.unit == "token" else "ex_s": f"{tokens_per_s:,.0f}"}
     bar.set_postfix(loss=f"{loss_R.mean():.3f}", **rate, outer=outer)
 
 
 def _evaluate(s: Setup, runlog, state, step: int, total: int) -> float:
     cfg = s.cfg
-    result = jax.device_get(s.eval_fn(s.outer_fn(state), s.eval_windows))
-    values = {k: float(v) for k, v in result.items()} if isinstance(result, dict) else {}
-    eval_loss = values.pop("eval_loss", None) if values else float(result)
+    result = jax.device_get(s.task.eval_fn(s.outer_fn(state), s.eval_windows))
+    values = {k: float(v) for k, v in result.items()}
+    eval_loss = values.pop("eval_loss")
     tokens = step * s.layout.replicas * cfg.data.batch_size * s.tokens_per_row
     outer = outer_steps(cfg, step)
     runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer, tokens=tokens, **values)
@@ -275,20 +271,27 @@ def _agree_to_stop(stop: Preemption) -> bool:
     return bool(signalled)
 
 
-def _check_anchor(s: Setup, state, step: int) -> None:
-    """After a call that contains a sync, every device's copy of the anchor must be the same;
-    raises :class:`distributed.ConsistencyError` naming the processes otherwise."""
-    n = s.cfg.train.log_every
-    if s.fingerprints is None or s.cfg.algorithm != "diloco":
+def _check_replicated(s: Setup, state, step: int) -> None:
+    """Every device must hold bitwise the same copy of the shared state; raises
+    :class:`distributed.ConsistencyError` naming the field and the processes otherwise.
+
+    By default (cheap) the anchor is compared after a call in which a sync started (streaming
+    fragments' syncs included); with ``train.check_replicated`` every shared field (anchor,
+    outer state, step, pending mean) after every call."""
+    if s.fingerprints is None:
         return
-    if isinstance(find_diloco_state(state.opt_state), EagerDilocoState):
-        return  # eager updates: every replica has its own anchor
-    if outer_steps(s.cfg, step) == outer_steps(s.cfg, step - n):
-        return
-    values = jax.device_get(s.fingerprints(find_anchor(state.opt_state)))
-    distributed.check_same(
-        values, list(s.mesh.devices.flat), f"the anchor after outer step {outer_steps(s.cfg, step)}"
-    )
+    n, kinds = s.cfg.train.log_every, s.algorithm.kinds
+    shared = state_lib.shared_part(state, kinds)._asdict()
+    if not s.cfg.train.check_replicated:
+        plan = getattr(s.algorithm, "plan", None)
+        if plan is None or kinds.anchor == PER_REPLICA or not plan.sync_steps(step - n + 1, step):
+            return
+        shared = {"anchor": shared["anchor"]}
+    devices = list(s.mesh.devices.flat)
+    for name, value in shared.items():
+        if jax.tree.leaves(value):
+            distributed.check_same(jax.device_get(s.fingerprints(value)), devices,
+                                   f"the shared {name} after step {step}")  # fmt: skip
 
 
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True):
@@ -334,7 +337,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
             call_seconds.append(time.time() - tick)
             step += t.log_every
             _report_chunk(s, runlog, bar, step, metrics_NxR, call_seconds[-1])
-            _check_anchor(s, state, step)
+            _check_replicated(s, state, step)
             if _crossed(step, t.log_every, t.eval_every) or step >= total:
                 eval_loss = _evaluate(s, runlog, state, step, total)
             if mngr is not None and _crossed(step, t.log_every, t.checkpoint_every):

@@ -87,9 +87,9 @@ def bench_replicas(replicas: int, calls: int, peak: float) -> dict:
     vm, big = build(vm_cfg), build(big_cfg)
     state = vm.state  # sizes first: the timed calls donate the state's buffers
     per_replica = comms.payload_bytes(jax.tree.map(lambda x: x[0], state.params))
-    per_replica += comms.payload_bytes(jax.tree.map(lambda x: x[0], state.opt_state.inner_state))
-    shared = comms.payload_bytes(state.opt_state.anchor)
-    shared += comms.payload_bytes(state.opt_state.outer_state)
+    per_replica += comms.payload_bytes(jax.tree.map(lambda x: x[0], state.inner_state))
+    shared = comms.payload_bytes(state.anchor)
+    shared += comms.payload_bytes(state.outer_state)
     flops = flops_per_token(vm, vm_cfg)
     vm_s, vm_compiled = timed(vm, vm_cfg, calls)
     big_s, big_compiled = timed(big, big_cfg, calls)

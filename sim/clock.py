@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from diloco_jax import comms, schedule
+from diloco_jax.algorithm.plan import SyncPlan
 
 
 class Clock(NamedTuple):
@@ -57,7 +58,7 @@ def simulate(
     if algorithm == "single":
         compute = steps * step_time_s / speeds[0]
         return Clock(compute, compute, 0.0, 1.0)
-    round_steps = 1 if algorithm == "ddp" else sync_every // fragments
+    round_steps = 1 if algorithm == "ddp" else SyncPlan(sync_every, fragments).period
     per_round = schedule.local_steps(speeds, round_steps, dylu and algorithm == "diloco")
     full_rounds, leftover = divmod(steps, round_steps)
     compute_R = per_round * step_time_s / speeds

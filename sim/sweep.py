@@ -133,7 +133,7 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
     size and dtypes give the bytes)."""
     replicas = 1 if cfg.algorithm == "single" else cfg.parallel.replicas
     steps, sim = done["steps"], cfg.sim
-    from diloco_jax.optim import codec_of, dct_of
+    from diloco_jax.recipe import codec_of, dct_of
 
     diloco = cfg.algorithm == "diloco"
     num_fragments = cfg.streaming.fragments if diloco else 1

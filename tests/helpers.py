@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from diloco_jax import algorithm as algorithm_lib
 from diloco_jax import model as model_lib
-from diloco_jax import optim, parallel
+from diloco_jax import optim, parallel, tasks
+from diloco_jax.algorithm import init_replicas
 from diloco_jax.data import VOCAB_SIZE, load_corpus, replica_shards
-from diloco_jax.step import StepControl, full_control, init_state, make_replica_step, state_axes
+from diloco_jax.step import StepControl, full_control, make_replica_step
 
 SEQ_LEN = 16
 BATCH = 4
@@ -28,37 +31,51 @@ def tiny_model(seed=0):
     )  # fmt: skip
 
 
-def run(tx_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0, replica_ids=None,
-        batch=BATCH, shards=None, control=None, prepare=None):  # fmt: skip
-    """Runs ``num_steps`` of the tiny model under ``layout``; returns the final TrainState and
-    the metrics. ``shards``: how many shards to cut the corpus into (default: one per replica);
-    ``control``: a dict of StepControl masks ``[num_steps, R]`` (default: plain DiLoCo);
-    ``prepare``: a function applied to the initial replica-stacked state."""
+def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0,
+          replica_ids=None, batch=BATCH, shards=None, control=None, prepare=None):  # fmt: skip
+    """The compiled-to-be call of ``num_steps`` steps of the tiny model under ``layout`` and its
+    arguments: ``(fn, args, params)`` (see :func:`run` for the keywords)."""
     graphdef, params = tiny_model(seed)
-    tx = tx_for_axis(layout.replica_axis_names)
-    state = init_state(params, tx, layout.replicas)
-    axes = state_axes(state)
+    algorithm = algorithm_for_axis(layout.replica_axis_names)
+    state = init_replicas(algorithm, params, layout.replicas)
     if prepare is not None:
         state = prepare(state)
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     step = make_replica_step(
-        graphdef, tx, seed=seed, batch_size=batch, seq_len=SEQ_LEN,
+        algorithm, tasks.language_model(graphdef, seq_len=SEQ_LEN), seed=seed, batch_size=batch,
         data_axis=None if mesh is None else parallel.DATA, data_shards=layout.data_devices,
     )  # fmt: skip
     if mesh is None:
-        fn = parallel.simulator_steps(step, axes, num_steps)
+        fn = parallel.simulator_steps(step, algorithm.kinds, num_steps)
     else:
-        fn = parallel.mesh_steps(step, axes, mesh, num_steps)
+        fn = parallel.mesh_steps(step, algorithm.kinds, mesh, num_steps)
     ids = jnp.arange(layout.replicas) if replica_ids is None else jnp.asarray(replica_ids)
     shards_RxS = replica_shards(corpus_train(), shards or layout.replicas, SEQ_LEN)[ids]
     ctrl = full_control(num_steps, layout.replicas) if control is None else StepControl(**control)
-    state, metrics = fn(
-        parallel.place(state, axes, mesh),
+    args = (
+        parallel.place(state, algorithm.kinds, mesh),
         parallel.split_over_replicas(ids.astype(jnp.int32), mesh),
         parallel.split_over_replicas(shards_RxS, mesh),
         parallel.split_over_replicas(ctrl, mesh, axis=1),
     )
+    return fn, args, params
+
+
+def run(algorithm_for_axis, layout: parallel.Layout, num_steps: int, **kwargs):
+    """Runs ``num_steps`` of the tiny model under ``layout``; returns the final state and the
+    metrics. ``algorithm_for_axis(axis_name)`` builds the algorithm. Keywords: ``seed``,
+    ``replica_ids``, ``batch``; ``shards``: how many shards to cut the corpus into (default: one
+    per replica); ``control``: a dict of StepControl masks ``[num_steps, R]`` (default: plain
+    DiLoCo); ``prepare``: a function applied to the initial replica-stacked state."""
+    fn, args, _ = build(algorithm_for_axis, layout, num_steps, **kwargs)
+    state, metrics = fn(*args)
     return jax.device_get(state), jax.device_get(metrics)
+
+
+def compiled_hlo(algorithm_for_axis, layout: parallel.Layout, num_steps: int) -> tuple[str, dict]:
+    """The compiled HLO text of ``num_steps`` steps under ``layout``, and the initial params."""
+    fn, args, params = build(algorithm_for_axis, layout, num_steps)
+    return fn.lower(*args).compile().as_text(), params
 
 
 def sim(replicas):
@@ -67,3 +84,29 @@ def sim(replicas):
 
 def adamw(total_steps=20):
     return optim.inner_adamw(learning_rate=1e-2, total_steps=total_steps, warmup_steps=2)
+
+
+def run_vmapped(algorithm, params, targets_R, num_steps: int, *, control=None, grad=None):
+    """``num_steps`` of ``algorithm`` under ``jax.vmap`` (axis ``replica``), replica ``r``
+    minimising ``0.5 |x - targets_R[r]|^2`` (or ``grad(params, target)``) from ``params``.
+    ``control``: a dict of StepControl masks ``[num_steps, R]``. Returns the parameters after
+    every step (leading ``[T, R]``), the final state and the stacked metrics."""
+    replicas = jax.tree.leaves(targets_R)[0].shape[0]
+    state = init_replicas(algorithm, params, replicas)
+    axes = algorithm_lib.vmap_axes(algorithm)
+    grad = grad or (lambda x, t: jax.tree.map(jnp.subtract, x, t))
+
+    def one(state, target, ctrl):
+        return algorithm.update(state, grad(state.params, target), **ctrl)
+
+    step = jax.jit(jax.vmap(one, in_axes=(axes, 0, 0), out_axes=(axes, 0), axis_name="replica"))
+    if control is None:
+        control = full_control(num_steps, replicas)._asdict()
+    trajectory, metrics = [], []
+    for t in range(num_steps):
+        ctrl = {k: jnp.asarray(v[t]) for k, v in control.items()}
+        state, m = step(state, targets_R, ctrl)
+        trajectory.append(jax.device_get(state.params))
+        metrics.append(jax.device_get(m))
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *trajectory)
+    return stacked, jax.device_get(state), jax.tree.map(lambda *xs: np.stack(xs), *metrics)

@@ -119,10 +119,10 @@ def test_elastic_restart_keeps_anchor_and_outer_state(saved, resumed, tmp_path, 
     mngr = checkpoint.manager(tmp_path)
     state = jax.device_get(resume(mngr, s, tmp_path))
     assert "elastic restart at step 20" in capsys.readouterr().err
-    assert int(state.step) == 20 and int(state.opt_state.step) == 20
-    assert_bitwise_equal(state.opt_state.anchor, first.opt_state.anchor)
-    assert_bitwise_equal(state.opt_state.outer_state, first.opt_state.outer_state)
-    for leaf, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(first.opt_state.anchor),
+    assert int(state.step) == 20 and int(state.step) == 20
+    assert_bitwise_equal(state.anchor, first.anchor)
+    assert_bitwise_equal(state.outer_state, first.outer_state)
+    for leaf, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(first.anchor),
                        strict=True):  # fmt: skip
         assert leaf.shape[0] == resumed
         np.testing.assert_array_equal(leaf, np.broadcast_to(a, leaf.shape))

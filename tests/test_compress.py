@@ -10,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import comms, compress, diloco, optim, parallel
+from diloco_jax import comms, compress, optim, parallel
+from diloco_jax.algorithm import diloco, init_replicas, vmap_axes
 from diloco_jax.compress import Codec
 from tests import helpers
 
@@ -112,7 +113,7 @@ def codec_tx(codec):
 def test_topk_of_everything_equals_plain_diloco():
     plain, _ = helpers.run(codec_tx(None), helpers.sim(4), 7)
     full, _ = helpers.run(codec_tx(Codec("topk", topk_fraction=1.0, min_size=0)), helpers.sim(4), 7)
-    chex.assert_trees_all_close(full.opt_state.anchor, plain.opt_state.anchor, atol=1e-6)
+    chex.assert_trees_all_close(full.anchor, plain.anchor, atol=1e-6)
 
 
 def test_error_feedback_keeps_exactly_what_encoding_lost():
@@ -120,25 +121,27 @@ def test_error_feedback_keeps_exactly_what_encoding_lost():
     tx = diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=1, axis_name="r", codec=codec)
     params = {"w": jnp.arange(300, dtype=jnp.float32) / 300}
     grads_RxP = jax.random.normal(jax.random.key(3), (2, 300))
-    state = jax.vmap(lambda _: tx.init(params), axis_name="r")(jnp.arange(2))
+    state = init_replicas(tx, params, 2)
+    axes = vmap_axes(tx)
 
     def step(g, s):
-        return tx.update({"w": g}, s, params)
+        return tx.update(s, {"w": g})
 
-    _, state = jax.vmap(step, axis_name="r")(grads_RxP, state)
+    run = jax.vmap(step, in_axes=(0, axes), out_axes=(axes, 0), axis_name="r")
+    state, _ = run(grads_RxP, state)
     # the pseudo-gradient after one SGD step, computed as the transform does; the residual is
     # its encoding loss
     delta_RxP = np.asarray(params["w"] - (params["w"] + grads_RxP * -0.1))
     padded = compress.padded_size(300, 2, BLOCK)
-    residual_RxP = state.residual[0][0]  # fragment 0 (the only one), leaf "w"
+    residual_RxP = state.exchange_state[0][0]  # fragment 0 (the only one), leaf "w"
     for r in range(2):
         row = np.pad(delta_RxP[r], (0, padded - 300)).reshape(-1, BLOCK)
         loss = (row - np.asarray(compress.roundtrip(jnp.asarray(row), "int8"))).reshape(-1)[:300]
         np.testing.assert_allclose(residual_RxP[r], loss, atol=1e-8)
     assert float(jnp.abs(residual_RxP).max()) > 0
     # the next sync sends pseudo-gradient + residual: what it loses is measured against that sum
-    _, state2 = jax.vmap(step, axis_name="r")(grads_RxP, state)
-    assert not np.allclose(state2.residual[0][0], residual_RxP)
+    state2, _ = run(grads_RxP, state)
+    assert not np.allclose(state2.exchange_state[0][0], residual_RxP)
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "fp8", "int4", "topk"])
@@ -164,10 +167,10 @@ def test_int8_training_mesh_equals_simulator_to_one_code_step():
     mesh_state, _ = helpers.run(codec_tx(codec), parallel.Layout("mesh", 4, 4, 1), 8)
     # vmap and shard_map compute gradients ~1e-7 apart; int8 rounding turns that into at most a
     # code step here and there (pseudo-gradients ~3e-2, block scale / 127 ~ 2e-4; observed 2.1e-4)
-    chex.assert_trees_all_close(mesh_state.opt_state.anchor, sim_state.opt_state.anchor, atol=1e-3)
+    chex.assert_trees_all_close(mesh_state.anchor, sim_state.anchor, atol=1e-3)
     plain, _ = helpers.run(codec_tx(None), helpers.sim(4), 8)
-    leaves = zip(jax.tree.leaves(sim_state.opt_state.anchor),
-                 jax.tree.leaves(plain.opt_state.anchor), strict=True)  # fmt: skip
+    leaves = zip(jax.tree.leaves(sim_state.anchor),
+                 jax.tree.leaves(plain.anchor), strict=True)  # fmt: skip
     # the codec path was taken (it moves the anchor by ~3e-4 over these two syncs; the tight
     # check of the communication itself is test_compressed_sum_mesh_equals_simulator)
     assert max(float(np.abs(a - b).max()) for a, b in leaves) > 1e-5
@@ -197,22 +200,8 @@ def _collectives(hlo: str, op: str) -> list[tuple[str, int]]:
 def test_mesh_collectives_carry_int8_bytes():
     """Compile the mesh step with the int8 codec: the replica reduction moves int8 (plus one
     float32 scale per block) through all-to-all and all-gather, not float32."""
-    from diloco_jax.step import full_control, init_state, make_replica_step, state_axes
-
     codec = Codec("int8", block=BLOCK, min_size=1024)
-    layout = parallel.Layout("mesh", 4, 4, 1)
-    graphdef, params = helpers.tiny_model()
-    tx = codec_tx(codec)(layout.replica_axis_names)
-    state = init_state(params, tx, 4)
-    axes = state_axes(state)
-    mesh = parallel.make_mesh(layout)
-    step = make_replica_step(graphdef, tx, seed=0, batch_size=4, seq_len=helpers.SEQ_LEN,
-                             data_axis=parallel.DATA, data_shards=1)  # fmt: skip
-    run = parallel.mesh_steps(step, axes, mesh, 3)
-    shards = np.zeros((4, 100), np.uint8)
-    hlo = (run.lower(parallel.place(state, axes, mesh), parallel.split_over_replicas(
-        jnp.arange(4), mesh), parallel.split_over_replicas(shards, mesh), parallel
-        .split_over_replicas(full_control(3, 4), mesh, axis=1)).compile().as_text())  # fmt: skip
+    hlo, params = helpers.compiled_hlo(codec_tx(codec), parallel.Layout("mesh", 4, 4, 1), 3)
     large = sum(x.size for x in jax.tree.leaves(params) if x.size >= 1024)
     padded = compress.padded_size(large, 4, BLOCK)
     to_all = _collectives(hlo, "all-to-all")

@@ -7,41 +7,20 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import diloco, optim
-from diloco_jax.diloco import DilocoState, SyncStats, data_parallel, replica_axes
+from diloco_jax import optim
+from diloco_jax.algorithm import PER_REPLICA, SHARED, DilocoState, data_parallel, diloco, single
+from diloco_jax.algorithm import state as state_lib
 from tests import helpers
 
 CENTERS_RxD = np.array([[1.0, -2.0], [3.0, 0.5]], np.float32)
 
 
-def stack(state, axes, replicas):
-    """Gives the per-replica parts of ``state`` a leading replica axis."""
-    return jax.tree.map(
-        lambda a, s: s if a is None else jax.tree.map(
-            lambda leaf: jnp.broadcast_to(leaf, (replicas, *leaf.shape)), s),
-        axes, state, is_leaf=lambda x: x is None,
-    )  # fmt: skip
-
-
-def run_quadratic(tx, num_steps, centers_RxD=CENTERS_RxD, x0_D=(0.0, 0.0)):
-    """Replica r minimises 0.5 * |x - c_r|^2 (gradient x - c_r) with ``tx`` under vmap."""
-    replicas = centers_RxD.shape[0]
-    x_D = jnp.asarray(x0_D, jnp.float32)
-    state = tx.init(x_D)
-    axes = replica_axes(state)
-    x_RxD = jnp.broadcast_to(x_D, (replicas, x_D.shape[0]))
-    state = stack(state, axes, replicas)
-
-    def one(x_D, state, c_D):
-        updates, state = tx.update(x_D - c_D, state, x_D)
-        return optax.apply_updates(x_D, updates), state
-
-    step = jax.jit(jax.vmap(one, in_axes=(0, axes, 0), out_axes=(0, axes), axis_name="replica"))
-    trajectory = []
-    for _ in range(num_steps):
-        x_RxD, state = step(x_RxD, state, jnp.asarray(centers_RxD))
-        trajectory.append(np.asarray(x_RxD))
-    return np.stack(trajectory), state
+def run_quadratic(tx, num_steps, centers_RxD=CENTERS_RxD, x0_D=(0.0, 0.0), dtype=np.float32):
+    """Replica r minimises 0.5 * |x - c_r|^2 (gradient x - c_r) with ``tx`` under vmap; returns
+    the parameters after every step ``[T, R, D]`` and the final state."""
+    x_D = jnp.asarray(x0_D, dtype)
+    traj, state, _ = helpers.run_vmapped(tx, x_D, jnp.asarray(centers_RxD, dtype), num_steps)
+    return traj, state
 
 
 def reference_quadratic(num_syncs, *, inner_lr, sync_every, outer_lr, momentum):
@@ -94,7 +73,7 @@ def test_one_replica_with_outer_sgd1_is_the_inner_optimizer(sync_every):
     inner = optim.inner_adamw(learning_rate=0.05, total_steps=20, warmup_steps=3)
     centers = CENTERS_RxD[:1]
     traj, _ = run_quadratic(diloco(inner, optax.sgd(1.0), sync_every=sync_every), 20, centers)
-    plain, _ = run_quadratic(inner, 20, centers)
+    plain, _ = run_quadratic(single(inner), 20, centers)
     # At a sync the replica is set to anchor' = anchor - (anchor - p) = p, up to float rounding.
     np.testing.assert_allclose(traj, plain, rtol=1e-6, atol=1e-6)
 
@@ -122,16 +101,16 @@ def test_reset_inner_state_reinitialises_at_sync():
 
 def test_step_counter_is_shared_and_the_sync_stays_a_branch():
     tx = diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=4)
-    state = tx.init(jnp.zeros(2))
-    axes = replica_axes(state)
-    stacked = stack(state, axes, 1)
+    axes = state_lib.vmap_axes(tx.kinds)
+    stacked = state_lib.stack(tx.init(jnp.zeros(2)), tx.kinds, 1)
+    assert stacked.step.shape == ()
 
-    def one(x, state, c):
-        return tx.update(x - c, state, x)
+    def one(state, c):
+        return tx.update(state, state.params - c)
 
     jaxpr = jax.make_jaxpr(
-        jax.vmap(one, in_axes=(0, axes, 0), out_axes=(0, axes), axis_name="replica")
-    )(jnp.zeros((1, 2)), stacked, jnp.zeros((1, 2)))
+        jax.vmap(one, in_axes=(axes, 0), out_axes=(axes, 0), axis_name="replica")
+    )(stacked, jnp.zeros((1, 2)))
     primitives = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
     assert "cond" in primitives  # a select_n would run the outer step on every inner step
 
@@ -148,7 +127,7 @@ def test_inner_sgd_sync1_outer_sgd1_is_synchronous_data_parallel_sgd():
         lambda ax: data_parallel(optax.sgd(lr), axis_name=ax), helpers.sim(replicas), steps
     )
     reference = big_batch_sgd(replicas, steps, lr)
-    anchor = dil.opt_state.anchor
+    anchor = dil.anchor
     chex.assert_trees_all_close(anchor, reference, atol=2e-6)
     chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], ddp.params), reference, atol=2e-6)
     chex.assert_trees_all_close(jax.tree.map(lambda x: x[3], dil.params), reference, atol=2e-6)
@@ -181,7 +160,7 @@ def test_every_replica_fed_the_same_data_equals_one_replica():
     tx = lambda ax: diloco(helpers.adamw(), optim.outer_nesterov(), sync_every=3, axis_name=ax)  # noqa: E731
     four, _ = helpers.run(tx, helpers.sim(4), 7, replica_ids=[0, 0, 0, 0])
     one, _ = helpers.run(tx, helpers.sim(1), 7, shards=4)
-    chex.assert_trees_all_close(four.opt_state.anchor, one.opt_state.anchor, atol=1e-6)
+    chex.assert_trees_all_close(four.anchor, one.anchor, atol=1e-6)
     for r in range(4):
         chex.assert_trees_all_close(
             jax.tree.map(lambda x, r=r: x[r], four.params),
@@ -189,24 +168,33 @@ def test_every_replica_fed_the_same_data_equals_one_replica():
         )  # fmt: skip
 
 
-def test_replica_axes_marks_only_diloco_shared_fields():
-    tx = optax.chain(optax.scale_by_adam(), diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2))
-    axes = replica_axes(tx.init({"w": jnp.zeros(3)}))
-    assert jax.tree.leaves(axes[0]) == [0, 0, 0]  # adam's count, mu, nu: per replica
-    stats = SyncStats(drift=0, cosine_to_mean=0, weight=0, pairwise_cosine=None,
-                      outer_update_norm=None, contributors=None, finite=0)  # fmt: skip
-    assert axes[1] == DilocoState(
-        step=None,
-        inner_state=0,
-        anchor=None,
-        outer_state=None,
-        stats=stats,
-        at_anchor=0,
-        residual=0,
-        pending=None,
-        last_share=0,
+def test_kinds_declare_each_field_once_and_every_layout_follows():
+    tx = diloco(optax.adam(0.1), optax.sgd(1.0), sync_every=2)
+    assert tx.kinds == DilocoState(
+        step=SHARED, params=PER_REPLICA, inner_state=PER_REPLICA, anchor=SHARED,
+        outer_state=SHARED, exchange_state=PER_REPLICA, timing_state=(), healthy=PER_REPLICA,
+    )  # fmt: skip
+    stacked = state_lib.stack(tx.init({"w": jnp.zeros(3)}), tx.kinds, 4)
+    assert stacked.params["w"].shape == (4, 3) and stacked.anchor["w"].shape == (3,)
+    assert all(x.shape[0] == 4 for x in jax.tree.leaves(stacked.inner_state))
+    assert stacked.step.shape == () and stacked.healthy.shape == (4,)
+    axes = state_lib.vmap_axes(tx.kinds)
+    assert (axes.step, axes.params, axes.anchor, axes.outer_state) == (None, 0, None, None)
+    specs = state_lib.specs(tx.kinds)
+    assert (
+        specs.anchor == jax.sharding.PartitionSpec()
+        and specs.params == jax.sharding.PartitionSpec("replica")
     )
-    assert jax.tree.leaves(replica_axes(optax.adam(0.1).init(jnp.zeros(2)))) == [0, 0, 0]
+    assert state_lib.replica_count(stacked, tx.kinds) == 4
+    shared = state_lib.shared_part(stacked, tx.kinds)
+    assert shared.params == () and shared.anchor is stacked.anchor
+    # eager updates make the anchor and outer state per replica, and nothing else
+    eager = diloco(optax.adam(0.1), optax.sgd(1.0), sync_every=2, outer_mode="eager").kinds
+    assert (eager.anchor, eager.outer_state, eager.step) == (PER_REPLICA, PER_REPLICA, SHARED)
+    assert eager.timing_state.pending == SHARED and eager.timing_state.last_share == PER_REPLICA
+    # a field whose kind is not declared cannot be built
+    with pytest.raises(TypeError):
+        DilocoState(*tx.kinds[:-1])
 
 
 def test_sync_every_below_one_is_rejected():
@@ -240,7 +228,7 @@ def test_nan_replica_is_left_out_and_restarts_from_the_anchor():
     assert np.isnan(metrics["loss"][:first_sync, 1]).all()  # it was broken before the sync
     assert np.isfinite(metrics["loss"][first_sync + 1 :]).all()  # and trains again after it
     assert metrics["finite"][5].all() and metrics["contributors"][5][0] == 4
-    o = state.opt_state
+    o = state
     for leaf in jax.tree.leaves((state.params, o.inner_state, o.anchor, o.outer_state)):
         assert np.isfinite(np.asarray(leaf, np.float32)).all()
     # the anchor of the first sync is the 3 healthy replicas' outer step: same as running
@@ -248,7 +236,7 @@ def test_nan_replica_is_left_out_and_restarts_from_the_anchor():
     masks = schedule_without(replica=1, steps=3, replicas=4)
     clean, _ = helpers.run(_nan_tx, helpers.sim(4), 3, control=masks)
     poisoned, _ = helpers.run(_nan_tx, helpers.sim(4), 3, prepare=_poison([1]))
-    chex.assert_trees_all_close(poisoned.opt_state.anchor, clean.opt_state.anchor, atol=1e-6)
+    chex.assert_trees_all_close(poisoned.anchor, clean.anchor, atol=1e-6)
 
 
 def schedule_without(*, replica, steps, replicas):
@@ -261,8 +249,8 @@ def schedule_without(*, replica, steps, replicas):
 def test_all_replicas_nan_discards_the_outer_step():
     state, metrics = helpers.run(_nan_tx, helpers.sim(2), 3, prepare=_poison([0, 1]))
     _, params = helpers.tiny_model()
-    chex.assert_trees_all_close(state.opt_state.anchor, params)  # anchor unchanged
-    for leaf in jax.tree.leaves(state.opt_state.outer_state):
+    chex.assert_trees_all_close(state.anchor, params)  # anchor unchanged
+    for leaf in jax.tree.leaves(state.outer_state):
         np.testing.assert_array_equal(leaf, 0)  # no momentum from a discarded step
     chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], state.params), params, atol=1e-7)
     assert metrics["contributors"][2][0] == 0 and not metrics["finite"][2].any()

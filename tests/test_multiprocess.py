@@ -18,7 +18,6 @@ from diloco_jax import checkpoint
 from diloco_jax import model as model_lib
 from diloco_jax.config import apply_overrides, load_preset
 from diloco_jax.launch import child_env, free_port
-from diloco_jax.step import outer_params
 from diloco_jax.train import train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -114,7 +113,7 @@ def test_two_processes_equal_one_process_two_devices_and_the_simulator(two_proce
     # the same programs on the same values: gloo's all-reduce of two addends is exact
     chex.assert_trees_all_equal(one, two)
     cfg = apply_overrides(tiny(), [("parallel.runtime", "sim"), ("train.checkpoint", "false")])
-    sim = jax.device_get(outer_params(train(cfg, tmp_path / "sim", show_progress=False)["state"]))
+    sim = jax.device_get(train(cfg, tmp_path / "sim", show_progress=False)["state"].anchor)
     # vmap vs shard_map: float32 reassociation in the nested replica mean, 24 outer steps
     chex.assert_trees_all_close(sim, two, atol=2e-5)
 

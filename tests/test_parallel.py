@@ -5,9 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import diloco, optim, parallel
-from diloco_jax.config import ConfigError
-from diloco_jax.diloco import data_parallel
+from diloco_jax import optim, parallel
+from diloco_jax.algorithm import data_parallel, diloco
 from tests import helpers
 
 STEPS = 8  # two syncs at sync_every=3 plus local steps after the last one
@@ -52,21 +51,22 @@ def test_same_seed_is_bitwise_identical_and_seed_matters():
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
     c, _ = helpers.run(diloco_tx, helpers.sim(2), 4, seed=1)
-    assert not np.array_equal(
-        a.opt_state.anchor["head"]["kernel"], c.opt_state.anchor["head"]["kernel"]
-    )
+    assert not np.array_equal(a.anchor["head"]["kernel"], c.anchor["head"]["kernel"])
 
 
 def test_jitted_step_traces_once():
+    from diloco_jax import tasks
+    from diloco_jax.algorithm import init_replicas, vmap_axes
     from diloco_jax.data import replica_shards
-    from diloco_jax.step import full_control, init_state, make_replica_step, scan_steps, state_axes
+    from diloco_jax.step import full_control, make_replica_step, scan_steps
 
     graphdef, params = helpers.tiny_model()
     tx = diloco_tx("replica")
     shards_RxS = jax.numpy.asarray(replica_shards(helpers.corpus_train(), 2, helpers.SEQ_LEN))
-    step = make_replica_step(graphdef, tx, seed=0, batch_size=2, seq_len=helpers.SEQ_LEN)
-    state = init_state(params, tx, 2)
-    axes = state_axes(state)
+    task = tasks.language_model(graphdef, seq_len=helpers.SEQ_LEN)
+    step = make_replica_step(tx, task, seed=0, batch_size=2)
+    state = init_replicas(tx, params, 2)
+    axes = vmap_axes(tx)
     counted = chex.assert_max_traces(step, n=1)
     fn = jax.jit(scan_steps(jax.vmap(counted, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0),
                                      axis_name="replica"), 2))  # fmt: skip
@@ -80,11 +80,11 @@ def test_anchor_is_stored_once():
     state, _ = helpers.run(diloco_tx, helpers.sim(4), 1)
     kernel = state.params["head"]["kernel"]
     assert kernel.shape[0] == 4
-    assert state.opt_state.anchor["head"]["kernel"].shape == kernel.shape[1:]
+    assert state.anchor["head"]["kernel"].shape == kernel.shape[1:]
     # the outer (Nesterov) momentum, one state per fragment over its list of leaves: no replica
     # axis either
-    momentum = [x for x in jax.tree.leaves(state.opt_state.outer_state) if x.ndim]
-    anchor = jax.tree.leaves(state.opt_state.anchor)
+    momentum = [x for x in jax.tree.leaves(state.outer_state) if x.ndim]
+    anchor = jax.tree.leaves(state.anchor)
     assert [x.shape for x in momentum] == [x.shape for x in anchor]
 
 
@@ -115,5 +115,5 @@ def test_resolve_layout(kwargs, expected):
     ],
 )  # fmt: skip
 def test_resolve_layout_errors(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ValueError, match=match):
         parallel.resolve_layout(**kwargs)

@@ -10,12 +10,11 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import comms, diloco, optim, schedule
+from diloco_jax import comms, optim, schedule
+from diloco_jax.algorithm import diloco
 from diloco_jax.config import Config, ConfigError, apply_overrides, validate
-from diloco_jax.diloco import replica_axes
 from sim import clock
 from tests import helpers
-from tests.test_diloco import stack
 
 
 def test_payload_and_bytes_hand_computed():
@@ -65,26 +64,11 @@ def test_dylu_steps_and_masks():
 
 
 def _quadratic_tx_run(control, replicas=3, steps=4, sync_every=2, outer=None):
-    """Replicas minimise 0.5 |x - c_r|^2 with inner sgd(0.5) under explicit step controls."""
+    """Replicas minimise 0.5 |x - c_r|^2 with inner sgd(0.5) under explicit step controls;
+    returns the parameters after every step, the final state and the metrics."""
     centers = jnp.array([[1.0], [3.0], [-2.0]])[:replicas]
     tx = diloco(optax.sgd(0.5), outer or optax.sgd(1.0), sync_every=sync_every)
-    state = tx.init(jnp.zeros(1))
-    axes = replica_axes(state)
-    state = stack(state, axes, replicas)
-    x = jnp.zeros((replicas, 1))
-
-    def one(x, state, c, active, weight, take_anchor):
-        u, state = tx.update(x - c, state, x, active=active, weight=weight,
-                             take_anchor=take_anchor)  # fmt: skip
-        return optax.apply_updates(x, u), state
-
-    step = jax.vmap(one, in_axes=(0, axes, 0, 0, 0, 0), out_axes=(0, axes), axis_name="replica")
-    xs = []
-    for t in range(steps):
-        ctrl = [jnp.asarray(control[k][t]) for k in ("active", "weight", "take_anchor")]
-        x, state = step(x, state, centers, *ctrl)
-        xs.append(np.asarray(x))
-    return np.stack(xs), state
+    return helpers.run_vmapped(tx, jnp.zeros(1), centers, steps, control=control)
 
 
 def test_weighted_mean_and_inactive_steps_hand_computed():
@@ -94,13 +78,13 @@ def test_weighted_mean_and_inactive_steps_hand_computed():
         "weight": np.array([[1, 1, 1], [2, 2, 1]], np.float32),
         "take_anchor": np.ones((2, 3), bool),
     }
-    xs, state = _quadratic_tx_run(control, steps=2)
+    xs, state, metrics = _quadratic_tx_run(control, steps=2)
     # after two sgd(0.5) steps from 0: x = 0.75 c; one step: 0.5 c
     local = np.array([0.75 * 1.0, 0.75 * 3.0, 0.5 * -2.0])
     expected = (2 * local[0] + 2 * local[1] + 1 * local[2]) / 5  # outer sgd(1.0): weighted mean
     np.testing.assert_allclose(state.anchor, [expected], rtol=1e-6)
     np.testing.assert_allclose(xs[0][2], [0.0])  # the idle replica did not move
-    assert float(state.stats.contributors) == 3.0
+    assert float(metrics["contributors"][1][0]) == 3.0
 
 
 def test_dropped_replica_keeps_params_then_rejoins_from_anchor():
@@ -110,17 +94,17 @@ def test_dropped_replica_keeps_params_then_rejoins_from_anchor():
     # the anchor but its stale pseudo-gradient is left out; outer step 2 (t=5): contributes
     np.testing.assert_array_equal(masks["weight"][[1, 3, 5], 2], [0, 0, 1])
     np.testing.assert_array_equal(masks["take_anchor"][[1, 3, 5], 2], [False, True, True])
-    xs, state = _quadratic_tx_run(masks, steps=6)
+    xs, state, metrics = _quadratic_tx_run(masks, steps=6)
     np.testing.assert_allclose(xs[1][0], xs[1][1])  # replicas 0, 1 on the anchor
     np.testing.assert_allclose(xs[1][2], [0.75 * -2.0], rtol=1e-6)  # replica 2 kept its own
     np.testing.assert_allclose(xs[3][2], xs[3][0])  # rejoined at the anchor
-    assert float(state.stats.contributors) == 3.0
+    assert float(metrics["contributors"][5][0]) == 3.0
 
 
 def test_all_dropped_skips_the_outer_step():
     control = {"active": np.ones((2, 2), bool), "weight": np.zeros((2, 2), np.float32),
                "take_anchor": np.ones((2, 2), bool)}  # fmt: skip
-    xs, state = _quadratic_tx_run(control, replicas=2, steps=2,
+    xs, state, _ = _quadratic_tx_run(control, replicas=2, steps=2,
                                   outer=optim.outer_nesterov())  # fmt: skip
     np.testing.assert_allclose(state.anchor, [0.0])  # anchor and momentum untouched
     np.testing.assert_allclose(xs[1], np.zeros((2, 1)))  # everyone back on the anchor
@@ -138,7 +122,7 @@ def test_replica_dropped_for_all_syncs_equals_a_run_without_it():
                              dylu=False, drops=[(2, 0, 100)], drop_prob=0.0, seed=0)  # fmt: skip
     with_drop, _ = helpers.run(_lm_tx, helpers.sim(replicas), steps, control=masks)
     without, _ = helpers.run(_lm_tx, helpers.sim(2), steps, shards=replicas)
-    chex.assert_trees_all_close(with_drop.opt_state.anchor, without.opt_state.anchor, atol=1e-6)
+    chex.assert_trees_all_close(with_drop.anchor, without.anchor, atol=1e-6)
 
 
 def test_drop_probability_zero_and_dylu_equal_speeds_equal_plain_run():

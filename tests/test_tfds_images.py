@@ -148,8 +148,10 @@ def test_chunked_eval_equals_one_pass():
     graphdef, params = vision.init_model(0, channels=1, num_classes=3, width=4, stages=1, depth=1)
     rng = np.random.default_rng(0)
     data = (rng.integers(0, 256, (23, 6, 6, 1), dtype=np.uint8), rng.integers(0, 3, 23))
-    whole = tasks._image_eval_fn(graphdef, chunk=64)(params, data)
-    chunked = tasks._image_eval_fn(graphdef, chunk=5)(params, data)  # 5 chunks, 2 padded rows
+    whole = tasks.image_classification(graphdef, chunk=64).eval_fn(params, data)
+    chunked = tasks.image_classification(graphdef, chunk=5).eval_fn(
+        params, data
+    )  # 5 chunks, 2 padded rows
     chex.assert_trees_all_close(chunked, whole, atol=1e-6)
     logits = vision.apply(graphdef, params, data[0].astype(np.float32) / 255)
     np.testing.assert_allclose(whole["accuracy"], (logits.argmax(-1) == data[1]).mean())
@@ -226,8 +228,8 @@ def test_cifar10_preset_on_a_cifar10_shaped_dataset(tmp_path):
     problem = problems.load(cfg, replicas=cfg.parallel.replicas)
     images_RxSxHxWxC, labels_RxS = problem.shards
     assert images_RxSxHxWxC.shape == (4, 10, 32, 32, 3) and images_RxSxHxWxC.dtype == np.uint8
-    assert problem.task is tasks.IMAGE_CLASSIFICATION and problem.baseline_nats == np.log(10)
-    metrics = problem.eval_fn(problem.params, problem.eval_data)  # 10 classes, untrained
+    assert problem.task.unit == "example" and problem.baseline_nats == np.log(10)
+    metrics = problem.task.eval_fn(problem.params, problem.eval_data)  # 10 classes, untrained
     assert 0 <= float(metrics["accuracy"]) <= 1 and np.isfinite(float(metrics["eval_loss"]))
 
 
@@ -253,7 +255,7 @@ def test_splits_by_name_and_slice(tmp_path):
         ("data.corpus", "tfds:train_only"), ("data.data_dir", str(tmp_path)),
         ("data.train_split", "train[:80%]"), ("data.eval_split", "train[80%:]")])  # fmt: skip
     problem = problems.load(cfg, replicas=4)
-    assert problem.task is tasks.IMAGE_CLASSIFICATION and problem.shards[1].shape == (4, 12)
+    assert problem.task.unit == "example" and problem.shards[1].shape == (4, 12)
     assert problem.eval_data[1].shape == (12,)
     with pytest.raises(ConfigError, match="only TFDS datasets"):
         validate(apply_overrides(load_preset("configs/digits.py"), [("data.eval_split", "test")]))

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import apply_updates, dct, diloco, exchange, fragments, optim, parallel
-from diloco_jax.diloco import Streaming, replica_axes
+from diloco_jax import dct, exchange, fragments, optim, parallel
+from diloco_jax.algorithm import Streaming, SyncPlan, diloco
 from tests import helpers
 
 NESTEROV = dict(outer_lr=0.7, mu=0.9)
@@ -22,31 +22,12 @@ def as_params(x_FxD):
 
 
 def run_tree(tx, num_steps, targets_RxFxD=TARGETS_RxFxD):
-    """Replica r minimises 0.5 |x - target_r|^2 with ``tx`` under vmap; returns the stacked
-    parameters after every step (``[T, R, F, D]``) and the final state."""
-    replicas = targets_RxFxD.shape[0]
-    x_FxD = jnp.zeros(targets_RxFxD.shape[1:], jnp.float32)
-    state = tx.init(as_params(x_FxD))
-    axes = replica_axes(state)
-    state = jax.tree.map(
-        lambda a, s: s if a is None else jax.tree.map(
-            lambda leaf: jnp.broadcast_to(leaf, (replicas, *leaf.shape)), s),
-        axes, state, is_leaf=lambda x: x is None,
-    )  # fmt: skip
-
-    def one(x, state, target):
-        grads = jax.tree.map(jnp.subtract, x, target)
-        updates, state = tx.update(grads, state, x)
-        return apply_updates(x, updates, state), state
-
-    step = jax.jit(jax.vmap(one, in_axes=(0, axes, 0), out_axes=(0, axes), axis_name="replica"))
-    x = as_params(jnp.broadcast_to(x_FxD, targets_RxFxD.shape))
-    target = as_params(jnp.asarray(targets_RxFxD))
-    trajectory = []
-    for _ in range(num_steps):
-        x, state = step(x, state, target)
-        trajectory.append(np.stack([x["blocks"][f]["w"] for f in sorted(x["blocks"])], axis=1))
-    return np.stack(trajectory), state
+    """Replica r minimises 0.5 |x - target_r|^2 with ``tx`` under vmap (parameters in the
+    targets' dtype); returns the stacked parameters after every step (``[T, R, F, D]``) and the
+    final state."""
+    x = as_params(jnp.zeros(targets_RxFxD.shape[1:], targets_RxFxD.dtype))
+    traj, state, _ = helpers.run_vmapped(tx, x, as_params(jnp.asarray(targets_RxFxD)), num_steps)
+    return np.stack([traj["blocks"][f]["w"] for f in sorted(traj["blocks"])], axis=2), state
 
 
 def nesterov(g, m, outer_lr, mu):
@@ -55,13 +36,14 @@ def nesterov(g, m, outer_lr, mu):
     return -outer_lr * (g + mu * m), m
 
 
-def reference_streaming(steps, *, sync_every, num_fragments, overlap, mix, lr=0.1):
+def reference_streaming(steps, *, sync_every, num_fragments, overlap, mix, lr=0.1,
+                        targets=TARGETS_RxFxD):  # fmt: skip
     """Plain numpy Streaming DiLoCo, inner SGD, written from the paper's description."""
-    x = np.zeros_like(TARGETS_RxFxD)
+    x = np.zeros_like(targets)
     anchor, m = np.zeros(x.shape[1:]), np.zeros(x.shape[1:])
     period, out = sync_every // num_fragments, []
     for step in range(1, steps + 1):
-        x = x - lr * (x - TARGETS_RxFxD)
+        x = x - lr * (x - targets)
         if step % period == 0:  # fragment f's sync starts
             f = (step // period) % num_fragments
             update, m[f] = nesterov((anchor[f] - x[:, f]).mean(0), m[f], **NESTEROV)
@@ -88,15 +70,28 @@ def test_streaming_hand_computed(overlap, mix):
         assert not np.allclose(traj[1][0, 0], traj[1][1, 0])
 
 
-def test_streaming_schedule_by_hand():
+def test_streaming_schedule_by_hand_on_device_and_host():
+    plan = SyncPlan(sync_every=6, fragments=3, overlap=1)
     steps = jnp.arange(1, 13)
-    on, which = fragments.starting(steps, 6, 3)  # a sync every 2 steps, fragments 1, 2, 0, ...
+    on, which = plan.starting(steps)  # a sync every 2 steps, fragments 1, 2, 0, ...
     assert list(np.flatnonzero(on) + 1) == [2, 4, 6, 8, 10, 12]
     assert list(np.asarray(which)[np.asarray(on)]) == [1, 2, 0, 1, 2, 0]
-    on, which = fragments.landing(steps, 6, 3, 1)
+    on, which = plan.landing(steps)
     assert list(np.flatnonzero(on) + 1) == [3, 5, 7, 9, 11]
     assert list(np.asarray(which)[np.asarray(on)]) == [1, 2, 0, 1, 2]
-    assert fragments.sync_steps(12, 6, 3)[:3] == [(2, 1), (4, 2), (6, 0)]
+    # the host asks the same plan with Python ints
+    assert plan.sync_steps(1, 12)[:3] == [(2, 1), (4, 2), (6, 0)]
+    assert plan.sync_steps(5, 9) == [(6, 0), (8, 1)]
+    assert [plan.starting(t) for t in (5, 6)] == [(False, 2), (True, 0)]
+    assert plan.rounds(12) == 2 and plan.boundary(12) and not plan.boundary(8)
+    errors = [
+        (SyncPlan(0), "sync_every must be >= 1"),
+        (SyncPlan(6, 4), "must be a multiple of fragments"),
+        (SyncPlan(6, 3, 2), r"overlap 2 must be in \[0, sync_every / fragments = 2\)"),
+    ]
+    for bad, match in errors:
+        with pytest.raises(ValueError, match=match):
+            bad.validate()
 
 
 def test_strided_assignment_balances_the_rest():
@@ -113,16 +108,16 @@ def test_strided_assignment_balances_the_rest():
         fragments.groups([0, 0, 2], 3)
 
 
-def reference_delayed(rounds, *, eager, sync_every=3, lr=0.1):
+def reference_delayed(rounds, *, eager, sync_every=3, lr=0.1, targets=TARGETS_RxFxD):
     """Plain numpy delayed (or eager) outer steps; inner SGD; returns each round's anchors
     ``[rounds, R, F, D]`` (the same for every replica when delayed)."""
-    replicas = TARGETS_RxFxD.shape[0]
-    anchor = np.zeros_like(TARGETS_RxFxD)
+    replicas = targets.shape[0]
+    anchor = np.zeros_like(targets)
     m, pending, last_share, out = np.zeros_like(anchor), 0.0, np.zeros_like(anchor), []
     for _ in range(rounds):
         x = anchor.copy()
         for _ in range(sync_every):
-            x = x - lr * (x - TARGETS_RxFxD)
+            x = x - lr * (x - targets)
         delta = anchor - x
         if eager:  # my fresh share replaces my stale one in the last mean
             share = delta / replicas
@@ -155,12 +150,12 @@ def test_eager_with_one_replica_is_plain_diloco():
                                         axis_name=ax, outer_mode=mode)  # fmt: skip  # noqa: E731
     eager, _ = helpers.run(tx("eager"), helpers.sim(1), 6)
     plain, _ = helpers.run(tx("sync"), helpers.sim(1), 6)
-    anchor = jax.tree.map(lambda x: x[0], eager.opt_state.anchor)  # per replica
-    chex.assert_trees_all_close(anchor, plain.opt_state.anchor, atol=1e-6)
+    anchor = jax.tree.map(lambda x: x[0], eager.anchor)  # per replica
+    chex.assert_trees_all_close(anchor, plain.anchor, atol=1e-6)
     # and the delayed mode is not: it applies each round's mean one round late
     delayed, _ = helpers.run(tx("delayed"), helpers.sim(1), 6)
-    diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), delayed.opt_state.anchor,
-                        plain.opt_state.anchor)  # fmt: skip
+    diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), delayed.anchor,
+                        plain.anchor)  # fmt: skip
     assert max(jax.tree.leaves(diff)) > 1e-4
 
 
@@ -209,10 +204,10 @@ def test_dct_sending_everything_without_momentum_is_plain_diloco():
     full = dct.DctConfig(chunk=16, topk=16, beta=0.0, min_size=64)
     everything, _ = helpers.run(tx(full), helpers.sim(4), 6)
     plain, _ = helpers.run(tx(None), helpers.sim(4), 6)
-    chex.assert_trees_all_close(everything.opt_state.anchor, plain.opt_state.anchor, atol=1e-5)
+    chex.assert_trees_all_close(everything.anchor, plain.anchor, atol=1e-5)
     partial, _ = helpers.run(tx(full._replace(topk=2)), helpers.sim(4), 6)
-    diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), partial.opt_state.anchor,
-                        plain.opt_state.anchor)  # fmt: skip
+    diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), partial.anchor,
+                        plain.anchor)  # fmt: skip
     assert max(jax.tree.leaves(diff)) > 1e-4  # sending 2 of 16 components is not lossless
 
 
@@ -243,28 +238,17 @@ def test_simulator_equals_mesh(name):
     # float32 reassociation in the nested replica mean; int8 may round a code differently
     # (see tests/test_compress.py), so its bound is one code step of these pseudo-gradients
     atol = 1e-3 if name == "streaming_int8" else 1e-5
-    chex.assert_trees_all_close(mesh_state.opt_state.anchor, sim_state.opt_state.anchor,
+    chex.assert_trees_all_close(mesh_state.anchor, sim_state.anchor,
                                 atol=atol)  # fmt: skip
     chex.assert_trees_all_close(mesh_state.params, sim_state.params, atol=atol)
 
 
 def _compiled_mesh_hlo(**variant) -> tuple[str, dict]:
-    from diloco_jax.step import full_control, init_state, make_replica_step, state_axes
+    def tx(ax):
+        return diloco(helpers.adamw(), optim.outer_nesterov(), sync_every=4, axis_name=ax,
+                      **variant)  # fmt: skip
 
-    layout = parallel.Layout("mesh", 4, 4, 1)
-    graphdef, params = helpers.tiny_model()
-    tx = diloco(helpers.adamw(), optim.outer_nesterov(), sync_every=4,
-                axis_name=layout.replica_axis_names, **variant)  # fmt: skip
-    state = init_state(params, tx, 4)
-    axes, mesh = state_axes(state), parallel.make_mesh(layout)
-    step = make_replica_step(graphdef, tx, seed=0, batch_size=4, seq_len=helpers.SEQ_LEN,
-                             data_axis=parallel.DATA, data_shards=1)  # fmt: skip
-    run = parallel.mesh_steps(step, axes, mesh, 4)
-    args = (parallel.place(state, axes, mesh),
-            parallel.split_over_replicas(jnp.arange(4), mesh),
-            parallel.split_over_replicas(np.zeros((4, 100), np.uint8), mesh),
-            parallel.split_over_replicas(full_control(4, 4), mesh, axis=1))  # fmt: skip
-    return run.lower(*args).compile().as_text(), params
+    return helpers.compiled_hlo(tx, parallel.Layout("mesh", 4, 4, 1), 4)
 
 
 def test_streaming_reduces_one_fragment_at_a_time_on_the_mesh():

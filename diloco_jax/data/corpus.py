@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax.randomness import replica_key
+
 SHAKESPEARE = "shakespeare"
 _SHIPPED = {SHAKESPEARE: pathlib.Path(__file__).with_name("shakespeare.txt.xz")}
 VOCAB_SIZE = 256
@@ -117,7 +119,7 @@ def sample_batch(
     Window starts are uniform over the shard, drawn from ``fold_in(fold_in(key(seed), step),
     replica)``. Returns int32 ``tokens_BxL1`` (inputs are ``[:, :-1]``, targets ``[:, 1:]``).
     """
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), replica)
+    key = replica_key(seed, step, replica)
     starts_B = jax.random.randint(
         key, (batch_size,), 0, shard_S.shape[-1] - seq_len, dtype=jnp.int32
     )

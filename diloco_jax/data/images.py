@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax.data.corpus import DataError
+from diloco_jax.randomness import replica_key
 
 IMAGE_DATASETS = ("digits",)
 
@@ -83,6 +84,6 @@ def sample_images(shard, *, seed, replica, step, batch_size: int):
     from its shard ``(images_Sx..., labels_S)``, drawn from ``fold_in(fold_in(key(seed), step),
     replica)``."""
     images_S, labels_S = shard
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), replica)
+    key = replica_key(seed, step, replica)
     idx_B = jax.random.randint(key, (batch_size,), 0, labels_S.shape[0], dtype=jnp.int32)
     return as_float(images_S[idx_B]), labels_S[idx_B]

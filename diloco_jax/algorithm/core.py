@@ -1,0 +1,371 @@
+"""DiLoCo (Douillard et al., 2023, arXiv 2311.08105, Algorithm 1) over a replica-stacked state.
+
+Each replica ``r`` runs an inner optimizer on its own data. Every ``sync_every`` inner steps the
+replicas average their pseudo-gradients and an outer optimizer moves the shared anchor::
+
+    delta_r   = anchor - params_r                      # pseudo-gradient (points uphill)
+    Delta     = sum_r w_r delta_r / sum_r w_r          # an Exchange (diloco_jax.exchange)
+    anchor'   = anchor + outer.update(Delta, outer_state, anchor)
+    params_r' = anchor'                                # every replica restarts from the anchor
+
+With outer ``sgd(1.0)`` the anchor becomes the plain average of the replicas' parameters
+(FedAvg); the paper's outer optimizer is Nesterov SGD, lr 0.7, momentum 0.9. Inner and outer
+optimizers are any optax transforms.
+
+The state (:class:`DilocoState`) holds the replicas' parameters itself; which fields are per
+replica and which shared is declared once (:meth:`Diloco.kinds`) and every layout derives from
+it (:mod:`diloco_jax.algorithm.state`). A sync assigns the anchor to the replicas directly.
+
+Variants are pieces chosen by argument: how the mean travels (:mod:`diloco_jax.exchange`), when
+fragments sync and land (:class:`~diloco_jax.algorithm.plan.SyncPlan`, Streaming DiLoCo), when
+the outer step applies (:mod:`diloco_jax.algorithm.timing`). :meth:`Diloco.update` is written for
+one replica and runs under a named axis spanning the replicas (``jax.vmap(...,
+axis_name=...)`` or ``jax.shard_map``).
+
+Dtypes: parameters, anchor, pending means and the outer state (as the outer optimizer's ``init``
+makes it from the anchor) keep the parameters' dtype (float32, bfloat16, float16 or float64);
+the mean is accumulated in ``promote(float32, dtype)`` and then cast to it; sync statistics are
+float32 (``finite`` bool); the step is int32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from diloco_jax import compress, dct, exchange, fragments
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.algorithm.plan import SyncPlan
+from diloco_jax.algorithm.state import PER_REPLICA, SHARED
+from diloco_jax.algorithm.timing import Timing, make_timing
+from diloco_jax.diagnostics import SyncStats, sync_stats, zero_stats
+from diloco_jax.exchange import AxisName
+
+
+class Streaming(NamedTuple):
+    """Streaming DiLoCo: ``fragments`` (F), ``overlap`` (tau, inner steps between a fragment's
+    sync and its landing, ``< sync_every / F``) and ``mix`` (alpha, the local parameters' weight
+    when the merged fragment lands). ``Streaming()`` is plain DiLoCo."""
+
+    fragments: int = 1
+    overlap: int = 0
+    mix: float = 0.0
+
+
+class DilocoState(NamedTuple):
+    """The replica-stacked state of DiLoCo (kinds: :meth:`Diloco.kinds`).
+
+    Attributes:
+      step: int32 scalar, shared (never a replica axis, so the sync ``lax.cond`` stays a branch
+        under ``vmap``). Inner steps taken so far.
+      params: per replica ``[R, ...]``: each replica's parameters.
+      inner_state: per replica: the inner optimizer's state, kept across syncs unless
+        ``reset_inner_state``.
+      anchor: shared (per replica with eager updates): the outer ("global") parameters.
+      outer_state: shared (per replica with eager updates): one outer optimizer state per
+        fragment, over the list of that fragment's leaves.
+      exchange_state: per replica: one per fragment, the exchange's state (error-feedback
+        residual, DCT momentum, or ``()``).
+      timing_state: the outer timing piece's state (``()`` for ``sync``), with its own kinds.
+      healthy: per replica, bool scalar: the replica's last pseudo-gradient was finite (else it
+        restarts from the anchor with a fresh inner state when its fragment lands).
+    """
+
+    step: jax.Array
+    params: Any
+    inner_state: Any
+    anchor: Any
+    outer_state: tuple
+    exchange_state: tuple
+    timing_state: Any
+    healthy: jax.Array
+
+
+def _where(cond: jax.Array, a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
+
+
+def maskable(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``inner`` that takes an extra ``active`` argument: when False the step is skipped (zero
+    updates, state unchanged). Used for stragglers' idle steps (Dynamic Local Updates)."""
+    inner = optax.with_extra_args_support(inner)
+
+    def update_fn(updates, state, params=None, *, active=True, **extra):
+        new_updates, new_state = inner.update(updates, state, params, **extra)
+        if active is True:
+            return new_updates, new_state
+        zeros = jax.tree.map(jnp.zeros_like, new_updates)
+        return _where(active, new_updates, zeros), _where(active, new_state, state)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+class _Round(NamedTuple):
+    """What a step's sync and landing change; parameters as lists of leaves."""
+
+    params: list
+    inner_state: Any
+    anchor: list
+    outer_state: tuple
+    exchange_state: tuple
+    timing_state: Any
+    healthy: jax.Array
+    stats: SyncStats
+
+
+def _set(values, idx: list[int], new: list) -> list:
+    out = list(values)
+    for i, v in zip(idx, new, strict=True):
+        out[i] = v
+    return type(values)(out)
+
+
+def _same_types(fn):
+    """``fn(rnd)`` with every output leaf cast back to its input's dtype, so every branch of
+    the sync ``lax.cond`` returns the same types whatever the parameters' dtype."""
+
+    def wrapped(rnd):
+        old, treedef = jax.tree.flatten(rnd)
+        new = jax.tree.leaves(fn(rnd))
+        return jax.tree.unflatten(
+            treedef, [jnp.asarray(n, o.dtype) for n, o in zip(new, old, strict=True)]
+        )
+
+    return wrapped
+
+
+def _maybe(on: jax.Array, which: jax.Array, branches: list, rnd: _Round) -> _Round:
+    """``branches[which](rnd)`` if ``on`` else ``rnd``. ``on`` and ``which`` derive from the
+    shared step, so under ``vmap`` this stays a branch (not a select running both sides)."""
+    branches = [_same_types(b) for b in branches]
+
+    def run(r):
+        return branches[0](r) if len(branches) == 1 else lax.switch(which, branches, r)
+
+    return lax.cond(on, run, lambda r: r, rnd)
+
+
+class Diloco(NamedTuple):
+    """DiLoCo's pieces; build it with :func:`diloco`. ``groups``: the leaf indices of each
+    fragment are computed from the parameters (``fragment_of``)."""
+
+    inner: optax.GradientTransformationExtraArgs
+    outer: optax.GradientTransformation
+    plan: SyncPlan
+    exchange: exchange.Exchange
+    timing: Timing
+    axis_name: AxisName
+    mix: float
+    reset_inner_state: bool
+    diagnostics: bool
+    fragment_of: Callable
+
+    @property
+    def kinds(self) -> DilocoState:
+        """Which fields are per replica and which shared: the one declaration every layout
+        (vmap axes, shard_map specs, checkpoints, elastic restarts) derives from."""
+        anchor = self.timing.anchor_kind
+        return DilocoState(step=SHARED, params=PER_REPLICA, inner_state=PER_REPLICA,
+                           anchor=anchor, outer_state=anchor, exchange_state=PER_REPLICA,
+                           timing_state=self.timing.kinds, healthy=PER_REPLICA)  # fmt: skip
+
+    def _groups(self, params) -> list[list[int]]:
+        return fragments.groups(self.fragment_of(params, self.plan.fragments), self.plan.fragments)
+
+    def init(self, params) -> DilocoState:
+        """The state of one replica starting from ``params`` (see :func:`init_replicas`)."""
+        leaves = jax.tree.leaves(params)
+        parts = [[leaves[i] for i in idx] for idx in self._groups(params)]
+        return DilocoState(
+            step=jnp.zeros([], jnp.int32),
+            params=params,
+            inner_state=self.inner.init(params),
+            anchor=params,
+            outer_state=tuple(self.outer.init(p) for p in parts),
+            exchange_state=tuple(self.exchange.init(p) for p in parts),
+            timing_state=self.timing.init(leaves),
+            healthy=jnp.ones([], bool),
+        )
+
+    def outer_params(self, stacked: DilocoState) -> Any:
+        """The parameters to evaluate: the anchor (with eager updates, the replicas' mean)."""
+        if self.timing.anchor_kind == PER_REPLICA:
+            return jax.tree.map(lambda x: x.mean(axis=0).astype(x.dtype), stacked.anchor)
+        return stacked.anchor
+
+    def _start(self, f: int, rnd: _Round, *, groups, weight) -> _Round:
+        """Fragment ``f``'s pseudo-gradient goes into the exchange; the outer step moves its
+        anchor (by this mean or, with delayed/eager timing, as the timing piece says)."""
+        idx = groups[f]
+        anchor = [rnd.anchor[i] for i in idx]
+        delta = [a - rnd.params[i] for a, i in zip(anchor, idx, strict=True)]
+        finite = jnp.isfinite(optax.tree.norm(delta))  # NaN/Inf anywhere: leave it out
+        w = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
+        mean, ex_f, total_w = self.exchange.mean(delta, w, finite, rnd.exchange_state[f])
+        mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
+        applied, timing_state = self.timing.apply(mean, delta, w, rnd.timing_state)
+        outer_updates, outer_f = self.outer.update(applied, rnd.outer_state[f], anchor)
+        anyone = total_w > 0  # else: no outer step at all
+        new_anchor = _where(anyone, optax.apply_updates(anchor, outer_updates), anchor)
+        moved = [(n - a).astype(jnp.float32) for n, a in zip(new_anchor, anchor, strict=True)]
+        return rnd._replace(
+            anchor=_set(rnd.anchor, idx, new_anchor),
+            outer_state=_set(rnd.outer_state, [f], [_where(anyone, outer_f, rnd.outer_state[f])]),
+            exchange_state=_set(rnd.exchange_state, [f], [ex_f]),
+            timing_state=_where(anyone, timing_state, rnd.timing_state),
+            healthy=finite,
+            stats=sync_stats(
+                delta, mean, w, optax.tree.norm(moved), self.axis_name, self.diagnostics
+            ),
+        )
+
+    def _land(self, f: int, rnd: _Round, *, groups, take_anchor, treedef) -> _Round:
+        """Fragment ``f``'s merged value lands: ``params_f = anchor_f`` (or, with ``mix``,
+        ``mix * params_f + (1 - mix) * anchor_f``; ``take_anchor=False``: the replica keeps its
+        own). A replica whose last pseudo-gradient was not finite restarts every leaf from the
+        anchor with a fresh inner state."""
+        members, bad = set(groups[f]), ~rnd.healthy
+        restart = jnp.logical_or(take_anchor, bad)
+        params = []
+        for i, (p, a) in enumerate(zip(rnd.params, rnd.anchor, strict=True)):
+            if i not in members:
+                params.append(jnp.where(bad, a, p))
+                continue
+            target = a
+            if self.mix > 0:
+                target = jnp.where(bad, a, (self.mix * p + (1 - self.mix) * a).astype(p.dtype))
+            params.append(jnp.where(restart, target, p))
+        reset = restart if self.reset_inner_state else bad
+        fresh = self.inner.init(jax.tree.unflatten(treedef, rnd.anchor))
+        return rnd._replace(params=params, inner_state=_where(reset, fresh, rnd.inner_state),
+                            healthy=jnp.ones([], bool))  # fmt: skip
+
+    def update(self, state: DilocoState, grads, *, active=True, weight=1.0, take_anchor=True):
+        """One inner step of one replica, then the sync and landing the plan schedules.
+
+        ``active=False`` skips this replica's inner step (a straggler idling); at a sync the
+        mean is weighted by ``weight`` (0 leaves the replica out: dropped);
+        ``take_anchor=False`` keeps the replica on its own parameters instead of restarting
+        from the new anchor. A replica whose pseudo-gradient holds NaN or Inf gets weight 0 and
+        restarts from the anchor with a fresh inner state. If every weight is 0 the outer step
+        is discarded (anchor and outer state stay) and replicas restart from the anchor.
+
+        Returns ``(state, metrics)``: the :class:`SyncStats` fields (zeros on steps that start
+        no sync).
+        """
+        updates, inner_state = self.inner.update(grads, state.inner_state, state.params,
+                                                 active=active)  # fmt: skip
+        params = optax.apply_updates(state.params, updates)
+        step = state.step + 1
+        leaves, treedef = jax.tree.flatten(params)
+        groups = self._groups(params)
+        rnd = _Round(leaves, inner_state, jax.tree.leaves(state.anchor), state.outer_state,
+                     state.exchange_state, state.timing_state, state.healthy,
+                     zero_stats())  # fmt: skip
+        start = functools.partial(self._start, groups=groups, weight=weight)
+        land = functools.partial(self._land, groups=groups, take_anchor=take_anchor,
+                                 treedef=treedef)  # fmt: skip
+        count = self.plan.fragments
+        on, which = self.plan.starting(step)
+        if self.plan.overlap == 0:  # the merged fragment lands in the step its sync starts
+            both = [lambda r, f=f: land(f, start(f, r)) for f in range(count)]
+            rnd = _maybe(on, which, both, rnd)
+        else:
+            rnd = _maybe(on, which, [functools.partial(start, f) for f in range(count)], rnd)
+            on, which = self.plan.landing(step)
+            rnd = _maybe(on, which, [functools.partial(land, f) for f in range(count)], rnd)
+        new_state = DilocoState(step, jax.tree.unflatten(treedef, rnd.params), rnd.inner_state,
+                                jax.tree.unflatten(treedef, rnd.anchor), rnd.outer_state,
+                                rnd.exchange_state, rnd.timing_state, rnd.healthy)  # fmt: skip
+        return new_state, rnd.stats._asdict()
+
+
+def _make_exchange(axis_name, codec, dct_config) -> exchange.Exchange:
+    if dct_config is not None:
+        return exchange.dct_momentum(axis_name, dct_config)
+    if codec is not None:
+        return exchange.encoded(axis_name, codec)
+    return exchange.plain(axis_name)
+
+
+def _check_options(plan: SyncPlan, mix, outer_mode, codec, dct_config, reset_inner_state):
+    """Raises ValueError (one line) for a value out of range or a combination we do not run."""
+    plan.validate()
+    if not 0 <= mix < 1:
+        raise ValueError(f"streaming mix {mix} must be in [0, 1)")
+    if outer_mode != "sync" and plan.streaming:
+        raise ValueError(f"outer mode {outer_mode!r} does not combine with streaming")
+    if reset_inner_state and plan.fragments > 1:
+        raise ValueError("reset_inner_state does not combine with streaming fragments")
+    if codec is not None and dct_config is not None:
+        raise ValueError("choose a codec or DCT momentum, not both")
+    if codec is not None:
+        compress.validate(codec)
+    if dct_config is not None:
+        dct.validate(dct_config)
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    axis_name: AxisName = "replica",
+    reset_inner_state: bool = False,
+    diagnostics: bool = False,
+    codec: compress.Codec | None = None,
+    dct_config: dct.DctConfig | None = None,
+    streaming: Streaming | None = None,
+    outer_mode: str = "sync",
+    fragment_of=fragments.strided,
+) -> Diloco:
+    """DiLoCo: ``sync_every`` local steps of ``inner``, then one ``outer`` step on the anchor.
+
+    Args:
+      inner: the per-replica optimizer (the paper: AdamW).
+      outer: the optimizer of the anchor, fed the replica-mean pseudo-gradient (the paper:
+        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
+      sync_every: inner steps between syncs (the paper's H; of each fragment when streaming).
+      axis_name: the named axis (or axes, reduced in order) spanning the replicas.
+      reset_inner_state: re-initialise the inner state from the new anchor at every sync. The
+        paper keeps it; a reset also restarts any step count inside ``inner`` (its schedule).
+      diagnostics: also compute the mean pairwise cosine of pseudo-gradients at each sync (one
+        more all-reduce of parameter size).
+      codec: how pseudo-gradients travel (:mod:`diloco_jax.compress`); None or ``"none"``:
+        float32. With ``codec.error_feedback`` each replica keeps what its encoding lost and
+        adds it to its next pseudo-gradient.
+      dct_config: exchange DCT momentum instead (:func:`diloco_jax.exchange.dct_momentum`).
+      streaming: :class:`Streaming` fragments, overlap and mix (None: plain DiLoCo).
+      outer_mode: ``sync`` (the paper), ``delayed`` or ``eager``
+        (:mod:`diloco_jax.algorithm.timing`).
+      fragment_of: ``params -> fragment of each leaf`` (default :func:`fragments.strided`).
+
+    Raises ValueError for an option out of range or a combination that is not supported.
+    """
+    codec = None if codec is None or codec.name == "none" else codec
+    streaming = Streaming() if streaming is None else Streaming(*streaming)
+    plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
+    _check_options(plan, streaming.mix, outer_mode, codec, dct_config, reset_inner_state)
+    return Diloco(
+        inner=maskable(inner), outer=outer, plan=plan,
+        exchange=_make_exchange(axis_name, codec, dct_config),
+        timing=make_timing(outer_mode, axis_name), axis_name=axis_name, mix=streaming.mix,
+        reset_inner_state=reset_inner_state, diagnostics=diagnostics, fragment_of=fragment_of,
+    )  # fmt: skip
+
+
+def init_replicas(algorithm, params, replicas: int):
+    """``algorithm``'s replica-stacked initial state: every replica starts from ``params``;
+    shared fields are stored once (as its ``kinds`` declare)."""
+    return state_lib.stack(algorithm.init(params), algorithm.kinds, replicas)
+
+
+def vmap_axes(algorithm):
+    """``jax.vmap`` axes of ``algorithm``'s state (0 per replica, None shared)."""
+    return state_lib.vmap_axes(algorithm.kinds)

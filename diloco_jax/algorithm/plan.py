@@ -1,0 +1,72 @@
+"""The sync plan: what happens at inner step ``t``, asked by the device step and by the host.
+
+DiLoCo syncs every ``sync_every`` inner steps. Streaming DiLoCo (Douillard et al., 2025, arXiv
+2501.18512) splits the parameters into ``F`` fragments: fragment ``f`` starts its sync every
+``sync_every`` steps at offset ``f * sync_every / F``, so one fragment starts every
+``period = sync_every / F`` steps (fragment ``(t / period) mod F`` at step ``t``), and its merged
+value lands ``overlap`` steps later while training goes on (``overlap = 0``: at once). ``F = 1``,
+``overlap = 0`` is the paper's DiLoCo.
+
+Steps count from 1: "after inner step ``t``". Every method works on Python ints (the host: logs,
+byte accounting, the network clock, fault masks, checkpoint boundaries, the anchor check) and on
+traced int32 scalars (the device step), so both read one schedule.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class SyncPlan(NamedTuple):
+    """``sync_every`` inner steps per round (of each fragment), ``fragments`` (F) and
+    ``overlap`` (tau)."""
+
+    sync_every: int
+    fragments: int = 1
+    overlap: int = 0
+
+    def validate(self) -> None:
+        """Raises ValueError for a plan that cannot run."""
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.fragments < 1:
+            raise ValueError(f"streaming fragments must be >= 1, got {self.fragments}")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"sync_every {self.sync_every} must be a multiple of fragments "
+                             f"{self.fragments}")  # fmt: skip
+        if not 0 <= self.overlap < self.period:
+            raise ValueError(f"streaming overlap {self.overlap} must be in [0, sync_every / "
+                             f"fragments = {self.period})")  # fmt: skip
+
+    @property
+    def period(self) -> int:
+        """Inner steps between two fragments' sync starts."""
+        return self.sync_every // self.fragments
+
+    @property
+    def streaming(self) -> bool:
+        return self.fragments > 1 or self.overlap > 0
+
+    def starting(self, step):
+        """``(whether a sync starts after inner step `step`, which fragment)``."""
+        return step % self.period == 0, (step // self.period) % self.fragments
+
+    def landing(self, step):
+        """``(whether a fragment lands after inner step `step`, which)``: the one whose sync
+        started ``overlap`` steps earlier."""
+        started, fragment = self.starting(step - self.overlap)
+        return started & (step > self.overlap), fragment
+
+    def sync_steps(self, first: int, last: int) -> list[tuple[int, int]]:
+        """``(step, fragment)`` of every sync start after steps ``first .. last`` (inclusive)."""
+        start = max(self.period, -(-first // self.period) * self.period)
+        return [(s, self.starting(s)[1]) for s in range(start, last + 1, self.period)]
+
+    def rounds(self, step: int) -> int:
+        """Outer steps completed after ``step`` inner steps (whole rounds of ``sync_every``)."""
+        return step // self.sync_every
+
+    def boundary(self, step: int) -> bool:
+        """Whether ``step`` ends a round (every fragment has started one sync since the last
+        boundary): where checkpoints are taken."""
+        return step % self.sync_every == 0
