@@ -1,17 +1,43 @@
-"""Orbax checkpoints of the whole train state under ``workdir/checkpoints``."""
+"""Orbax checkpoints of the whole train state under ``workdir/checkpoints``.
+
+Layout (schema :data:`SCHEMA_VERSION` = 2): ``checkpoints/<step>/state`` holds the train state
+(``StandardSave``) and ``checkpoints/<step>/meta`` a JSON object ``{"schema_version": 2,
+"config": {...}}`` with the resolved config that trained it; orbax writes both into one temporary
+directory and renames it when complete, so they are saved atomically together. Schema 1 (before
+the config was saved) held only the state, under ``checkpoints/<step>/default``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import pathlib
+from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
 
+SCHEMA_VERSION = 2
+_STATE, _META = "state", "meta"  # the items of a checkpoint step directory
+_LEGACY_STATE = "default"  # schema 1: the state alone, as orbax's unnamed item
+
 
 class CheckpointError(ValueError):
     """A checkpoint does not fit this run, or none can be read."""
+
+
+class MismatchError(CheckpointError):
+    """The checkpoint at ``step`` holds parameters of other shapes than this run's."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class Restored(NamedTuple):
+    state: Any
+    step: int
+    config: dict  # the resolved config that wrote the checkpoint (``config.to_dict``)
 
 
 def manager(workdir: pathlib.Path, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
@@ -23,10 +49,13 @@ def manager(workdir: pathlib.Path, *, max_to_keep: int = 3) -> ocp.CheckpointMan
     )
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, *, wait: bool = True) -> None:
-    """Saves ``state`` at ``step``; with ``wait=False`` the writing goes on in the background
-    (the next save, or ``mngr.wait_until_finished()``, waits for it)."""
-    mngr.save(step, args=ocp.args.StandardSave(state))
+def save(mngr: ocp.CheckpointManager, step: int, state, config: dict, *, wait: bool = True):
+    """Saves ``state`` at ``step`` with ``config`` (the resolved config as a JSON-able dict); with
+    ``wait=False`` the writing goes on in the background (the next save, or
+    ``mngr.wait_until_finished()``, waits for it)."""
+    meta = {"schema_version": SCHEMA_VERSION, "config": config}
+    items = {_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)}
+    mngr.save(step, args=ocp.args.Composite(**items))
     if wait:
         mngr.wait_until_finished()
 
@@ -66,60 +95,104 @@ def _quiet_absl():
         logger.setLevel(level)
 
 
-def restore_latest(mngr: ocp.CheckpointManager, like, warn=print):
-    """``(state, step)`` from the newest readable checkpoint, or ``(None, None)`` if there is
-    none. A checkpoint that cannot be read (truncated, corrupt) is skipped with a warning and the
-    one before it is tried; one of another model raises :class:`CheckpointError` naming the first
-    mismatched parameter path and both shapes. Nothing is deleted."""
+def _check_schema(path: pathlib.Path, version) -> None:
+    if version != SCHEMA_VERSION:
+        age = "another"
+        if isinstance(version, int):
+            age = "an older" if version < SCHEMA_VERSION else "a newer"
+        raise CheckpointError(
+            f"checkpoint {path} was written by {age} version of diloco-jax (schema {version}, "
+            f"this is {SCHEMA_VERSION}); continue it with that version, or start a new --workdir"
+        )
+
+
+def _read(mngr: ocp.CheckpointManager, step: int) -> tuple[dict[str, tuple], dict]:
+    """The ``{path: shape}`` map of the state saved at ``step`` and its saved config; raises
+    :class:`CheckpointError` for a checkpoint of another schema, anything else if unreadable."""
+    path = mngr.directory / str(step)
+    if (path / _LEGACY_STATE).is_dir() and not (path / _META).exists():
+        _check_schema(path, 1)
+    with _quiet_absl():
+        meta = mngr.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+        with ocp.StandardCheckpointer() as ckptr:
+            shapes = _shapes(ckptr.metadata(path / _STATE).item_metadata)
+    meta = meta[_META]
+    _check_schema(path, meta.get("schema_version") if isinstance(meta, dict) else None)
+    return shapes, meta["config"]
+
+
+def restore_latest(mngr: ocp.CheckpointManager, like, warn=print) -> Restored | None:
+    """The newest readable checkpoint as :class:`Restored`, or None if there is none. One that
+    cannot be read (truncated, corrupt) is skipped with a warning and the one before it is tried;
+    one of another model raises :class:`MismatchError` naming the first mismatched parameter path
+    and both shapes, one of another schema :class:`CheckpointError`. Nothing is deleted."""
     steps = sorted(mngr.all_steps(), reverse=True)
-    wanted = _shapes(like)
     for step in steps:
-        path = mngr.directory / str(step) / "default"
+        path = mngr.directory / str(step)
         try:
-            with _quiet_absl(), ocp.StandardCheckpointer() as ckptr:
-                saved = _shapes(ckptr.metadata(path).item_metadata)
+            saved, config = _read(mngr, step)
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means: try the previous
-            warn(
-                f"checkpoint {path.parent} is unreadable ({type(e).__name__}); trying the previous"
-            )
+            warn(f"checkpoint {path} is unreadable ({type(e).__name__}); trying the previous")
             continue
         if not saved:  # orbax reads truncated metadata as an empty tree
-            warn(f"checkpoint {path.parent} has no readable metadata; trying the previous")
+            warn(f"checkpoint {path} has no readable metadata; trying the previous")
             continue
-        problem = mismatch(saved, wanted)
-        if problem:
-            raise CheckpointError(f"checkpoint {path.parent} does not match this run: {problem}")
+        _fits(path, step, saved, like)
         try:
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-            return mngr.restore(step, args=ocp.args.StandardRestore(abstract)), step
+            return Restored(_restore_state(mngr, like, step), step, config)
         except Exception as e:  # noqa: BLE001 - corrupt data: fall back to the previous one
-            warn(f"checkpoint {path.parent} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
+            warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
                  "trying the previous one")  # fmt: skip
     if steps:
         raise CheckpointError(f"no readable checkpoint in {mngr.directory} (tried steps {steps})")
-    return None, None
+    return None
 
 
-def saved_replicas(mngr: ocp.CheckpointManager) -> int | None:
-    """The replica count of the newest checkpoint (leading axis of its ``params``), if readable."""
-    step = mngr.latest_step()
-    if step is None:
-        return None
+def saved_config(mngr: ocp.CheckpointManager, step: int) -> dict:
+    """The config saved with the checkpoint at ``step``; raises :class:`CheckpointError` if it is
+    of another schema or unreadable."""
     try:
-        with _quiet_absl(), ocp.StandardCheckpointer() as ckptr:
-            shapes = _shapes(ckptr.metadata(mngr.directory / str(step) / "default").item_metadata)
+        return _read(mngr, step)[1]
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported in one line
+        raise CheckpointError(
+            f"checkpoint {mngr.directory / str(step)} is unreadable ({type(e).__name__})"
+        ) from None
+
+
+def saved_replicas(mngr: ocp.CheckpointManager, step: int) -> int | None:
+    """The replica count of the checkpoint at ``step`` (leading axis of its ``params``), if
+    readable."""
+    try:
+        shapes = _read(mngr, step)[0]
     except Exception:  # noqa: BLE001 - unreadable: no elastic restart
         return None
     leading = {shape[0] for path, shape in shapes.items() if path.startswith("params/") and shape}
     return leading.pop() if len(leading) == 1 else None
 
 
-def restore(mngr: ocp.CheckpointManager, like, step: int | None = None):
-    """Restores the checkpoint at ``step`` (latest by default) into the structure, shapes, dtypes
-    and shardings of ``like``."""
-    step = mngr.latest_step() if step is None else step
+def _fits(path: pathlib.Path, step: int, saved: dict[str, tuple], like) -> None:
+    problem = mismatch(saved, _shapes(like))
+    if problem:
+        raise MismatchError(f"checkpoint {path} does not match this run: {problem}", step)
+
+
+def _restore_state(mngr: ocp.CheckpointManager, like, step: int):
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    return mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+    args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+    return mngr.restore(step, args=args)[_STATE]
+
+
+def restore(mngr: ocp.CheckpointManager, like, step: int | None = None):
+    """Restores the state saved at ``step`` (latest by default) into the structure, shapes,
+    dtypes and shardings of ``like``; raises :class:`MismatchError` if its shapes differ, and
+    :class:`CheckpointError` if it is of another schema."""
+    step = mngr.latest_step() if step is None else step
+    _fits(mngr.directory / str(step), step, _read(mngr, step)[0], like)
+    return _restore_state(mngr, like, step)
 
 
 def save_params(path: pathlib.Path, params) -> None:

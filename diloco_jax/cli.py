@@ -5,6 +5,10 @@
 --workdir DIR            output directory (default: runs/<preset>-<date>-<time>)
 --help                   this text and every config key with its value
 
+Resuming a workdir (``python -m diloco_jax.train`` only; see diloco_jax/resume.py):
+--allow_config_change    resume although keys that change the training differ from the
+                         checkpoint's config (each change is logged and recorded)
+
 Multi-process runs (``python -m diloco_jax.train`` only; see diloco_jax/distributed.py):
 --coordinator_address HOST:PORT   process 0's address (or JAX_COORDINATOR_ADDRESS)
 --num_processes N                 processes in the run (or JAX_NUM_PROCESSES)
@@ -23,6 +27,7 @@ from typing import NamedTuple
 from diloco_jax import config as config_lib
 from diloco_jax.distributed import Cluster
 
+_SWITCHES = ("allow_config_change",)
 _CLUSTER_FLAGS = {
     "coordinator_address": str, "num_processes": int, "process_id": int, "distributed": str,
     "init_timeout": int,
@@ -34,21 +39,25 @@ class Args(NamedTuple):
     workdir: pathlib.Path
     cluster: Cluster
     workdir_given: bool  # False: the default, runs/<preset>-<date>-<time>
+    allow_config_change: bool = False
 
 
-def _usage(prog: str, cfg: config_lib.Config, distributed: bool) -> str:
+def _usage(prog: str, cfg: config_lib.Config, distributed: bool, resume: bool) -> str:
     lines = [f"usage: {prog} [--config PATH] [--workdir DIR] [--config.KEY=VALUE ...]", ""]
-    doc = __doc__.splitlines()
-    lines += [line.strip() for line in doc[2:7]]
+    _, common, resuming, multi_process = __doc__.strip().split("\n\n")
+    lines += common.splitlines()
+    if resume:
+        lines += ["", *resuming.splitlines()]
     if distributed:
-        lines += doc[7:13]
+        lines += ["", *multi_process.splitlines()]
     lines += ["", "config keys (value in the chosen preset):"]
     lines += [f"  {key} = {value!r}" for key, value in config_lib.keys(cfg).items()]
     return "\n".join(lines)
 
 
 def _split(argv: list[str], known: tuple[str, ...]):
-    """Splits argv into plain flags, config overrides and whether help was asked for."""
+    """Splits argv into plain flags, config overrides and whether help was asked for; a flag
+    of :data:`_SWITCHES` takes no value (``--name`` is ``--name=true``)."""
     flags, overrides, want_help = {}, [], False
     i = 0
     while i < len(argv):
@@ -60,7 +69,9 @@ def _split(argv: list[str], known: tuple[str, ...]):
         if not arg.startswith("--"):
             raise config_lib.ConfigError(f"unexpected argument {arg!r} (flags start with --)")
         name, eq, value = arg[2:].partition("=")
-        if not eq:
+        if not eq and name in _SWITCHES:
+            value = "true"
+        elif not eq:
             if i + 1 >= len(argv):
                 raise config_lib.ConfigError(f"flag --{name} needs a value")
             value, i = argv[i + 1], i + 1
@@ -94,23 +105,36 @@ def _cluster(flags: dict[str, str]) -> Cluster:
     return Cluster(**values)
 
 
-def parse(argv: list[str], *, prog: str, distributed: bool = False) -> Args | None:
-    """Returns ``Args(config, workdir, cluster)``, or None after printing help. Exits with status
-    2 and a one-line error on bad input. ``distributed``: accept the multi-process flags."""
-    known = ("config", "workdir", *(_CLUSTER_FLAGS if distributed else ()))
+def _switch(flags: dict[str, str], name: str) -> bool:
+    text = flags.get(name, "false").strip().lower()
+    if text not in ("true", "false"):
+        raise config_lib.ConfigError(
+            f"flag --{name} = {flags[name]!r} is invalid: must be true or false"
+        )
+    return text == "true"
+
+
+def parse(argv: list[str], *, prog: str, distributed: bool = False, resume: bool = False
+          ) -> Args | None:  # fmt: skip
+    """Returns ``Args(config, workdir, cluster, ...)``, or None after printing help. Exits with
+    status 2 and a one-line error on bad input. ``distributed``: accept the multi-process flags;
+    ``resume``: accept ``--allow_config_change``."""
+    known = ("config", "workdir", *(_CLUSTER_FLAGS if distributed else ()),
+             *(_SWITCHES if resume else ()))  # fmt: skip
     try:
         flags, overrides, want_help = _split(argv, known)
         preset = pathlib.Path(flags.get("config", config_lib.DEFAULT_PRESET))
         cfg = config_lib.load_preset(preset)
         if want_help:
-            print(_usage(prog, cfg, distributed))
+            print(_usage(prog, cfg, distributed, resume))
             return None
         cfg = config_lib.apply_overrides(cfg, overrides)
         config_lib.validate(cfg)
         cluster = _cluster(flags)
+        allow_config_change = _switch(flags, "allow_config_change")
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     workdir = pathlib.Path(flags.get("workdir", f"runs/{preset.stem}-{stamp}"))
-    return Args(cfg, workdir, cluster, "workdir" in flags)
+    return Args(cfg, workdir, cluster, "workdir" in flags, allow_config_change)

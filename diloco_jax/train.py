@@ -2,14 +2,14 @@
 
     python -m diloco_jax.train [--config PRESET.py] [--workdir DIR] [--config.KEY=VALUE ...]
 
-Writes ``metrics.jsonl``, TensorBoard events, ``config.json`` and orbax checkpoints into the
-workdir, and resumes from the workdir's latest checkpoint if there is one.
+Writes ``metrics.jsonl``, TensorBoard events, ``config.json`` (``config_history.jsonl`` on later
+starts) and orbax checkpoints into the workdir, and resumes from the workdir's latest checkpoint
+if there is one (a config that changes the training is refused: see ``diloco_jax/resume.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import sys
 import time
@@ -204,7 +204,7 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
     cfg = s.cfg
     if mngr is not None:
         if mngr.latest_step() != step:
-            checkpoint.save(mngr, step, state)
+            checkpoint.save(mngr, step, state, config_lib.to_dict(cfg))
         mngr.wait_until_finished()
         log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
     summary = {
@@ -294,8 +294,10 @@ def _check_replicated(s: Setup, state, step: int) -> None:
                                    f"the shared {name} after step {step}")  # fmt: skip
 
 
-def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True):
-    """Trains ``cfg`` into ``workdir`` (resuming from its newest readable checkpoint); returns a
+def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True,
+          allow_config_change: bool = False):  # fmt: skip
+    """Trains ``cfg`` into ``workdir`` (resuming from its newest readable checkpoint; keys that
+    change the training must match its config unless ``allow_config_change``); returns a
     summary dict (final eval loss, steps, tokens, time, sample, and the final ``state``).
 
     SIGTERM or SIGINT stops the run at the next call boundary with a checkpoint
@@ -305,11 +307,11 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     workdir = pathlib.Path(workdir)
     s, t = build(cfg), cfg.train
     mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
-    state = resume.resume(mngr, s, workdir)
+    start = resume.resume(mngr, s, workdir, allow_config_change=allow_config_change)
+    state = start.state
     if lead:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
-    runlog = reporting.RunLog(workdir, enabled=lead)
+        resume.record(workdir, cfg, start)
+    runlog = reporting.RunLog(workdir, enabled=lead, start_step=start.step)
     log.info(
         "%s: %d replicas on %s (%d replica x %d data devices, %d processes), %d params, "
         "%d %ss per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
@@ -341,7 +343,8 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
             if _crossed(step, t.log_every, t.eval_every) or step >= total:
                 eval_loss = _evaluate(s, runlog, state, step, total)
             if mngr is not None and _crossed(step, t.log_every, t.checkpoint_every):
-                checkpoint.save(mngr, step, state, wait=False)  # written in the background
+                # written in the background
+                checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False)
         bar.close()
         if stop.requested:
             log.warning("%s: stopping at step %d with a checkpoint", stop.requested, step)
@@ -358,7 +361,8 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.train") -> int:
-    args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog, distributed=True)
+    args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog, distributed=True,
+                     resume=True)  # fmt: skip
     if args is None:
         return 0
     cfg, workdir = args.cfg, args.workdir
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
             raise config_lib.ConfigError(
                 "a run of several processes needs --workdir (a directory every process can reach)"
             )
-        summary = train(cfg, workdir)
+        summary = train(cfg, workdir, allow_config_change=args.allow_config_change)
     except (config_lib.ConfigError, DataError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

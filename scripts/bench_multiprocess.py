@@ -37,7 +37,7 @@ def worker(preset: str, rounds: int, sync_every: int, saves: int, out: str) -> N
     import numpy as np
 
     from diloco_jax import checkpoint
-    from diloco_jax.config import apply_overrides, load_preset
+    from diloco_jax.config import apply_overrides, load_preset, to_dict
     from diloco_jax.train import build, chunk_control
 
     over = {"parallel.runtime": "mesh", "parallel.replica_devices": 2, "parallel.data_devices": 1,
@@ -57,7 +57,7 @@ def worker(preset: str, rounds: int, sync_every: int, saves: int, out: str) -> N
     mngr = checkpoint.manager(pathlib.Path(os.environ["BENCH_TMP"]), max_to_keep=2)  # shared dir
     for i in range(saves + 1):
         tick = time.perf_counter()
-        checkpoint.save(mngr, i + 1, state, wait=False)
+        checkpoint.save(mngr, i + 1, state, to_dict(cfg), wait=False)
         blocking.append(time.perf_counter() - tick)
         mngr.wait_until_finished()
         total.append(time.perf_counter() - tick)

@@ -1,8 +1,12 @@
 """Checkpoints: exact continuation, fallback from a corrupt latest one, clear mismatch errors,
-graceful stop on SIGTERM."""
+graceful stop on SIGTERM; a resume checks the config and keeps config history and metrics
+straight."""
 
 import json
 import os
+import pathlib
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,12 +14,14 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
-from diloco_jax import checkpoint
+from diloco_jax import checkpoint, cli, reporting, resume
+from diloco_jax import config as config_lib
 from diloco_jax.checkpoint import CheckpointError
 from diloco_jax.config import apply_overrides, load_preset
-from diloco_jax.train import train
+from diloco_jax.train import build, main, train
 
 
 def tiny(**overrides):
@@ -29,21 +35,57 @@ def assert_bitwise_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def events(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_each_event_once(workdir):
+    pairs = [(e["event"], e["step"]) for e in events(workdir)]
+    assert len(pairs) == len(set(pairs)), sorted(p for p in pairs if pairs.count(p) > 1)
+
+
+def history(workdir):
+    lines = (workdir / "config_history.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def files(workdir):
+    """Every file under ``workdir`` with its bytes: to check that nothing changed."""
+    return {p.relative_to(workdir): p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    return train(tiny(), tmp_path_factory.mktemp("full"), show_progress=False)["state"]
+def full_run(tmp_path_factory):
+    """A finished tiny run (checkpoints at 10 and 20) and its final state; copy it to use it."""
+    workdir = tmp_path_factory.mktemp("full")
+    return workdir, train(tiny(), workdir, show_progress=False)["state"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(full_run):
+    return full_run[1]
+
+
+@pytest.fixture
+def finished(full_run, tmp_path):
+    """A copy of the finished run's workdir."""
+    return pathlib.Path(shutil.copytree(full_run[0], tmp_path / "w"))
 
 
 def test_resume_from_a_middle_checkpoint_is_bitwise_identical(uninterrupted, tmp_path):
     train(tiny(), tmp_path, show_progress=False)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10", "20"]
     # as if the run had died after its step-10 checkpoint
-    import shutil
-
     shutil.rmtree(tmp_path / "checkpoints" / "20")
     resumed = train(tiny(), tmp_path, show_progress=False)
     assert resumed["steps"] == 20
     assert_bitwise_equal(resumed["state"], uninterrupted)
+    # the events past step 10 were dropped and written again, once
+    assert_each_event_once(tmp_path)
+    assert [e["step"] for e in events(tmp_path) if e["event"] == "eval"] == [10, 20]
+    [entry] = history(tmp_path)
+    assert entry["step"] == 10 and entry["changes"] == {} and entry["overridden"] == []
+    assert entry["checkpoint"] == str((tmp_path / "checkpoints" / "10").resolve())
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(uninterrupted, tmp_path):
@@ -92,6 +134,7 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_continues_exactly(tmp_path):
     resumed = train(cfg, workdir, show_progress=False)
     full = train(cfg, tmp_path / "full", show_progress=False)
     assert_bitwise_equal(resumed["state"], full["state"])
+    assert_each_event_once(workdir)
 
 
 def test_cli_mismatched_checkpoint_is_one_line_exit_2(tmp_path):
@@ -111,21 +154,120 @@ def test_cli_mismatched_checkpoint_is_one_line_exit_2(tmp_path):
 @pytest.mark.parametrize("saved,resumed", [(4, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_elastic_restart_keeps_anchor_and_outer_state(saved, resumed, tmp_path, capsys):
     first = train(tiny(**{"parallel.replicas": saved}), tmp_path, show_progress=False)["state"]
-    cfg = tiny(**{"parallel.replicas": resumed, "train.total_steps": 30})
-    from diloco_jax.resume import resume
-    from diloco_jax.train import build
-
+    at_10 = jax.device_get(checkpoint.restore(checkpoint.manager(tmp_path), first, 10))
+    shutil.rmtree(tmp_path / "checkpoints" / "20")  # as if the run had died after step 10
+    cfg = tiny(**{"parallel.replicas": resumed})  # the replica count may change on a resume
     s = build(cfg)
-    mngr = checkpoint.manager(tmp_path)
-    state = jax.device_get(resume(mngr, s, tmp_path))
-    assert "elastic restart at step 20" in capsys.readouterr().err
-    assert int(state.step) == 20 and int(state.step) == 20
-    assert_bitwise_equal(state.anchor, first.anchor)
-    assert_bitwise_equal(state.outer_state, first.outer_state)
-    for leaf, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(first.anchor),
+    state = jax.device_get(resume.resume(checkpoint.manager(tmp_path), s, tmp_path).state)
+    assert "elastic restart at step 10" in capsys.readouterr().err
+    assert int(state.step) == 10
+    assert_bitwise_equal(state.anchor, at_10.anchor)
+    assert_bitwise_equal(state.outer_state, at_10.outer_state)
+    for leaf, a in zip(jax.tree.leaves(state.params), jax.tree.leaves(at_10.anchor),
                        strict=True):  # fmt: skip
         assert leaf.shape[0] == resumed
         np.testing.assert_array_equal(leaf, np.broadcast_to(a, leaf.shape))
     # and the run goes on from there
     summary = train(cfg, tmp_path, show_progress=False)
-    assert summary["steps"] == 30 and np.isfinite(summary["final_eval_loss"])
+    assert summary["steps"] == 20 and np.isfinite(summary["final_eval_loss"])
+    [entry] = history(tmp_path)
+    assert entry["changes"] == {"parallel.replicas": [saved, resumed]}
+    assert entry["overridden"] == []
+    assert_each_event_once(tmp_path)
+
+
+def test_changed_training_key_stops_with_one_line_exit_2_and_changes_nothing(finished, capsys):
+    before = files(finished)
+    flags = ["--config", "configs/tiny.py", "--workdir", str(finished), "--distributed", "off",
+             "--config.inner.learning_rate=0.001", "--config.parallel.runtime=sim"]  # fmt: skip
+    assert main(flags) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == (
+        "error: config key inner.learning_rate = 0.001 differs from the checkpoint's 0.003 "
+        f"({finished.resolve()}/checkpoints/20); pass --allow_config_change to resume with the "
+        "new value"
+    )
+    assert not [line for line in lines[:-1] if "error" in line or "Traceback" in line]
+    assert files(finished) == before  # nothing lost, nothing written
+
+
+def test_allow_config_change_resumes_and_records_the_change(finished, capsys):
+    before = files(finished)
+    flags = ["--config", "configs/tiny.py", "--workdir", str(finished), "--distributed", "off",
+             "--config.inner.learning_rate=0.001", "--allow_config_change",
+             "--config.parallel.runtime=sim", "--config.train.sample_chars=0",
+             "--config.train.checkpoint_every=10"]  # fmt: skip
+    assert main(flags) == 0
+    assert "inner.learning_rate 0.003 -> 0.001" in capsys.readouterr().err
+    [entry] = history(finished)
+    assert entry["step"] == 20 and entry["changes"] == {"inner.learning_rate": [0.003, 0.001]}
+    assert entry["overridden"] == ["inner.learning_rate"]
+    assert entry["config"]["inner"]["learning_rate"] == 0.001
+    # config.json stays the first start's; the finished run's eval and done are not repeated
+    for name in ("config.json", "metrics.jsonl"):
+        assert files(finished)[pathlib.Path(name)] == before[pathlib.Path(name)]
+
+
+def test_allowed_keys_may_change_and_the_run_continues_bitwise(uninterrupted, finished):
+    shutil.rmtree(finished / "checkpoints" / "20")  # as if the run had died after step 10
+    cfg = tiny(**{"train.log_every": 10, "train.eval_every": 20})  # other calls, same steps
+    resumed = train(cfg, finished, show_progress=False)
+    assert resumed["steps"] == 20
+    assert_bitwise_equal(resumed["state"], uninterrupted)
+    [entry] = history(finished)
+    assert entry["changes"] == {"train.log_every": [5, 10], "train.eval_every": [10, 20]}
+    assert entry["overridden"] == []
+    assert_each_event_once(finished)
+    # the new checkpoint carries the config that wrote it
+    saved = checkpoint.saved_config(checkpoint.manager(finished), 20)
+    assert saved == config_lib.to_dict(cfg)
+
+
+def test_old_schema_checkpoint_is_one_clear_line(tmp_path):
+    cfg = tiny()
+    old = ocp.CheckpointManager((tmp_path / "checkpoints").resolve(),
+                                options=ocp.CheckpointManagerOptions(create=True))  # fmt: skip
+    old.save(5, args=ocp.args.StandardSave(build(cfg).state))  # the layout of schema 1
+    old.close()  # waits for the save
+    assert (tmp_path / "checkpoints" / "5" / "default").is_dir()
+    before = files(tmp_path)
+    expected = (f"checkpoint {tmp_path.resolve()}/checkpoints/5 was written by an older version "
+                "of diloco-jax (schema 1, this is 2); ")  # fmt: skip
+    with pytest.raises(CheckpointError, match="^" + re.escape(expected)) as error:
+        train(cfg, tmp_path, show_progress=False)
+    assert "\n" not in str(error.value)
+    assert files(tmp_path) == before
+
+
+def test_config_changes_and_the_keys_a_resume_may_change():
+    cfg = tiny(**{"inner.learning_rate": 0.001, "train.eval_every": 5})
+    saved = config_lib.to_dict(tiny())
+    assert resume.config_changes(saved, cfg) == {
+        "inner.learning_rate": (0.003, 0.001), "train.eval_every": (10, 5)}  # fmt: skip
+    # a key the checkpoint's version did not have counts as its default; one it had is listed
+    del saved["sim"]["diagnostics"]
+    saved["outer"]["gone"] = 1
+    changes = resume.config_changes(saved, tiny())
+    assert changes == {"outer.gone": (1, resume.ABSENT)}
+    assert set(resume.MAY_CHANGE) <= set(config_lib.keys(cfg))  # no misspelt key
+
+
+def test_runlog_drops_events_past_the_start_step_and_writes_each_once(tmp_path):
+    lines = [json.dumps({"event": e, "step": s}) for e, s in
+             [("train", 5), ("eval", 10), ("train", 10), ("train", 15), ("eval", 20)]]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"event": "tr')  # torn
+    runlog = reporting.RunLog(tmp_path, start_step=10)
+    runlog.write("eval", 10, eval_loss=1.0)  # already there: a finished run evaluated again
+    runlog.write("train", 15, loss=2.0)
+    runlog.close()
+    got = [(e["event"], e["step"]) for e in events(tmp_path)]
+    assert got == [("train", 5), ("eval", 10), ("train", 10), ("train", 15)]
+    assert "loss" in events(tmp_path)[-1]  # the new one, not the dropped one
+
+
+def test_cli_allow_config_change_is_a_switch_of_train_only(tmp_path):
+    args = cli.parse(["--allow_config_change", "--workdir", str(tmp_path)], prog="t", resume=True)
+    assert args.allow_config_change and args.workdir == tmp_path
+    assert not cli.parse(["--workdir", str(tmp_path)], prog="t", resume=True).allow_config_change
+    with pytest.raises(SystemExit):
+        cli.parse(["--allow_config_change"], prog="python -m sim")

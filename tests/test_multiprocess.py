@@ -131,6 +131,10 @@ def test_sigkill_one_process_then_restart_equals_uninterrupted(two_processes, tm
     assert saved and max(saved) < 120, saved
     finished(launch(workdir))  # resumes from the newest complete checkpoint
     chex.assert_trees_all_equal(final_params(workdir), two_processes[1])
+    # what the killed attempt logged past that checkpoint was dropped, then logged again once
+    events = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    pairs = [(e["event"], e["step"]) for e in events]
+    assert len(pairs) == len(set(pairs)) and ("done", 120) in pairs
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_exactly(two_processes, tmp_path):

@@ -49,10 +49,15 @@ def test_checkpoint_restores_the_final_state(tiny_run):
 
 def test_rerun_resumes_and_does_not_retrain(tiny_run):
     workdir, summary = tiny_run
+    metrics = (workdir / "metrics.jsonl").read_text()
     again = train(tiny(**{"parallel.runtime": "sim"}), workdir, show_progress=False)
     assert again["steps"] == 20 and again["final_eval_loss"] == pytest.approx(
         summary["final_eval_loss"]
     )
+    # the finished run's eval and done events are not written again; the resume is recorded
+    assert (workdir / "metrics.jsonl").read_text() == metrics
+    [entry] = map(json.loads, (workdir / "config_history.jsonl").read_text().splitlines())
+    assert entry["step"] == 20 and entry["changes"] == {}
 
 
 @pytest.mark.parametrize("algorithm", ["ddp", "single"])
