@@ -1,6 +1,7 @@
 """Multi-process set-up and checks that need no second process: settings from flags and the
 environment, cluster detection, the anchor fingerprint and the check that compares devices."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -109,3 +110,38 @@ def test_devices_holding_different_anchors_are_named():
     with pytest.raises(ConsistencyError, match=rf"process 0 \(devices \[{devices[2].id}\]\) "
                                                r"disagree with process 0"):  # fmt: skip
         distributed.check_same(values, devices, "the anchor")
+
+
+def _skew_one_device(x, mesh):
+    """``x`` (replicated on ``mesh``) with the copy on the last device off by one ulp."""
+    devices = list(mesh.devices.flat)
+    good = np.asarray(x.addressable_data(0))
+    bad = good.copy()
+    bad.reshape(-1)[0] = np.nextafter(bad.reshape(-1)[0], np.float32(100))
+    copies = [jax.device_put(bad if i == len(devices) - 1 else good, d)
+              for i, d in enumerate(devices)]  # fmt: skip
+    return jax.make_array_from_single_device_arrays(good.shape, NamedSharding(mesh, P()), copies)
+
+
+def test_debug_check_compares_every_shared_field_and_names_it():
+    from diloco_jax.config import apply_overrides, load_preset
+    from diloco_jax.train import _check_replicated, build
+
+    overrides = [("parallel.runtime", "mesh"), ("parallel.replica_devices", "2"),
+                 ("parallel.replicas", "2"), ("outer.sync_every", "10"),
+                 ("train.check_replicated", "true")]  # fmt: skip
+    s = build(apply_overrides(load_preset("configs/tiny.py"), overrides))
+    step = s.cfg.train.log_every  # 5: the first call holds no sync (sync_every 10)
+    _check_replicated(s, s.state, step)  # the initial state is the same everywhere
+    leaves, treedef = jax.tree.flatten(s.state.outer_state)
+    i = next(i for i, x in enumerate(leaves) if x.ndim)
+    leaves[i] = _skew_one_device(leaves[i], s.mesh)
+    skewed = s.state._replace(outer_state=jax.tree.unflatten(treedef, leaves))
+    with pytest.raises(ConsistencyError, match="the shared outer_state after step"):
+        _check_replicated(s, skewed, step)
+    # the default, cheap check compares only the anchor, after calls that contain a sync
+    cheap = dataclasses.replace(s, cfg=apply_overrides(s.cfg, [("train.check_replicated", "0")]))
+    _check_replicated(cheap, skewed, step)
+    anchor = jax.tree.map(lambda x: _skew_one_device(x, s.mesh), s.state.anchor)
+    with pytest.raises(ConsistencyError, match="the shared anchor after step"):
+        _check_replicated(cheap, s.state._replace(anchor=anchor), s.cfg.outer.sync_every)
