@@ -137,7 +137,10 @@ def test_error_feedback_keeps_exactly_what_encoding_lost():
     for r in range(2):
         row = np.pad(delta_RxP[r], (0, padded - 300)).reshape(-1, BLOCK)
         loss = (row - np.asarray(compress.roundtrip(jnp.asarray(row), "int8"))).reshape(-1)[:300]
-        np.testing.assert_allclose(residual_RxP[r], loss, atol=1e-8)
+        # atol: one ulp of the parameters (~6e-8 near 1): XLA may fuse the inner update into
+        # params + u (an FMA) and round the pseudo-gradient differently from numpy; the
+        # residuals themselves are ~1e-3
+        np.testing.assert_allclose(residual_RxP[r], loss, atol=6e-8)
     assert float(jnp.abs(residual_RxP).max()) > 0
     # the next sync sends pseudo-gradient + residual: what it loses is measured against that sum
     state2, _ = run(grads_RxP, state)
