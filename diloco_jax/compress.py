@@ -8,26 +8,38 @@ that travel, and decodes them back to float32:
 * ``fp8``: per block, ``scale = max|x| / 448`` and ``x / scale`` as float8 e4m3;
 * ``int4``: per block, ``scale = max|x| / 7`` and ``round(x / scale)`` in [-7, 7], two values
   packed per byte;
-* ``topk``: the ``topk_fraction`` largest-magnitude values (float32) and their int32 positions.
+* ``topk``: the ``topk_fraction`` largest-magnitude values (float32) and their int32 positions;
+* ``none``: float32 as it is (:data:`FLOAT32`: small leaves summed through the same ring).
 
-:func:`compressed_sum` is the all-reduce over one named axis of ``n`` members (a ``vmap`` axis in
-the simulator, a mesh axis under ``shard_map``): each member encodes its vector cut into ``n``
-chunks, an ``all_to_all`` sends chunk ``i`` to member ``i``, which decodes and sums what it got in
-float32, encodes the sum again and ``all_gather`` brings every summed chunk to everyone (a
-reduce-scatter and an all-gather, as a ring all-reduce, with encoded payloads). ``topk`` instead
-all-gathers every member's (values, positions) and adds them up. Accumulation is in float32.
+:func:`compressed_sum` is the all-reduce over the ``n`` replicas, which span one named axis (a
+``vmap`` axis in the simulator, a mesh axis under ``shard_map``) or several (on a mesh: the
+virtual replicas of a device, then the devices). Every replica encodes its own vector cut into
+``n`` chunks; chunk ``r`` goes to replica ``r`` (an ``all_to_all`` per axis name), which decodes
+what it got and sums it in float32 in replica order, encodes the sum again, and an ``all_gather``
+brings every summed chunk to everyone (a reduce-scatter and an all-gather, as a ring all-reduce,
+with encoded payloads). ``topk`` instead all-gathers every replica's (values, positions) and adds
+them up replica by replica. Nothing depends on how replicas are placed on devices: every layout
+makes the simulator's float32 additions in the same order, and no decoder scatters duplicate
+indices (whose order of addition would be unspecified).
+
+Replica order: with axis names ``(a_1, ..., a_k)`` (the last one between devices) replica
+``(i_1, ..., i_k)`` is number ``r = i_k * n_1 ... n_(k-1) + ... + i_2 * n_1 + i_1``, the index
+the mesh runtime gives it (``device * local_count + local``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 CODECS = ("none", "bf16", "int8", "fp8", "int4", "topk")
+AxisName = str | Sequence[str]
+_UNROLL = 8  # replicas up to which fold() is unrolled
 _LEVELS = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}  # largest code magnitude per block scale
 
 
@@ -63,6 +75,8 @@ def _safe_div(x, scale):
 
 def encode(x_NxB: jax.Array, name: str) -> tuple[jax.Array, ...]:
     """The arrays that travel for the float32 blocks ``x_NxB`` (see the module docstring)."""
+    if name == "none":
+        return (x_NxB,)
     if name == "bf16":
         return (x_NxB.astype(jnp.bfloat16),)
     scale_Nx1 = _scale(x_NxB, _LEVELS[name])
@@ -79,7 +93,7 @@ def encode(x_NxB: jax.Array, name: str) -> tuple[jax.Array, ...]:
 
 def decode(encoded: tuple[jax.Array, ...], name: str) -> jax.Array:
     """Float32 blocks from :func:`encode`'s arrays."""
-    if name == "bf16":
+    if name in ("none", "bf16"):
         return encoded[0].astype(jnp.float32)
     q, scale_Nx1 = encoded
     if name == "int4":
@@ -115,35 +129,98 @@ def padded_size(num_values: int, members: int, block: int) -> int:
     return -(-num_values // unit) * unit
 
 
-def _axis_size(axis_name: str) -> int:
-    return int(lax.psum(1, axis_name))  # a constant when the axis size is known at trace time
+FLOAT32 = Codec("none", block=1)  # float32 values through the same ring: sums in replica order
 
 
-def compressed_sum(flat_P: jax.Array, axis_name: str, codec: Codec):
-    """``(sum over axis_name of the decoded messages, what this member's encoding lost)``.
+def names(axis_name: AxisName) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
-    The loss (``flat_P`` minus what this member's own message decodes to) is what error feedback
-    keeps; the second encoding, of the summed chunks, is not fed back.
+
+def replica_count(axis_name: AxisName) -> int:
+    """``n``: the product of the axes' sizes (a constant when they are known at trace time)."""
+    return math.prod(int(lax.psum(1, name)) for name in names(axis_name))
+
+
+def gather_in_order(tree: Any, axis_name: AxisName) -> Any:
+    """Every replica's ``tree``, each leaf stacked ``[n, ...]`` in replica order.
+
+    The device axis (the last name) is gathered first: a device sends its own replicas' values
+    once; the replicas a device holds are then gathered in memory."""
+    axes = names(axis_name)
+    for j, name in enumerate(reversed(axes)):
+        tree = lax.all_gather(tree, name, axis=j)
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[len(axes) :]), tree)
+
+
+def route_chunks(chunks_n: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``out[s]`` = chunk ``r`` of replica ``s``'s ``chunks_n`` (``[n, ...]``), for this replica
+    ``r``: every replica's chunk ``r`` comes to replica ``r``, stacked in replica order (an
+    ``all_to_all`` per axis name; the dtype travels as it is)."""
+    axes = names(axis_name)
+    sizes = [int(lax.psum(1, name)) for name in reversed(axes)]
+    x = chunks_n.reshape(*sizes, *chunks_n.shape[1:])
+    for j, name in enumerate(reversed(axes)):
+        x = lax.all_to_all(x, name, j, j, tiled=True)
+    return x.reshape(-1, *x.shape[len(axes) :])
+
+
+def fold(fn: Callable[[int | jax.Array, Any], Any], count: int, init: Any) -> Any:
+    """``fn(count - 1, ... fn(1, fn(0, init)))``: a sum over replicas taken in replica order, so
+    every layout adds the same float32 values in the same order, and only one replica's terms
+    are materialized at a time. Unrolled for a few replicas (it compiles faster), a
+    ``lax.fori_loop`` for more (code of one term whatever ``count``)."""
+    if count > _UNROLL:
+        return lax.fori_loop(0, count, fn, init)
+    for r in range(count):
+        init = fn(r, init)
+    return init
+
+
+def ordered_sum(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``sum_r x_r`` over the replicas, added in replica order (an all-gather; for scalars)."""
+    x_n = gather_in_order(x, axis_name)
+    return fold(lambda r, acc: acc + x_n[r], x_n.shape[0], jnp.zeros_like(x))
+
+
+def _topk_sum(flat_P: jax.Array, axis_name: AxisName, codec: Codec):
+    k = topk_count(flat_P.shape[0], codec.topk_fraction)
+    _, idx_K = lax.top_k(jnp.abs(flat_P), k)  # k distinct positions
+    vals_K = flat_P[idx_K]
+    lost_P = flat_P.at[idx_K].set(0.0, unique_indices=True)
+    vals_nxK, idx_nxK = gather_in_order((vals_K, idx_K), axis_name)
+
+    def add(r, acc_P):  # one replica's positions are distinct: no duplicate in the scatter
+        return acc_P.at[idx_nxK[r]].add(vals_nxK[r], unique_indices=True)
+
+    return fold(add, vals_nxK.shape[0], jnp.zeros_like(flat_P)), lost_P
+
+
+def compressed_sum(flat_P: jax.Array, axis_name: AxisName, codec: Codec):
+    """``(total_P, lost_P)``, float32: the sum over replicas of their decoded messages and what
+    this replica's own encoding lost. With ``Q = decode . encode`` (blockwise) and ``x_r`` the
+    ``flat_P`` of replica ``r``::
+
+        total = Q(sum_r Q(x_r))    (the sum in float32, in replica order)
+        lost  = x - Q(x)           (what error feedback keeps; the second Q is not fed back)
+
+    ``topk``: ``total = sum_r topk(x_r)``, ``lost = x - topk(x)``. Blockwise codes do not depend
+    on the chunking (chunks are whole blocks; zero padding leaves a block's scale alone), so every
+    placement of the replicas computes the same values.
     """
-    n, size = _axis_size(axis_name), flat_P.shape[0]
     if codec.name == "topk":
-        k = topk_count(size, codec.topk_fraction)
-        _, idx_K = lax.top_k(jnp.abs(flat_P), k)
-        vals_K = flat_P[idx_K]
-        sent_P = jnp.zeros_like(flat_P).at[idx_K].set(vals_K)
-        vals_nK, idx_nK = lax.all_gather((vals_K, idx_K), axis_name)
-        total_P = jnp.zeros_like(flat_P).at[idx_nK.reshape(-1)].add(vals_nK.reshape(-1))
-        return total_P, flat_P - sent_P
+        return _topk_sum(flat_P, axis_name, codec)
+    n, size = replica_count(axis_name), flat_P.shape[0]
     padded = padded_size(size, n, codec.block)
-    x_nxNxB = jnp.pad(flat_P, (0, padded - size)).reshape(n, -1, codec.block)
-    mine = encode(x_nxNxB.reshape(-1, codec.block), codec.name)
-    lost_P = (x_nxNxB.reshape(-1) - decode(mine, codec.name).reshape(-1))[:size]
-    mine = jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), mine)  # chunk i -> member i
-    got = [lax.all_to_all(a, axis_name, 0, 0, tiled=True) for a in mine]
-    chunk_NxB = sum(
-        decode(tuple(a[j] for a in got), codec.name) for j in range(n)
-    )  # float32 sum of every member's chunk of mine
-    summed = encode(chunk_NxB, codec.name)
-    every = [lax.all_gather(a, axis_name, tiled=True) for a in summed]
-    total_P = decode(tuple(every), codec.name).reshape(-1)[:size]
-    return total_P, lost_P
+    x_NxB = jnp.pad(flat_P, (0, padded - size)).reshape(-1, codec.block)
+    mine = encode(x_NxB, codec.name)
+    lost_P = (x_NxB - decode(mine, codec.name)).reshape(-1)[:size]
+    # chunk r of my message (N / n blocks) goes to replica r; I get my chunk of everybody's
+    got = [route_chunks(a.reshape(n, -1, *a.shape[1:]), axis_name) for a in mine]
+
+    def add(r, acc_CxB):
+        return acc_CxB + decode(tuple(a[r] for a in got), codec.name)
+
+    chunk_CxB = fold(add, n, jnp.zeros((padded // n // codec.block, codec.block), jnp.float32))
+    summed = encode(chunk_CxB, codec.name)
+    every = [gather_in_order(a, axis_name).reshape(-1, *a.shape[1:]) for a in summed]
+    return decode(tuple(every), codec.name).reshape(-1)[:size], lost_P

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from diloco_jax import compress
+
 
 class DctConfig(NamedTuple):
     """``chunk``: values per DCT chunk (S); ``topk``: coefficients sent per chunk (K);
@@ -64,20 +66,38 @@ def extract(flat: jax.Array, chunk: int, topk: int):
     _, idx_NxK = lax.top_k(jnp.abs(c_NxS), topk)
     vals_NxK = jnp.take_along_axis(c_NxS, idx_NxK, axis=1)
     sent_NxS = _scatter(vals_NxK, idx_NxK, chunk)
-    kept_NxS = jnp.dot(c_NxS - sent_NxS, d_SxS, precision=lax.Precision.HIGHEST)
-    return vals_NxK, idx_NxK.astype(position_dtype(chunk)), kept_NxS.reshape(-1)
+    return vals_NxK, idx_NxK.astype(position_dtype(chunk)), _inverse(c_NxS - sent_NxS)
 
 
-def _scatter(vals_NxK: jax.Array, idx_NxK: jax.Array, chunk: int) -> jax.Array:
+def _scatter(vals_NxK: jax.Array, idx_NxK: jax.Array, chunk: int, into=None) -> jax.Array:
+    """``into`` (or zeros ``[N, S]``) plus ``vals`` at (row, ``idx``): positions are distinct
+    within a row (one message's top-k), so no index repeats and the scatter is deterministic."""
     rows_Nx1 = jnp.arange(vals_NxK.shape[0])[:, None]
-    zeros = jnp.zeros((vals_NxK.shape[0], chunk), jnp.float32)
-    return zeros.at[rows_Nx1, idx_NxK.astype(jnp.int32)].add(vals_NxK)
+    into = jnp.zeros((vals_NxK.shape[0], chunk), jnp.float32) if into is None else into
+    return into.at[rows_Nx1, idx_NxK.astype(jnp.int32)].add(vals_NxK, unique_indices=True)
 
 
-def decode(vals_NxM: jax.Array, idx_NxM: jax.Array, chunk: int) -> jax.Array:
-    """The flat vector whose chunks have the (summed) DCT coefficients ``vals`` at ``idx``."""
-    c_NxS = _scatter(vals_NxM, idx_NxM, chunk)
-    return jnp.dot(c_NxS, jnp.asarray(matrix(chunk)), precision=lax.Precision.HIGHEST).reshape(-1)
+def decode(vals_NxK: jax.Array, idx_NxK: jax.Array, chunk: int) -> jax.Array:
+    """The flat float32 vector whose chunks have the DCT coefficients ``vals`` at ``idx`` (one
+    message)."""
+    return _inverse(_scatter(vals_NxK, idx_NxK, chunk))
+
+
+def decode_sum(vals_RxNxK: jax.Array, idx_RxNxK: jax.Array, chunk: int) -> jax.Array:
+    """The sum of ``R`` messages: ``x = (sum_r C_r) @ D`` where ``C_r`` holds message ``r``'s
+    coefficients; the ``C_r`` are added into one float32 ``[N, S]`` in the order ``r = 0, 1,
+    ...`` (never a scatter of several messages' positions at once, which may repeat)."""
+
+    def add(r, c_NxS):
+        return _scatter(vals_RxNxK[r], idx_RxNxK[r], chunk, c_NxS)
+
+    c_NxS = jnp.zeros((vals_RxNxK.shape[1], chunk), jnp.float32)
+    return _inverse(compress.fold(add, vals_RxNxK.shape[0], c_NxS))
+
+
+def _inverse(c_NxS: jax.Array) -> jax.Array:
+    d_SxS = jnp.asarray(matrix(c_NxS.shape[1]))
+    return jnp.dot(c_NxS, d_SxS, precision=lax.Precision.HIGHEST).reshape(-1)
 
 
 def message_bytes(num_values: int, config: DctConfig) -> int:

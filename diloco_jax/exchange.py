@@ -11,14 +11,19 @@ An :class:`Exchange` turns each replica's weighted pseudo-gradient into the repl
   by a DCT; only the largest components travel and leave the local momentum (DeMo, Peng et al.,
   arXiv 2411.19870, applied to DiLoCo's outer step as in Nedelkoski et al., arXiv 2510.03371).
 
-Every piece is written for one replica under a named axis (or several, reduced in order) that
-spans the replicas; its state is per replica. The exchange sees a list of leaves (a fragment of
-the parameters, or all of them).
+Every piece is written for one replica under a named axis (or several: the virtual replicas of a
+device, then the devices) that spans the replicas; its state is per replica. The exchange sees a
+list of leaves (a fragment of the parameters, or all of them). :func:`encoded` and
+:func:`dct_momentum` compute the same values on every layout: each replica encodes its own
+pseudo-gradient (a virtual replica exactly as a replica on its own device), and every sum over
+replicas, of decoded messages, small leaves and weights alike, is taken in float32 in replica
+order (:mod:`diloco_jax.compress`), because a lossy codec turns a last-bit difference of its
+input into a whole code step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -27,11 +32,8 @@ from jax import lax
 
 from diloco_jax import compress, dct
 
-AxisName = str | Sequence[str]
-
-
-def names(axis_name: AxisName) -> tuple[str, ...]:
-    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+AxisName = compress.AxisName
+names = compress.names
 
 
 def replica_mean(tree: Any, axis_name: AxisName) -> Any:
@@ -70,7 +72,10 @@ def _weighted(delta: list, w: jax.Array) -> list:
 
 
 def _divide(total: list, total_w: jax.Array) -> list:
-    return [t / jnp.maximum(total_w, 1e-30) for t in total]
+    # times the reciprocal: XLA rewrites some divisions by a scalar that way and not others,
+    # which would make layouts differ in the last bit
+    inverse = 1.0 / jnp.maximum(total_w, 1e-30)
+    return [t * inverse for t in total]
 
 
 def plain(axis_name: AxisName) -> Exchange:
@@ -103,25 +108,19 @@ def _scatter(out: list, leaves: list, idx: list[int], flat: jax.Array) -> None:
 def encoded_sum(leaves: list, axis_name: AxisName, codec: compress.Codec) -> tuple[list, list]:
     """``(sum over replicas, what this replica's encoding lost)`` of a list of leaves.
 
-    Leaves of at least ``codec.min_size`` values travel encoded through
-    :func:`compress.compressed_sum` over the last axis name (the one between devices); they are
-    summed in float32 over the other names first (replicas on the same device). Smaller leaves
-    are summed in float32. The loss of a device's message is shared equally by its replicas.
+    Leaves of at least ``codec.min_size`` values are concatenated (float32) and travel encoded
+    through :func:`compress.compressed_sum`: every replica, virtual or not, encodes its own
+    values and keeps its own loss. Smaller leaves are summed in float32 through the same ring
+    (:data:`compress.FLOAT32`, replica order) and lose nothing. Both are cast back to each leaf's
+    dtype.
     """
-    axes = names(axis_name)
     big, small = _split_big(leaves, codec.min_size)
     out_sum, out_lost = list(leaves), list(leaves)
-    for i in small:
-        out_sum[i], out_lost[i] = replica_sum(leaves[i], axis_name), jnp.zeros_like(leaves[i])
-    if big:
-        flat = _concat(leaves, big)
-        if len(axes) > 1:  # replicas on one device: summed in memory first
-            flat = replica_sum(flat, axes[:-1])
-        total, loss = compress.compressed_sum(flat, axes[-1], codec)
-        if len(axes) > 1:
-            loss = loss / replica_sum(jnp.float32(1.0), axes[:-1])
-        _scatter(out_sum, leaves, big, total)
-        _scatter(out_lost, leaves, big, loss)
+    for idx, how in ((small, compress.FLOAT32), (big, codec)):
+        if idx:
+            total, loss = compress.compressed_sum(_concat(leaves, idx), axis_name, how)
+            _scatter(out_sum, leaves, idx, total)
+            _scatter(out_lost, leaves, idx, loss)
     return out_sum, out_lost
 
 
@@ -140,7 +139,7 @@ def encoded(axis_name: AxisName, codec: compress.Codec) -> Exchange:
         if feedback:  # a non-finite replica's residual is dropped with the rest of its state
             residual = [jnp.where(w > 0, n, jnp.where(finite, e, 0.0))
                         for n, e in zip(lost, residual, strict=True)]  # fmt: skip
-        total_w = replica_sum(w, axis_name)
+        total_w = compress.ordered_sum(w, axis_name)
         return _divide(total, total_w), residual, total_w
 
     return Exchange(init, mean)
@@ -148,9 +147,11 @@ def encoded(axis_name: AxisName, codec: compress.Codec) -> Exchange:
 
 def dct_momentum(axis_name: AxisName, config: dct.DctConfig) -> Exchange:
     """DCT momentum: per replica ``m <- beta m + w delta``; the ``topk`` largest DCT components
-    of each chunk of ``m`` are sent (value and position) and subtracted from ``m``; the mean is
-    the inverse DCT of everybody's sent components, divided by the total weight. Leaves under
-    ``config.min_size`` values are averaged in float32. State: the local momentum ``m``."""
+    of each chunk of ``m`` are sent (float32 value and position) and subtracted from ``m``; the
+    mean is the inverse DCT of everybody's sent components (added replica by replica,
+    :func:`dct.decode_sum`), divided by the total weight. Leaves under ``config.min_size``
+    values are averaged in float32 (replica order). State: the float32 local momentum ``m``
+    (``[padded size]``, per replica)."""
 
     def init(leaves):
         big, _ = _split_big(leaves, config.min_size)
@@ -160,8 +161,10 @@ def dct_momentum(axis_name: AxisName, config: dct.DctConfig) -> Exchange:
     def mean(delta, w, finite, momentum):
         big, small = _split_big(delta, config.min_size)
         out = list(delta)
-        for i in small:
-            out[i] = replica_sum(jnp.where(w > 0, w * delta[i], 0.0), axis_name)
+        if small:
+            sent = _concat(_weighted(delta, w), small)
+            total, _ = compress.compressed_sum(sent, axis_name, compress.FLOAT32)
+            _scatter(out, delta, small, total)
         if big:
             flat = _concat(delta, big)
             flat = jnp.pad(flat, (0, momentum.shape[0] - flat.shape[0]))
@@ -170,11 +173,9 @@ def dct_momentum(axis_name: AxisName, config: dct.DctConfig) -> Exchange:
             # a replica left out sends zeros and keeps its momentum (dropped if non-finite)
             vals_NxK = jnp.where(w > 0, vals_NxK, 0.0)
             momentum = jnp.where(w > 0, kept, jnp.where(finite, momentum, 0.0))
-            for name in names(axis_name):  # everybody's (values, positions), then decode
-                vals_NxK, idx_NxK = lax.all_gather((vals_NxK, idx_NxK), name, axis=1, tiled=True)
-            total = dct.decode(vals_NxK, idx_NxK, config.chunk)
-            _scatter(out, delta, big, total)
-        total_w = replica_sum(w, axis_name)
+            vals_RxNxK, idx_RxNxK = compress.gather_in_order((vals_NxK, idx_NxK), axis_name)
+            _scatter(out, delta, big, dct.decode_sum(vals_RxNxK, idx_RxNxK, config.chunk))
+        total_w = compress.ordered_sum(w, axis_name)
         return _divide(out, total_w), momentum, total_w
 
     return Exchange(init, mean)

@@ -32,17 +32,21 @@ def tiny_model(seed=0):
 
 
 def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0,
-          replica_ids=None, batch=BATCH, shards=None, control=None, prepare=None):  # fmt: skip
+          replica_ids=None, batch=BATCH, shards=None, control=None, prepare=None, task=None,
+          params=None, shards_RxS=None):  # fmt: skip
     """The compiled-to-be call of ``num_steps`` steps of the tiny model under ``layout`` and its
-    arguments: ``(fn, args, params)`` (see :func:`run` for the keywords)."""
-    graphdef, params = tiny_model(seed)
+    arguments: ``(fn, args, params)`` (see :func:`run` for the keywords; ``task``, ``params``
+    and ``shards_RxS`` replace the tiny language model, its parameters and its shards)."""
+    graphdef, tiny_params = tiny_model(seed)
+    params = tiny_params if params is None else params
+    task = tasks.language_model(graphdef, seq_len=SEQ_LEN) if task is None else task
     algorithm = algorithm_for_axis(layout.replica_axis_names)
     state = init_replicas(algorithm, params, layout.replicas)
     if prepare is not None:
         state = prepare(state)
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     step = make_replica_step(
-        algorithm, tasks.language_model(graphdef, seq_len=SEQ_LEN), seed=seed, batch_size=batch,
+        algorithm, task, seed=seed, batch_size=batch,
         data_axis=None if mesh is None else parallel.DATA, data_shards=layout.data_devices,
     )  # fmt: skip
     if mesh is None:
@@ -50,7 +54,8 @@ def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0
     else:
         fn = parallel.mesh_steps(step, algorithm.kinds, mesh, num_steps)
     ids = jnp.arange(layout.replicas) if replica_ids is None else jnp.asarray(replica_ids)
-    shards_RxS = replica_shards(corpus_train(), shards or layout.replicas, SEQ_LEN)[ids]
+    if shards_RxS is None:
+        shards_RxS = replica_shards(corpus_train(), shards or layout.replicas, SEQ_LEN)[ids]
     ctrl = full_control(num_steps, layout.replicas) if control is None else StepControl(**control)
     args = (
         parallel.place(state, algorithm.kinds, mesh),
