@@ -25,7 +25,7 @@ def dct_of(cfg: Config) -> DctConfig | None:
     return DctConfig(c.dct_chunk, c.dct_topk, c.dct_beta, c.min_size) if c.codec == "dct" else None
 
 
-def algorithm_from_config(cfg: Config, axis_name, *, diagnostics: bool = False):
+def algorithm_from_config(cfg: Config, axis_name, diagnostics: bool = False):
     """The algorithm that ``cfg`` asks for, reducing over ``axis_name``."""
     inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
     outer = optim.outer_nesterov(

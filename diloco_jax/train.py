@@ -103,10 +103,8 @@ def build(cfg: config_lib.Config) -> Setup:
     problem = problems.load(cfg, replicas)
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
     layout = _layout(cfg, replicas)
-    # The pairwise cosine costs one more all-reduce: worth it only in the simulator.
-    diagnostics = cfg.sim.diagnostics and layout.runtime == "sim"
-    algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names,
-                                             diagnostics=diagnostics)  # fmt: skip
+    diagnostics = cfg.sim.diagnostics and layout.runtime == "sim"  # 1 more all-reduce: sim only
+    algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names, diagnostics)
     if cfg.train.init_from:
         params = resume.warm_start(cfg.train.init_from, params)
     state = init_replicas(algorithm, params, replicas)
