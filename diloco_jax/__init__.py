@@ -2,7 +2,8 @@
 
 ``diloco(inner, outer, sync_every=..., axis_name="replica")`` builds the algorithm over a
 replica-stacked state (``init_replicas``); its ``update`` is written for one replica and
-``diloco_jax.parallel`` runs it over replicas with ``vmap`` (simulator) or ``shard_map`` (mesh);
+``diloco_jax.runtime.parallel`` runs it over replicas with ``vmap`` (simulator) or ``shard_map``
+(mesh);
 ``python -m diloco_jax.train`` trains a Transformer LM (or a ResNet) with it.
 """
 
@@ -19,11 +20,11 @@ from diloco_jax.algorithm import (
     single,
     vmap_axes,
 )
-from diloco_jax.compress import Codec
-from diloco_jax.dct import DctConfig
-from diloco_jax.diagnostics import SyncStats
-from diloco_jax.exchange import replica_mean
-from diloco_jax.optim import inner_adamw, make_algorithm, outer_nesterov
+from diloco_jax.algorithm.compress import Codec
+from diloco_jax.algorithm.dct import DctConfig
+from diloco_jax.algorithm.diagnostics import SyncStats
+from diloco_jax.algorithm.exchange import replica_mean
+from diloco_jax.algorithm.optim import inner_adamw, make_algorithm, outer_nesterov
 
 __all__ = [
     "PER_REPLICA", "SHARED", "Codec", "DctConfig", "Diloco", "DilocoState", "Streaming",

@@ -9,8 +9,8 @@ Bytes come from each leaf's size and wire dtype. Per replica and per reduce of `
   carries ``R * P`` each way, so the time is ``2 * (latency + R * P / bandwidth)``.
 
 DiLoCo reduces its pseudo-gradient once per sync; ``ddp`` reduces its gradient every step;
-``single`` never communicates. With a codec (:mod:`diloco_jax.compress`) ``P`` is the encoded
-size (:func:`sync_payload`).
+``single`` never communicates. With a codec
+(:mod:`diloco_jax.algorithm.compress`) ``P`` is the encoded size (:func:`sync_payload`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from diloco_jax import compress, dct, fragments
+from diloco_jax.algorithm import compress, dct, fragments
+from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.algorithm.plan import SyncPlan
-from diloco_jax.dct import DctConfig
 
 TOPOLOGIES = ("ring", "parameter_server")
 
@@ -58,7 +58,7 @@ def sync_payload(
     carry encoded values). ``topk`` all-gathers ``k`` (value, position) pairs, ``(R - 1) * 8k``
     bytes per replica, written as the ``P = R * 8k / 2`` that the ring formula turns into that;
     DCT momentum (``dct_config``) likewise all-gathers each replica's message
-    (:func:`diloco_jax.dct.message_bytes`)."""
+    (:func:`diloco_jax.algorithm.dct.message_bytes`)."""
     leaves = jax.tree.leaves(tree)
     if dct_config is not None:
         small = sum(4 * leaf.size for leaf in leaves if leaf.size < dct_config.min_size)
@@ -113,7 +113,7 @@ def sync_payloads(
     num_fragments: int = 1,
 ) -> list[int]:
     """``P`` of each fragment's sync (one entry without streaming), fragments as
-    :func:`diloco_jax.fragments.strided` assigns them."""
+    :func:`diloco_jax.algorithm.fragments.strided` assigns them."""
     leaves = jax.tree.leaves(tree)
     groups = fragments.groups(fragments.strided(tree, num_fragments), num_fragments)
     return [sync_payload([leaves[i] for i in idx], codec, replicas, dct_config) for idx in groups]

@@ -14,12 +14,12 @@ import importlib.util
 import pathlib
 from typing import Any, get_type_hints
 
+from diloco_jax.algorithm.compress import CODECS, Codec
 from diloco_jax.algorithm.core import Streaming
+from diloco_jax.algorithm.dct import DctConfig
+from diloco_jax.algorithm.optim import ALGORITHMS
 from diloco_jax.algorithm.timing import OUTER_MODES
-from diloco_jax.compress import CODECS, Codec
-from diloco_jax.dct import DctConfig
-from diloco_jax.model import COMPUTE_DTYPES
-from diloco_jax.optim import ALGORITHMS
+from diloco_jax.tasks.model import COMPUTE_DTYPES
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
 RUNTIMES = ("auto", "sim", "mesh")
@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The Transformer (``diloco_jax/model.py``); size presets: ``configs/lm_*.py``."""
+    """The Transformer (``diloco_jax/tasks/model.py``); size presets: ``configs/lm_*.py``."""
 
     d_model: int = 128
     num_layers: int = 2
@@ -46,7 +46,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ResNetConfig:
-    """The image model (``diloco_jax/vision.py``), used when ``data.corpus`` is an image
+    """The image model (``diloco_jax/tasks/vision.py``), used when ``data.corpus`` is an image
     dataset (``digits``)."""
 
     width: int = 16  # channels of the first stage (doubling per stage)
@@ -142,7 +142,7 @@ class SimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CompressConfig:
-    """How DiLoCo's pseudo-gradients travel; see ``diloco_jax/compress.py``."""
+    """How DiLoCo's pseudo-gradients travel; see ``diloco_jax/algorithm/compress.py``."""
 
     # defaults are the library's own (Codec, DctConfig): one source
     codec: str = _CODEC.name  # none | bf16 | int8 | fp8 | int4 | topk | dct (DCT momentum)

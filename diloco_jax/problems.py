@@ -8,10 +8,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from diloco_jax import config as config_lib
-from diloco_jax import model as model_lib
-from diloco_jax import tasks, vision
+from diloco_jax import tasks
 from diloco_jax.data import eval_windows, load_corpus, replica_shards, unigram_entropy
 from diloco_jax.data.images import image_shards, is_image_data, load_images
+from diloco_jax.tasks import model as model_lib
+from diloco_jax.tasks import vision
 
 
 class Problem(NamedTuple):

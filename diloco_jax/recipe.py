@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from diloco_jax import optim
-from diloco_jax.algorithm import Streaming
-from diloco_jax.compress import Codec
+from diloco_jax.algorithm import Streaming, optim
+from diloco_jax.algorithm.compress import Codec
+from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.config import Config
-from diloco_jax.dct import DctConfig
 
 
 def codec_of(cfg: Config) -> Codec | None:

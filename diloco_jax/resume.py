@@ -17,11 +17,11 @@ from typing import Any, NamedTuple
 
 import jax
 
-from diloco_jax import checkpoint, parallel
 from diloco_jax import config as config_lib
 from diloco_jax.algorithm import PER_REPLICA, init_replicas
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.reporting import log
+from diloco_jax.runtime import checkpoint, parallel
 
 # The keys a resume may change: they leave the training computation (every step's parameters)
 # and the meaning of the logged numbers as they were. Every other key changes the training (the

@@ -2,7 +2,7 @@
 
 Everything here is host-side numpy and a pure function of the config, the seed and the step, so
 the compiled step stays one function and a resumed run sees the same schedule. The masks feed
-:class:`diloco_jax.step.StepControl` (``[N, R]`` for a call of N steps).
+:class:`diloco_jax.runtime.step.StepControl` (``[N, R]`` for a call of N steps).
 
 * Speeds: replica ``r`` computes at ``speeds[r]`` relative speed. With fixed ``sync_every`` every
   replica takes every step (fast ones then wait at the sync: see ``sim/clock.py``). With Dynamic

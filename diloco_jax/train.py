@@ -19,27 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import (
-    checkpoint,
-    cli,
-    distributed,
-    parallel,
-    problems,
-    recipe,
-    reporting,
-    resume,
-    schedule,
-)
+from diloco_jax import cli, distributed, problems, recipe, reporting, resume, schedule
 from diloco_jax import config as config_lib
-from diloco_jax import model as model_lib
 from diloco_jax.algorithm import PER_REPLICA, init_replicas
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.data import DataError
 from diloco_jax.preemption import Preemption
 from diloco_jax.reporting import log
-from diloco_jax.sample import generate_text
-from diloco_jax.step import StepControl, make_replica_step
+from diloco_jax.runtime import checkpoint, parallel
+from diloco_jax.runtime.step import StepControl, make_replica_step
 from diloco_jax.tasks import Task
+from diloco_jax.tasks import model as model_lib
+from diloco_jax.tasks.sample import generate_text
 
 
 @dataclasses.dataclass

@@ -30,11 +30,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from diloco_jax import comms, compress, dct  # noqa: E402
-from diloco_jax import model as model_lib  # noqa: E402
-from diloco_jax.compress import Codec  # noqa: E402
+from diloco_jax import comms  # noqa: E402
+from diloco_jax.algorithm import compress, dct  # noqa: E402
+from diloco_jax.algorithm.compress import Codec  # noqa: E402
+from diloco_jax.algorithm.dct import DctConfig  # noqa: E402
 from diloco_jax.data import VOCAB_SIZE  # noqa: E402
-from diloco_jax.dct import DctConfig  # noqa: E402
+from diloco_jax.tasks import model as model_lib  # noqa: E402
 
 BIG = {"d_model": 2048, "num_layers": 20, "num_heads": 16, "mlp_ratio": 4}  # ~1.0 B parameters
 DEFAULT = {"d_model": 128, "num_layers": 2, "num_heads": 4, "mlp_ratio": 4}

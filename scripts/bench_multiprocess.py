@@ -36,8 +36,8 @@ def worker(preset: str, rounds: int, sync_every: int, saves: int, out: str) -> N
     import jax
     import numpy as np
 
-    from diloco_jax import checkpoint
     from diloco_jax.config import apply_overrides, load_preset, to_dict
+    from diloco_jax.runtime import checkpoint
     from diloco_jax.train import build, chunk_control
 
     over = {"parallel.runtime": "mesh", "parallel.replica_devices": 2, "parallel.data_devices": 1,

@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax import algorithm as algorithm_lib
-from diloco_jax import model as model_lib
-from diloco_jax import optim, parallel, tasks
-from diloco_jax.algorithm import init_replicas
+from diloco_jax import tasks
+from diloco_jax.algorithm import init_replicas, optim
 from diloco_jax.data import VOCAB_SIZE, load_corpus, replica_shards
-from diloco_jax.step import StepControl, full_control, make_replica_step
+from diloco_jax.runtime import parallel
+from diloco_jax.runtime.step import StepControl, full_control, make_replica_step
+from diloco_jax.tasks import model as model_lib
 
 SEQ_LEN = 16
 BATCH = 4

@@ -17,10 +17,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from diloco_jax import checkpoint, cli, reporting, resume
+from diloco_jax import cli, reporting, resume
 from diloco_jax import config as config_lib
-from diloco_jax.checkpoint import CheckpointError
 from diloco_jax.config import apply_overrides, load_preset
+from diloco_jax.runtime import checkpoint
+from diloco_jax.runtime.checkpoint import CheckpointError
 from diloco_jax.train import build, main, train
 
 

@@ -7,8 +7,15 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import optim
-from diloco_jax.algorithm import PER_REPLICA, SHARED, DilocoState, data_parallel, diloco, single
+from diloco_jax.algorithm import (
+    PER_REPLICA,
+    SHARED,
+    DilocoState,
+    data_parallel,
+    diloco,
+    optim,
+    single,
+)
 from diloco_jax.algorithm import state as state_lib
 from tests import helpers
 
@@ -135,8 +142,8 @@ def test_inner_sgd_sync1_outer_sgd1_is_synchronous_data_parallel_sgd():
 
 def big_batch_sgd(replicas, steps, lr):
     """One model, plain SGD on the concatenation of every replica's batch."""
-    from diloco_jax import model as model_lib
     from diloco_jax.data import replica_shards, sample_batch
+    from diloco_jax.tasks import model as model_lib
 
     graphdef, params = helpers.tiny_model()
     shards_RxS = jnp.asarray(replica_shards(helpers.corpus_train(), replicas, helpers.SEQ_LEN))

@@ -12,9 +12,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import distributed, parallel
+from diloco_jax import distributed
 from diloco_jax.config import ConfigError
 from diloco_jax.distributed import Cluster, ConsistencyError, resolve
+from diloco_jax.runtime import parallel
 from diloco_jax.train import main
 
 ENV = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",

@@ -8,9 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import dct, optim
-from diloco_jax.algorithm import Streaming, diloco
-from diloco_jax.compress import Codec
+from diloco_jax.algorithm import Streaming, dct, diloco, optim
+from diloco_jax.algorithm.compress import Codec
 from tests import test_diloco, test_variants
 
 F64_TARGETS = test_variants.TARGETS_RxFxD.astype(np.float64)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco_jax import model as model_lib
 from diloco_jax.config import apply_overrides, load_preset, validate
+from diloco_jax.tasks import model as model_lib
 
 SMALL = dict(vocab_size=256, seq_len=16, d_model=16, num_layers=2, num_heads=2, mlp_ratio=2)
 TOKENS = jax.random.randint(jax.random.key(0), (3, 12), 0, 256)

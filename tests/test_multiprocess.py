@@ -14,10 +14,10 @@ import chex
 import jax
 import pytest
 
-from diloco_jax import checkpoint
-from diloco_jax import model as model_lib
 from diloco_jax.config import apply_overrides, load_preset
 from diloco_jax.launch import child_env, free_port
+from diloco_jax.runtime import checkpoint
+from diloco_jax.tasks import model as model_lib
 from diloco_jax.train import train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import optim, parallel
-from diloco_jax.algorithm import data_parallel, diloco
+from diloco_jax.algorithm import data_parallel, diloco, optim
+from diloco_jax.runtime import parallel
 from tests import helpers
 
 STEPS = 8  # two syncs at sync_every=3 plus local steps after the last one
@@ -58,7 +58,7 @@ def test_jitted_step_traces_once():
     from diloco_jax import tasks
     from diloco_jax.algorithm import init_replicas, vmap_axes
     from diloco_jax.data import replica_shards
-    from diloco_jax.step import full_control, make_replica_step, scan_steps
+    from diloco_jax.runtime.step import full_control, make_replica_step, scan_steps
 
     graphdef, params = helpers.tiny_model()
     tx = diloco_tx("replica")

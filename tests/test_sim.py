@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import comms, optim, schedule
-from diloco_jax.algorithm import diloco
+from diloco_jax import comms, schedule
+from diloco_jax.algorithm import diloco, optim
 from diloco_jax.config import Config, ConfigError, apply_overrides, validate
 from sim import clock
 from tests import helpers

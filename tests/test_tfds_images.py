@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diloco_jax import tasks, vision
+from diloco_jax import tasks
 from diloco_jax.config import ConfigError, apply_overrides, load_preset, validate
 from diloco_jax.data import DataError, tfds_images, tfds_io
 from diloco_jax.data.images import load_images, sample_images
 from diloco_jax.data.prepare import main as prepare_main
+from diloco_jax.tasks import vision
 from diloco_jax.train import train
 
 

@@ -7,9 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import checkpoint, model
 from diloco_jax.config import apply_overrides, load_preset
-from diloco_jax.sample import generate_text
+from diloco_jax.runtime import checkpoint
+from diloco_jax.tasks import model
+from diloco_jax.tasks.sample import generate_text
 from diloco_jax.train import build, train
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import dct, exchange, fragments, optim, parallel
-from diloco_jax.algorithm import Streaming, SyncPlan, diloco
+from diloco_jax.algorithm import Streaming, SyncPlan, dct, diloco, exchange, fragments, optim
+from diloco_jax.runtime import parallel
 from tests import helpers
 
 NESTEROV = dict(outer_lr=0.7, mu=0.9)

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco_jax import vision
 from diloco_jax.config import apply_overrides, load_preset
 from diloco_jax.data.images import image_shards, load_images, sample_images
+from diloco_jax.tasks import vision
 from diloco_jax.train import train
 
 

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from diloco_jax.algorithm.exchange import AxisName, replica_mean
 from diloco_jax.algorithm.state import PER_REPLICA, SHARED
-from diloco_jax.exchange import AxisName, replica_mean
 
 
 class LocalState(NamedTuple):

@@ -4,7 +4,7 @@ Each replica ``r`` runs an inner optimizer on its own data. Every ``sync_every``
 replicas average their pseudo-gradients and an outer optimizer moves the shared anchor::
 
     delta_r   = anchor - params_r                      # pseudo-gradient (points uphill)
-    Delta     = sum_r w_r delta_r / sum_r w_r          # an Exchange (diloco_jax.exchange)
+    Delta     = sum_r w_r delta_r / sum_r w_r          # an Exchange (diloco_jax.algorithm.exchange)
     anchor'   = anchor + outer.update(Delta, outer_state, anchor)
     params_r' = anchor'                                # every replica restarts from the anchor
 
@@ -16,7 +16,7 @@ The state (:class:`DilocoState`) holds the replicas' parameters itself; which fi
 replica and which shared is declared once (:meth:`Diloco.kinds`) and every layout derives from
 it (:mod:`diloco_jax.algorithm.state`). A sync assigns the anchor to the replicas directly.
 
-Variants are pieces chosen by argument: how the mean travels (:mod:`diloco_jax.exchange`), when
+Variants are pieces chosen by argument: how the mean travels (:mod:`.exchange`), when
 fragments sync and land (:class:`~diloco_jax.algorithm.plan.SyncPlan`, Streaming DiLoCo), when
 the outer step applies (:mod:`diloco_jax.algorithm.timing`). :meth:`Diloco.update` is written for
 one replica and runs under a named axis spanning the replicas (``jax.vmap(...,
@@ -39,13 +39,13 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from diloco_jax import compress, dct, exchange, fragments
+from diloco_jax.algorithm import compress, dct, exchange, fragments
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.algorithm.diagnostics import SyncStats, sync_stats, zero_stats
+from diloco_jax.algorithm.exchange import AxisName
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.algorithm.state import PER_REPLICA, SHARED
 from diloco_jax.algorithm.timing import Timing, make_timing
-from diloco_jax.diagnostics import SyncStats, sync_stats, zero_stats
-from diloco_jax.exchange import AxisName
 
 
 class Streaming(NamedTuple):
@@ -337,10 +337,10 @@ def diloco(
         paper keeps it; a reset also restarts any step count inside ``inner`` (its schedule).
       diagnostics: also compute the mean pairwise cosine of pseudo-gradients at each sync (one
         more all-reduce of parameter size).
-      codec: how pseudo-gradients travel (:mod:`diloco_jax.compress`); None or ``"none"``:
+      codec: how pseudo-gradients travel (:mod:`diloco_jax.algorithm.compress`); None or ``"none"``:
         float32. With ``codec.error_feedback`` each replica keeps what its encoding lost and
         adds it to its next pseudo-gradient.
-      dct_config: exchange DCT momentum instead (:func:`diloco_jax.exchange.dct_momentum`).
+      dct_config: exchange DCT momentum instead (:func:`.exchange.dct_momentum`).
       streaming: :class:`Streaming` fragments, overlap and mix (None: plain DiLoCo).
       outer_mode: ``sync`` (the paper), ``delayed`` or ``eager``
         (:mod:`diloco_jax.algorithm.timing`).

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
+from diloco_jax.algorithm.exchange import AxisName, replica_sum
 from diloco_jax.algorithm.state import PER_REPLICA, SHARED
-from diloco_jax.exchange import AxisName, replica_sum
 
 OUTER_MODES = ("sync", "delayed", "eager")
 

@@ -5,7 +5,7 @@ An :class:`Exchange` turns each replica's weighted pseudo-gradient into the repl
     mean = sum_r w_r delta_r / sum_r w_r          (w_r = 0: replica r is left out)
 
 * :func:`plain`: a float32 ``pmean`` (the paper's DiLoCo). No state.
-* :func:`encoded`: the pseudo-gradient travels through a codec (:mod:`diloco_jax.compress`);
+* :func:`encoded`: the pseudo-gradient travels through a codec (:mod:`.compress`);
   with error feedback each replica keeps what its encoding lost and adds it to its next one.
 * :func:`dct_momentum`: a local momentum of pseudo-gradients is cut into chunks and transformed
   by a DCT; only the largest components travel and leave the local momentum (DeMo, Peng et al.,
@@ -17,7 +17,7 @@ list of leaves (a fragment of the parameters, or all of them). :func:`encoded` a
 :func:`dct_momentum` compute the same values on every layout: each replica encodes its own
 pseudo-gradient (a virtual replica exactly as a replica on its own device), and every sum over
 replicas, of decoded messages, small leaves and weights alike, is taken in float32 in replica
-order (:mod:`diloco_jax.compress`), because a lossy codec turns a last-bit difference of its
+order (:mod:`.compress`), because a lossy codec turns a last-bit difference of its
 input into a whole code step.
 """
 
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from diloco_jax import compress, dct
+from diloco_jax.algorithm import compress, dct
 
 AxisName = compress.AxisName
 names = compress.names

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.axes import DATA, LOCAL_REPLICA, REPLICA
-from diloco_jax.step import scan_steps
+from diloco_jax.runtime.step import scan_steps
 
 
 class Layout(NamedTuple):

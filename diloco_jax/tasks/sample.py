@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from diloco_jax import model as model_lib
 from diloco_jax.data.tokenizer import ByteTokenizer
+from diloco_jax.tasks import model as model_lib
 
 
 @partial(jax.jit, static_argnames=("graphdef", "num_tokens", "seq_len", "temperature"))

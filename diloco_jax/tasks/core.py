@@ -1,7 +1,7 @@
 """Tasks: what a replica samples, its loss, and the evaluation of the outer parameters.
 
 A :class:`Task` is built for one model (its ``graphdef``) and one data layout, so the train
-step (:func:`diloco_jax.step.make_replica_step`) is generic: language modelling and image
+step (:func:`diloco_jax.runtime.step.make_replica_step`) is generic: language modelling and image
 classification go through the same step.
 """
 
@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from diloco_jax import model as model_lib
-from diloco_jax import vision
 from diloco_jax.data import sample_batch
 from diloco_jax.data.images import as_float, sample_images
+from diloco_jax.tasks import model as model_lib
+from diloco_jax.tasks import vision
 
 
 class Task(NamedTuple):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diloco_jax.exchange import replica_sum
+from diloco_jax.algorithm.exchange import replica_sum
 
 
 class SyncStats(NamedTuple):

@@ -1,4 +1,4 @@
-"""The chunked DCT of DCT momentum (:func:`diloco_jax.exchange.dct_momentum`).
+"""The chunked DCT of DCT momentum (:func:`diloco_jax.algorithm.exchange.dct_momentum`).
 
 A float32 vector is cut into chunks ``x_NxS`` of ``S`` values; each chunk is transformed by the
 orthonormal DCT-II ``C_NxS = x_NxS @ D_SxS.T`` (so ``x = C @ D``: the inverse is the transpose).
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from diloco_jax import compress
+from diloco_jax.algorithm import compress
 
 
 class DctConfig(NamedTuple):

@@ -3,7 +3,7 @@
 ``make_replica_step`` returns ``replica_step(state, replica, shard, control) -> (state,
 metrics)`` for a single replica (``shard``: its own slice of the training data). The simulator
 runs it under ``jax.vmap`` and the mesh runtime under ``jax.shard_map``
-(:mod:`diloco_jax.parallel`); no other implementation of the algorithm exists.
+(:mod:`diloco_jax.runtime.parallel`); no other implementation of the algorithm exists.
 """
 
 from __future__ import annotations

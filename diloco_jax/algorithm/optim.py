@@ -10,9 +10,9 @@ from __future__ import annotations
 import optax
 
 from diloco_jax.algorithm import Streaming, data_parallel, diloco, single
-from diloco_jax.compress import Codec
-from diloco_jax.dct import DctConfig
-from diloco_jax.exchange import AxisName
+from diloco_jax.algorithm.compress import Codec
+from diloco_jax.algorithm.dct import DctConfig
+from diloco_jax.algorithm.exchange import AxisName
 
 ALGORITHMS = ("diloco", "ddp", "single")
 
