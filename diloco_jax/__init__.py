@@ -2,9 +2,8 @@
 
 ``diloco(inner, outer, sync_every=..., axis_name="replica")`` builds the algorithm over a
 replica-stacked state (``init_replicas``); its ``update`` is written for one replica and
-``diloco_jax.runtime.parallel`` runs it over replicas with ``vmap`` (simulator) or ``shard_map``
-(mesh);
-``python -m diloco_jax.train`` trains a Transformer LM (or a ResNet) with it.
+``diloco_jax.runtime.parallel`` runs it over replicas with ``vmap`` (simulator) or
+``shard_map`` (mesh); ``python -m diloco_jax.train`` trains a Transformer LM (or a ResNet) with it.
 """
 
 from diloco_jax.algorithm import (
@@ -12,8 +11,10 @@ from diloco_jax.algorithm import (
     SHARED,
     Diloco,
     DilocoState,
+    OptionError,
     Streaming,
     SyncPlan,
+    check_options,
     data_parallel,
     diloco,
     init_replicas,
@@ -27,7 +28,8 @@ from diloco_jax.algorithm.exchange import replica_mean
 from diloco_jax.algorithm.optim import inner_adamw, make_algorithm, outer_nesterov
 
 __all__ = [
-    "PER_REPLICA", "SHARED", "Codec", "DctConfig", "Diloco", "DilocoState", "Streaming",
-    "SyncPlan", "SyncStats", "data_parallel", "diloco", "init_replicas", "inner_adamw",
-    "make_algorithm", "outer_nesterov", "replica_mean", "single", "vmap_axes",
+    "PER_REPLICA", "SHARED", "Codec", "DctConfig", "Diloco", "DilocoState", "OptionError",
+    "Streaming", "SyncPlan", "SyncStats", "check_options", "data_parallel", "diloco",
+    "init_replicas", "inner_adamw", "make_algorithm", "outer_nesterov", "replica_mean", "single",
+    "vmap_axes",
 ]  # fmt: skip

@@ -18,7 +18,6 @@ from diloco_jax.algorithm.compress import CODECS, Codec
 from diloco_jax.algorithm.core import Streaming
 from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.algorithm.optim import ALGORITHMS
-from diloco_jax.algorithm.timing import OUTER_MODES
 from diloco_jax.tasks.model import COMPUTE_DTYPES
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
@@ -255,13 +254,12 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 _POSITIVE = (
     "model.d_model", "model.num_layers", "model.num_heads", "model.mlp_ratio", "data.seq_len",
-    "data.batch_size", "outer.sync_every", "parallel.replicas", "train.total_steps",
-    "train.log_every", "train.eval_every", "train.keep_checkpoints", "streaming.fragments",
-    "compress.dct_chunk", "compress.dct_topk", "resnet.width", "resnet.stages", "resnet.depth",
+    "data.batch_size", "parallel.replicas", "train.total_steps", "train.log_every",
+    "train.eval_every", "train.keep_checkpoints", "resnet.width", "resnet.stages", "resnet.depth",
 )  # fmt: skip
 _NON_NEGATIVE = (
     "parallel.replica_devices", "parallel.data_devices", "inner.warmup_steps", "train.sample_chars",
-    "train.checkpoint_every", "streaming.overlap", "data.image_size",
+    "train.checkpoint_every", "data.image_size",
 )  # fmt: skip
 
 
@@ -279,6 +277,7 @@ def validate(cfg: Config) -> None:
     rules = [(key, flat[key] >= 1, "must be an integer >= 1") for key in _POSITIVE]
     rules += [(key, flat[key] >= 0, "must be >= 0") for key in _NON_NEGATIVE]
     _enforce(rules, flat)
+    _validate_library_options(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     rules = [
         ("algorithm", cfg.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
@@ -309,49 +308,42 @@ def validate(cfg: Config) -> None:
          "sync boundaries)"),
     ]  # fmt: skip
     _enforce(rules, flat)
-    c = cfg.compress
-    codecs = (*CODECS, "dct")
-    rules = [
-        ("compress.codec", c.codec in codecs, f"must be one of {codecs}"),
-        ("compress.block", c.block >= 2 and c.block % 2 == 0, "must be an even integer >= 2"),
-        ("compress.topk_fraction", 0 < c.topk_fraction <= 1, "must be in (0, 1]"),
-        ("compress.min_size", c.min_size >= 0, "must be >= 0"),
-        ("compress.codec", c.codec == "none" or cfg.algorithm == "diloco",
-         f"compresses DiLoCo's pseudo-gradients; algorithm is {cfg.algorithm!r}"),
-    ]  # fmt: skip
-    _enforce(rules, keys(cfg))
     _validate_variants(cfg)
     _validate_sim(cfg)
 
 
+def _validate_library_options(cfg: Config) -> None:
+    """The library's own checks of DiLoCo's arguments (``check_options``: ranges and what
+    combines), reported with config keys."""
+    from diloco_jax import recipe
+    from diloco_jax.algorithm import OptionError
+
+    codecs = (*CODECS, "dct")  # the config's codec key also chooses DCT momentum
+    _enforce([("compress.codec", cfg.compress.codec in codecs, f"must be one of {codecs}")],
+             keys(cfg))  # fmt: skip
+    try:
+        recipe.check(cfg)
+    except OptionError as e:
+        key = recipe.KEY_OF_OPTION[e.option]
+        allowed = e.render(recipe.KEY_OF_OPTION)
+        raise ConfigError(f"config key {key} = {keys(cfg)[key]!r} is invalid: {allowed}") from None
+
+
 def _validate_variants(cfg: Config) -> None:
-    """Streaming, overlapped outer steps and DCT momentum: their ranges and what combines."""
+    """What the config adds to the library's checks: which variants need DiLoCo, fragments
+    against the model's layers, one error-feedback key shared by codecs and DCT momentum."""
     c, st, o = cfg.compress, cfg.streaming, cfg.outer
     diloco, plain = cfg.algorithm == "diloco", st.fragments == 1 and st.overlap == 0
-    period = o.sync_every // st.fragments
     sim = cfg.sim
     rules = [
-        ("compress.dct_topk", c.dct_topk <= c.dct_chunk,
-         f"must be <= compress.dct_chunk = {c.dct_chunk}"),
-        ("compress.dct_beta", 0 <= c.dct_beta <= 1, "must be in [0, 1]"),
-        ("outer.mode", o.mode in OUTER_MODES, f"must be one of {OUTER_MODES}"),
+        ("compress.codec", c.codec == "none" or diloco,
+         f"compresses DiLoCo's pseudo-gradients; algorithm is {cfg.algorithm!r}"),
         ("outer.mode", o.mode == "sync" or diloco,
          f"overlaps DiLoCo's outer step; algorithm is {cfg.algorithm!r}"),
         ("streaming.fragments", st.fragments == 1 or diloco,
          f"streams DiLoCo's syncs; algorithm is {cfg.algorithm!r}"),
-        ("streaming.fragments", o.sync_every % st.fragments == 0,
-         f"must divide outer.sync_every = {o.sync_every}"),
         ("streaming.fragments", st.fragments <= cfg.model.num_layers,
          f"must be <= model.num_layers = {cfg.model.num_layers} (fragments are strided layers)"),
-        ("streaming.overlap", st.overlap < max(period, 1),
-         f"must be < outer.sync_every / streaming.fragments = {period}"),
-        ("streaming.mix", 0 <= st.mix < 1, "must be in [0, 1)"),
-        ("outer.mode", o.mode == "sync" or plain,
-         "must be 'sync' with streaming (fragments > 1 or overlap > 0)"),
-        ("outer.reset_inner_state", not o.reset_inner_state or st.fragments == 1,
-         "does not combine with streaming.fragments > 1"),
-        ("compress.codec", c.codec != "dct" or plain,
-         "dct does not combine with streaming (fragments > 1 or overlap > 0)"),
         ("compress.error_feedback", c.codec != "dct" or not c.error_feedback,
          "dct keeps what it does not send in its momentum already; set it to false"),
         ("streaming.fragments", plain or not (sim.speeds or sim.dylu or sim.drop or sim.drop_prob),

@@ -1,14 +1,29 @@
 """The training application's edge: a :class:`~diloco_jax.config.Config` turned into the
-library's objects (the library itself never reads a config)."""
+library's objects (the library itself never reads a config), and the library's argument checks
+applied to a config, with the library's argument names written as config keys."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from diloco_jax.algorithm import Streaming, optim
+from diloco_jax.algorithm import Streaming, check_options, optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.dct import DctConfig
-from diloco_jax.config import Config
+
+if TYPE_CHECKING:  # config imports this module to check its values
+    from diloco_jax.config import Config
+
+KEY_OF_OPTION = {
+    "sync_every": "outer.sync_every", "outer_mode": "outer.mode",
+    "reset_inner_state": "outer.reset_inner_state", "streaming.fragments": "streaming.fragments",
+    "streaming.overlap": "streaming.overlap", "streaming.mix": "streaming.mix",
+    "codec.name": "compress.codec", "codec.block": "compress.block",
+    "codec.topk_fraction": "compress.topk_fraction", "codec.min_size": "compress.min_size",
+    "dct_config": "compress.codec", "dct.chunk": "compress.dct_chunk",
+    "dct.topk": "compress.dct_topk", "dct.beta": "compress.dct_beta",
+    "dct.min_size": "compress.min_size",
+}  # fmt: skip
 
 
 def codec_of(cfg: Config) -> Codec | None:
@@ -24,6 +39,24 @@ def dct_of(cfg: Config) -> DctConfig | None:
     return DctConfig(c.dct_chunk, c.dct_topk, c.dct_beta, c.min_size) if c.codec == "dct" else None
 
 
+def _variants(cfg: Config) -> dict:
+    """:func:`~diloco_jax.algorithm.diloco`'s variant arguments, as ``cfg`` sets them."""
+    return dict(
+        sync_every=cfg.outer.sync_every,
+        streaming=Streaming(**dataclasses.asdict(cfg.streaming)),
+        outer_mode=cfg.outer.mode,
+        codec=codec_of(cfg),
+        dct_config=dct_of(cfg),
+        reset_inner_state=cfg.outer.reset_inner_state,
+    )
+
+
+def check(cfg: Config) -> None:
+    """Applies the library's own checks of DiLoCo's arguments to ``cfg``; raises
+    :class:`~diloco_jax.algorithm.OptionError` (see :data:`KEY_OF_OPTION` for the keys)."""
+    check_options(**_variants(cfg))
+
+
 def algorithm_from_config(cfg: Config, axis_name, diagnostics: bool = False):
     """The algorithm that ``cfg`` asks for, reducing over ``axis_name``."""
     inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
@@ -33,15 +66,5 @@ def algorithm_from_config(cfg: Config, axis_name, diagnostics: bool = False):
         nesterov=cfg.outer.nesterov,
     )
     return optim.make_algorithm(
-        cfg.algorithm,
-        inner,
-        outer,
-        sync_every=cfg.outer.sync_every,
-        axis_name=axis_name,
-        reset_inner_state=cfg.outer.reset_inner_state,
-        diagnostics=diagnostics,
-        codec=codec_of(cfg),
-        dct_config=dct_of(cfg),
-        streaming=Streaming(**dataclasses.asdict(cfg.streaming)),
-        outer_mode=cfg.outer.mode,
+        cfg.algorithm, inner, outer, axis_name=axis_name, diagnostics=diagnostics, **_variants(cfg)
     )

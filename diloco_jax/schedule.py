@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from diloco_jax.algorithm import SyncPlan
+
 
 def parse_speeds(text: str, replicas: int) -> np.ndarray:
     """``"1,0.5,..."`` -> float64 ``[R]`` (all ones for ``""``)."""
@@ -88,14 +90,19 @@ def control(
     num_steps: int,
     *,
     replicas: int,
-    sync_every: int,
+    plan: SyncPlan,
     speeds: np.ndarray,
     dylu: bool,
     drops,
     drop_prob: float,
     seed: int,
 ) -> dict[str, np.ndarray]:
-    """The ``StepControl`` fields for steps ``start .. start + num_steps - 1`` as ``[N, R]``."""
+    """The ``StepControl`` fields for steps ``start .. start + num_steps - 1`` (0-based: index
+    ``t`` is inner step ``t + 1`` of ``plan``) as ``[N, R]``. Stragglers and failures act on whole
+    rounds, so ``plan`` must not stream."""
+    if plan.streaming:
+        raise ValueError("straggler and failure schedules need a plan without streaming")
+    sync_every = plan.sync_every
     steps_R = local_steps(speeds, sync_every, dylu)
     # weights proportional to steps taken, 1.0 for a full round (so equal speeds give plain DiLoCo)
     weight_R = (steps_R / sync_every).astype(np.float32)
@@ -105,8 +112,8 @@ def control(
     kw = dict(replicas=replicas, drops=drops, drop_prob=drop_prob, seed=seed)
     for i, t in enumerate(range(start, start + num_steps)):
         active[i] = t % sync_every < steps_R
-        if (t + 1) % sync_every == 0:
-            k = t // sync_every
+        if plan.starting(t + 1)[0]:
+            k = plan.rounds(t + 1) - 1  # the outer step this sync makes
             up = connected(k, **kw)
             was_up = connected(k - 1, **kw) if k > 0 else np.ones(replicas, bool)
             weight[i] = weight_R * (up & was_up)

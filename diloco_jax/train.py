@@ -148,7 +148,7 @@ def chunk_control(cfg: config_lib.Config, s: Setup, start: int) -> StepControl:
     """Stragglers' and failures' masks for the ``log_every`` steps from ``start``."""
     replicas = s.layout.replicas
     masks = schedule.control(
-        start, cfg.train.log_every, replicas=replicas, sync_every=cfg.outer.sync_every,
+        start, cfg.train.log_every, replicas=replicas, plan=s.algorithm.plan,
         speeds=schedule.parse_speeds(cfg.sim.speeds, replicas), dylu=cfg.sim.dylu,
         drops=schedule.parse_drops(cfg.sim.drop, replicas), drop_prob=cfg.sim.drop_prob,
         seed=cfg.seed,

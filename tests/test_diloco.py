@@ -11,12 +11,16 @@ from diloco_jax.algorithm import (
     PER_REPLICA,
     SHARED,
     DilocoState,
+    OptionError,
+    Streaming,
     data_parallel,
     diloco,
     optim,
     single,
 )
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.algorithm.compress import Codec
+from diloco_jax.algorithm.dct import DctConfig
 from tests import helpers
 
 CENTERS_RxD = np.array([[1.0, -2.0], [3.0, 0.5]], np.float32)
@@ -205,8 +209,31 @@ def test_kinds_declare_each_field_once_and_every_layout_follows():
 
 
 def test_sync_every_below_one_is_rejected():
-    with pytest.raises(ValueError, match="sync_every must be >= 1"):
+    with pytest.raises(ValueError, match="sync_every = 0 is invalid: must be an integer >= 1"):
         diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,option,allowed",
+    [
+        (dict(streaming=Streaming(fragments=2), outer_mode="eager"), "outer_mode",
+         "must be 'sync' with streaming (streaming.fragments > 1 or streaming.overlap > 0)"),
+        (dict(streaming=Streaming(overlap=1), dct_config=DctConfig()), "dct_config",
+         "DCT momentum does not combine with streaming"),
+        (dict(codec=Codec("int8"), dct_config=DctConfig()), "dct_config", "not both"),
+        (dict(codec=Codec("int8", block=3)), "codec.block", "must be an even integer >= 2"),
+        (dict(dct_config=DctConfig(chunk=8, topk=9)), "dct.topk", "must be in [1, dct.chunk = 8]"),
+        (dict(outer_mode="lazy"), "outer_mode", "must be one of"),
+    ],
+)  # fmt: skip
+def test_option_errors_name_the_argument_and_map_to_other_names(kwargs, option, allowed):
+    """Every refused argument raises OptionError naming it; an edge renders the rule with its
+    own names (the config layer's keys)."""
+    with pytest.raises(OptionError) as info:
+        diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=4, **kwargs)
+    assert info.value.option == option and allowed in str(info.value)
+    renamed = info.value.render({"dct.chunk": "compress.dct_chunk"})
+    assert "dct.chunk" not in renamed.replace("compress.dct_chunk", "")
 
 
 def _poison(replicas_to_poison):

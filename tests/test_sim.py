@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from diloco_jax import comms, schedule
-from diloco_jax.algorithm import diloco, optim
+from diloco_jax.algorithm import SyncPlan, diloco, optim
 from diloco_jax.config import Config, ConfigError, apply_overrides, validate
 from sim import clock
 from tests import helpers
@@ -57,7 +57,7 @@ def test_network_clock_two_replicas_hand_computed():
 def test_dylu_steps_and_masks():
     speeds = np.array([1.0, 0.5, 0.26])
     np.testing.assert_array_equal(schedule.local_steps(speeds, 10, True), [10, 5, 2])
-    masks = schedule.control(0, 10, replicas=3, sync_every=10, speeds=speeds, dylu=True,
+    masks = schedule.control(0, 10, replicas=3, plan=SyncPlan(10), speeds=speeds, dylu=True,
                              drops=[], drop_prob=0.0, seed=0)  # fmt: skip
     np.testing.assert_array_equal(masks["active"].sum(0), [10, 5, 2])
     np.testing.assert_allclose(masks["weight"][9], [1.0, 0.5, 0.2])
@@ -88,7 +88,7 @@ def test_weighted_mean_and_inactive_steps_hand_computed():
 
 
 def test_dropped_replica_keeps_params_then_rejoins_from_anchor():
-    masks = schedule.control(0, 6, replicas=3, sync_every=2, speeds=np.ones(3), dylu=False,
+    masks = schedule.control(0, 6, replicas=3, plan=SyncPlan(2), speeds=np.ones(3), dylu=False,
                              drops=[(2, 0, 1)], drop_prob=0.0, seed=0)  # fmt: skip
     # outer step 0 (t=1): replica 2 out, keeps params; outer step 1 (t=3): back, restarts from
     # the anchor but its stale pseudo-gradient is left out; outer step 2 (t=5): contributes
@@ -118,7 +118,7 @@ def _lm_tx(ax):
 
 def test_replica_dropped_for_all_syncs_equals_a_run_without_it():
     steps, replicas = 9, 3
-    masks = schedule.control(0, steps, replicas=replicas, sync_every=3, speeds=np.ones(3),
+    masks = schedule.control(0, steps, replicas=replicas, plan=SyncPlan(3), speeds=np.ones(3),
                              dylu=False, drops=[(2, 0, 100)], drop_prob=0.0, seed=0)  # fmt: skip
     with_drop, _ = helpers.run(_lm_tx, helpers.sim(replicas), steps, control=masks)
     without, _ = helpers.run(_lm_tx, helpers.sim(2), steps, shards=replicas)
@@ -129,7 +129,7 @@ def test_drop_probability_zero_and_dylu_equal_speeds_equal_plain_run():
     steps = 6
     plain, _ = helpers.run(_lm_tx, helpers.sim(2), steps)
     for dylu, p in ((True, 0.0), (False, 0.0)):
-        masks = schedule.control(0, steps, replicas=2, sync_every=3, speeds=np.ones(2),
+        masks = schedule.control(0, steps, replicas=2, plan=SyncPlan(3), speeds=np.ones(2),
                                  dylu=dylu, drops=[], drop_prob=p, seed=0)  # fmt: skip
         other, _ = helpers.run(_lm_tx, helpers.sim(2), steps, control=masks)
         for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(other), strict=True):

@@ -87,9 +87,9 @@ def test_streaming_schedule_by_hand_on_device_and_host():
     assert [plan.starting(t) for t in (5, 6)] == [(False, 2), (True, 0)]
     assert plan.rounds(12) == 2 and plan.boundary(12) and not plan.boundary(8)
     errors = [
-        (SyncPlan(0), "sync_every must be >= 1"),
-        (SyncPlan(6, 4), "must be a multiple of fragments"),
-        (SyncPlan(6, 3, 2), r"overlap 2 must be in \[0, sync_every / fragments = 2\)"),
+        (SyncPlan(0), "sync_every = 0 is invalid: must be an integer >= 1"),
+        (SyncPlan(6, 4), "streaming.fragments = 4 is invalid: must divide sync_every = 6"),
+        (SyncPlan(6, 3, 2), "overlap = 2 .*must be < sync_every / streaming.fragments = 2"),
     ]
     for bad, match in errors:
         with pytest.raises(ValueError, match=match):
@@ -317,7 +317,12 @@ def test_dct_momentum_sends_values_and_uint8_positions_on_the_mesh():
         ({"outer.mode": "lazy"}, "outer.mode = 'lazy' .*one of"),
         ({"outer.mode": "eager", "streaming.fragments": "2"}, "must be 'sync' with streaming"),
         ({"outer.mode": "eager", "algorithm": "ddp"}, "overlaps DiLoCo's outer step"),
-        ({"compress.codec": "dct", "compress.dct_topk": "65"}, "must be <= compress.dct_chunk"),
+        ({"compress.codec": "dct", "compress.dct_topk": "65"},
+         r"compress.dct_topk = 65 .*must be in \[1, compress.dct_chunk = 64\]"),
+        ({"compress.codec": "dct", "streaming.overlap": "1"},
+         r"compress.codec = 'dct' .*DCT momentum does not combine with streaming \(streaming"),
+        ({"outer.reset_inner_state": "true", "streaming.fragments": "2"},
+         "outer.reset_inner_state = True .*does not combine with streaming.fragments > 1"),
         ({"compress.codec": "dct", "compress.error_feedback": "true"}, "momentum already"),
         ({"streaming.fragments": "2", "sim.dylu": "true"}, "stragglers or failures"),
     ],

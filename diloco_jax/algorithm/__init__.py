@@ -5,17 +5,19 @@ from diloco_jax.algorithm.core import (
     Diloco,
     DilocoState,
     Streaming,
+    check_options,
     diloco,
     init_replicas,
     maskable,
     vmap_axes,
 )
+from diloco_jax.algorithm.options import OptionError
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.algorithm.state import PER_REPLICA, SHARED
 from diloco_jax.algorithm.timing import OUTER_MODES
 
 __all__ = [
     "OUTER_MODES", "PER_REPLICA", "SHARED", "Diloco", "DilocoState", "Local", "LocalState",
-    "Streaming", "SyncPlan", "data_parallel", "diloco", "init_replicas", "maskable", "single",
-    "vmap_axes",
+    "OptionError", "Streaming", "SyncPlan", "check_options", "data_parallel", "diloco",
+    "init_replicas", "maskable", "single", "vmap_axes",
 ]  # fmt: skip

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from diloco_jax.algorithm.options import require
+
 CODECS = ("none", "bf16", "int8", "fp8", "int4", "topk")
 AxisName = str | Sequence[str]
 _UNROLL = 8  # replicas up to which fold() is unrolled
@@ -57,12 +59,13 @@ class Codec(NamedTuple):
 
 
 def validate(codec: Codec) -> None:
-    if codec.name not in CODECS:
-        raise ValueError(f"codec {codec.name!r} is not one of {CODECS}")
-    if codec.block < 2 or codec.block % 2:
-        raise ValueError(f"codec block {codec.block} must be an even number >= 2")
-    if not 0 < codec.topk_fraction <= 1:
-        raise ValueError(f"topk fraction {codec.topk_fraction} must be in (0, 1]")
+    """Raises :class:`~diloco_jax.algorithm.options.OptionError` for a field out of range."""
+    require(codec.name in CODECS, "codec.name", codec.name, f"must be one of {CODECS}")
+    require(codec.block >= 2 and codec.block % 2 == 0, "codec.block", codec.block,
+            "must be an even integer >= 2")  # fmt: skip
+    require(0 < codec.topk_fraction <= 1, "codec.topk_fraction", codec.topk_fraction,
+            "must be in (0, 1]")  # fmt: skip
+    require(codec.min_size >= 0, "codec.min_size", codec.min_size, "must be >= 0")
 
 
 def _scale(x_NxB: jax.Array, levels: float) -> jax.Array:

@@ -43,9 +43,10 @@ from diloco_jax.algorithm import compress, dct, exchange, fragments
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.diagnostics import SyncStats, sync_stats, zero_stats
 from diloco_jax.algorithm.exchange import AxisName
+from diloco_jax.algorithm.options import require
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.algorithm.state import PER_REPLICA, SHARED
-from diloco_jax.algorithm.timing import Timing, make_timing
+from diloco_jax.algorithm.timing import OUTER_MODES, Timing, make_timing
 
 
 class Streaming(NamedTuple):
@@ -294,20 +295,38 @@ def _make_exchange(axis_name, codec, dct_config) -> exchange.Exchange:
     return exchange.plain(axis_name)
 
 
-def _check_options(plan: SyncPlan, mix, outer_mode, codec, dct_config, reset_inner_state):
-    """Raises ValueError (one line) for a value out of range or a combination we do not run."""
+_STREAMING = "streaming ({streaming.fragments} > 1 or {streaming.overlap} > 0)"
+
+
+def check_options(
+    *,
+    sync_every: int,
+    streaming: Streaming | None = None,
+    outer_mode: str = "sync",
+    codec: compress.Codec | None = None,
+    dct_config: dct.DctConfig | None = None,
+    reset_inner_state: bool = False,
+) -> None:
+    """The one place where :func:`diloco`'s arguments are checked, each alone and together.
+
+    Raises :class:`~diloco_jax.algorithm.options.OptionError` naming the first bad argument (the
+    config layer maps the name to its key)."""
+    streaming = Streaming() if streaming is None else Streaming(*streaming)
+    plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
     plan.validate()
-    if not 0 <= mix < 1:
-        raise ValueError(f"streaming mix {mix} must be in [0, 1)")
-    if outer_mode != "sync" and plan.streaming:
-        raise ValueError(f"outer mode {outer_mode!r} does not combine with streaming")
-    if reset_inner_state and plan.fragments > 1:
-        raise ValueError("reset_inner_state does not combine with streaming fragments")
-    if codec is not None and dct_config is not None:
-        raise ValueError("choose a codec or DCT momentum, not both")
+    require(0 <= streaming.mix < 1, "streaming.mix", streaming.mix, "must be in [0, 1)")
+    require(outer_mode in OUTER_MODES, "outer_mode", outer_mode, f"must be one of {OUTER_MODES}")
+    require(outer_mode == "sync" or not plan.streaming, "outer_mode", outer_mode,
+            f"must be 'sync' with {_STREAMING}")  # fmt: skip
+    require(not reset_inner_state or plan.fragments == 1, "reset_inner_state", reset_inner_state,
+            "does not combine with {streaming.fragments} > 1")  # fmt: skip
     if codec is not None:
         compress.validate(codec)
     if dct_config is not None:
+        require(codec is None or codec.name == "none", "dct_config", dct_config,
+                "choose a codec or DCT momentum, not both")  # fmt: skip
+        require(not plan.streaming, "dct_config", dct_config,
+                f"DCT momentum does not combine with {_STREAMING}")  # fmt: skip
         dct.validate(dct_config)
 
 
@@ -346,12 +365,14 @@ def diloco(
         (:mod:`diloco_jax.algorithm.timing`).
       fragment_of: ``params -> fragment of each leaf`` (default :func:`fragments.strided`).
 
-    Raises ValueError for an option out of range or a combination that is not supported.
+    Raises :class:`~diloco_jax.algorithm.options.OptionError` (a ValueError) for an option out
+    of range or a combination that is not supported (:func:`check_options`).
     """
+    check_options(sync_every=sync_every, streaming=streaming, outer_mode=outer_mode, codec=codec,
+                  dct_config=dct_config, reset_inner_state=reset_inner_state)  # fmt: skip
     codec = None if codec is None or codec.name == "none" else codec
     streaming = Streaming() if streaming is None else Streaming(*streaming)
     plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
-    _check_options(plan, streaming.mix, outer_mode, codec, dct_config, reset_inner_state)
     return Diloco(
         inner=maskable(inner), outer=outer, plan=plan,
         exchange=_make_exchange(axis_name, codec, dct_config),

@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from diloco_jax.algorithm import compress
+from diloco_jax.algorithm.options import require
 
 
 class DctConfig(NamedTuple):
@@ -32,12 +33,12 @@ class DctConfig(NamedTuple):
 
 
 def validate(config: DctConfig) -> None:
-    if config.chunk < 2:
-        raise ValueError(f"dct chunk {config.chunk} must be >= 2")
-    if not 1 <= config.topk <= config.chunk:
-        raise ValueError(f"dct topk {config.topk} must be in [1, chunk = {config.chunk}]")
-    if not 0 <= config.beta <= 1:
-        raise ValueError(f"dct beta {config.beta} must be in [0, 1]")
+    """Raises :class:`~diloco_jax.algorithm.options.OptionError` for a field out of range."""
+    require(config.chunk >= 2, "dct.chunk", config.chunk, "must be an integer >= 2")
+    require(1 <= config.topk <= config.chunk, "dct.topk", config.topk,
+            f"must be in [1, {{dct.chunk}} = {config.chunk}]")  # fmt: skip
+    require(0 <= config.beta <= 1, "dct.beta", config.beta, "must be in [0, 1]")
+    require(config.min_size >= 0, "dct.min_size", config.min_size, "must be >= 0")
 
 
 def matrix(size: int) -> np.ndarray:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from diloco_jax.algorithm.options import require
+
 
 class SyncPlan(NamedTuple):
     """``sync_every`` inner steps per round (of each fragment), ``fragments`` (F) and
@@ -26,17 +28,16 @@ class SyncPlan(NamedTuple):
     overlap: int = 0
 
     def validate(self) -> None:
-        """Raises ValueError for a plan that cannot run."""
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
-        if self.fragments < 1:
-            raise ValueError(f"streaming fragments must be >= 1, got {self.fragments}")
-        if self.sync_every % self.fragments:
-            raise ValueError(f"sync_every {self.sync_every} must be a multiple of fragments "
-                             f"{self.fragments}")  # fmt: skip
-        if not 0 <= self.overlap < self.period:
-            raise ValueError(f"streaming overlap {self.overlap} must be in [0, sync_every / "
-                             f"fragments = {self.period})")  # fmt: skip
+        """Raises :class:`~diloco_jax.algorithm.options.OptionError` for a plan that cannot
+        run."""
+        require(self.sync_every >= 1, "sync_every", self.sync_every, "must be an integer >= 1")
+        require(self.fragments >= 1, "streaming.fragments", self.fragments,
+                "must be an integer >= 1")  # fmt: skip
+        require(self.sync_every % self.fragments == 0, "streaming.fragments", self.fragments,
+                f"must divide {{sync_every}} = {self.sync_every}")  # fmt: skip
+        require(self.overlap >= 0, "streaming.overlap", self.overlap, "must be >= 0")
+        require(self.overlap < self.period, "streaming.overlap", self.overlap,
+                f"must be < {{sync_every}} / {{streaming.fragments}} = {self.period}")  # fmt: skip
 
     @property
     def period(self) -> int:

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from diloco_jax.algorithm.exchange import AxisName, replica_sum
+from diloco_jax.algorithm.options import OptionError
 from diloco_jax.algorithm.state import PER_REPLICA, SHARED
 
 OUTER_MODES = ("sync", "delayed", "eager")
@@ -77,4 +78,4 @@ def make_timing(mode: str, axis_name: AxisName) -> Timing:
 
         init = lambda leaves: EagerState(_zeros(leaves), _zeros(leaves))  # noqa: E731
         return Timing("eager", init, apply, EagerState(SHARED, PER_REPLICA), PER_REPLICA)
-    raise ValueError(f"outer mode {mode!r} is not one of {OUTER_MODES}")
+    raise OptionError("outer_mode", mode, f"must be one of {OUTER_MODES}")
