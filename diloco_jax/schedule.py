@@ -98,10 +98,9 @@ def control(
     seed: int,
 ) -> dict[str, np.ndarray]:
     """The ``StepControl`` fields for steps ``start .. start + num_steps - 1`` (0-based: index
-    ``t`` is inner step ``t + 1`` of ``plan``) as ``[N, R]``. Stragglers and failures act on whole
-    rounds, so ``plan`` must not stream."""
-    if plan.streaming:
-        raise ValueError("straggler and failure schedules need a plan without streaming")
+    ``t`` is inner step ``t + 1`` of ``plan``) as ``[N, R]``. DyLU and failures act on whole
+    rounds, so they need a ``plan`` that does not stream (the config refuses the combination);
+    without them every replica takes every step with weight 1."""
     sync_every = plan.sync_every
     steps_R = local_steps(speeds, sync_every, dylu)
     # weights proportional to steps taken, 1.0 for a full round (so equal speeds give plain DiLoCo)
@@ -110,6 +109,10 @@ def control(
     weight = np.ones((num_steps, replicas), np.float32)
     take_anchor = np.ones((num_steps, replicas), bool)
     kw = dict(replicas=replicas, drops=drops, drop_prob=drop_prob, seed=seed)
+    if not (dylu or drops or drop_prob > 0):
+        return {"active": active, "weight": weight, "take_anchor": take_anchor}
+    if plan.streaming:
+        raise ValueError("DyLU and failure schedules need a sync plan without streaming")
     for i, t in enumerate(range(start, start + num_steps)):
         active[i] = t % sync_every < steps_R
         if plan.starting(t + 1)[0]:

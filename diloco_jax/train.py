@@ -21,7 +21,7 @@ import numpy as np
 
 from diloco_jax import cli, distributed, problems, recipe, reporting, resume, schedule
 from diloco_jax import config as config_lib
-from diloco_jax.algorithm import PER_REPLICA, init_replicas
+from diloco_jax.algorithm import PER_REPLICA, SyncPlan, init_replicas
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.data import DataError
 from diloco_jax.preemption import Preemption
@@ -144,11 +144,16 @@ def build(cfg: config_lib.Config) -> Setup:
     )
 
 
+def _plan(cfg: config_lib.Config, s: Setup) -> SyncPlan:
+    """DiLoCo's sync plan; the baselines' rounds for the failure schedule: ``sync_every``."""
+    return getattr(s.algorithm, "plan", SyncPlan(cfg.outer.sync_every))
+
+
 def chunk_control(cfg: config_lib.Config, s: Setup, start: int) -> StepControl:
     """Stragglers' and failures' masks for the ``log_every`` steps from ``start``."""
     replicas = s.layout.replicas
     masks = schedule.control(
-        start, cfg.train.log_every, replicas=replicas, plan=s.algorithm.plan,
+        start, cfg.train.log_every, replicas=replicas, plan=_plan(cfg, s),
         speeds=schedule.parse_speeds(cfg.sim.speeds, replicas), dylu=cfg.sim.dylu,
         drops=schedule.parse_drops(cfg.sim.drop, replicas), drop_prob=cfg.sim.drop_prob,
         seed=cfg.seed,

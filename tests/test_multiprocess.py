@@ -166,3 +166,25 @@ def test_launcher_passes_ctrl_c_on_and_leaves_no_process(tmp_path):
     stopped = int(out.split("at step ")[1].split(";")[0])
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
     assert pids_running(workdir) == []
+
+
+VARIANT_FLAGS = {
+    "eager": ["--config.outer.mode=eager"],
+    "overlap_int8_ef": ["--config.streaming.overlap=2", "--config.streaming.mix=0.5",
+                        "--config.compress.codec=int8", "--config.compress.error_feedback=true",
+                        "--config.compress.min_size=64"],
+    "dct": ["--config.compress.codec=dct", "--config.compress.min_size=64"],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(VARIANT_FLAGS))
+def test_two_processes_equal_one_process_for_each_variant(name, tmp_path):
+    """Eager outer steps, overlapped syncs with an error-fed codec, DCT momentum: 2 processes of
+    2 virtual replicas each compute what 1 process with 2 devices does, bitwise (each replica
+    encodes its own pseudo-gradient; every sum over replicas runs in replica order)."""
+    flags = ["--config.train.total_steps=40", "--config.train.eval_every=40",
+             *VARIANT_FLAGS[name]]  # fmt: skip
+    finished(launch(tmp_path / "two", extra=flags))
+    finished(launch(tmp_path / "one", processes=1, devices=2, extra=flags))
+    chex.assert_trees_all_equal(final_params(tmp_path / "one"), final_params(tmp_path / "two"))

@@ -223,39 +223,47 @@ VARIANTS = {
 }  # fmt: skip
 
 
-SLOW = ("delayed", "streaming")  # eager and streaming_int8 exercise the same code paths
+# eager and streaming_int8 exercise the same code paths; DCT momentum is compared on every
+# layout at the exchange level by default (tests/test_compress.py)
+SLOW = ("delayed", "streaming", "dct")
 
 
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(VARIANTS)]
 )
-def test_simulator_equals_mesh(name):
-    from tests.test_compress import run_quadratic
+def test_simulator_equals_every_mesh_layout(name):
+    """Each variant computes the same params, anchor and exchange state in the simulator and on
+    4 devices, 2 devices x 2 virtual replicas, 1 device x 4 virtual with the batch on 2."""
+    from tests.test_compress import LAYOUTS, run_quadratic
 
     def tx(ax, inner=None):
         return diloco(inner or helpers.adamw(), optim.outer_nesterov(), sync_every=4,
                       axis_name=ax, **VARIANTS[name])  # fmt: skip
 
     def run(layout):
-        if "codec" not in VARIANTS[name]:
-            return helpers.run(tx, layout, 9)[0]
-        # XLA rounds the model's gradients (and AdamW's clipping norm) differently for vmap
-        # batches of 4 and 2 replicas (~1e-7), which int8 may turn into a code step: the tiny
-        # model's parameters train with SGD on a quadratic that every layout computes alike
-        sgd = functools.partial(tx, inner=optax.sgd(0.1))
-        return run_quadratic(sgd, layout, 9, np.ones((9, 4)), params=helpers.tiny_model()[1])
+        # four leaves (two of them encoded, two float32; balanced into the streaming fragments)
+        # trained on a quadratic, whose gradients every layout computes bitwise alike (a
+        # model's are rounded differently per vmap batch size, ~1e-7) and which compiles in a
+        # fraction of the time. With a codec the inner optimizer is SGD: AdamW's clipping norm is a
+        # reduction, rounded per batch size, which int8 may turn into a code step.
+        inner = optax.sgd(0.1) if "codec" in VARIANTS[name] else None
+        return run_quadratic(functools.partial(tx, inner=inner), layout, 9, np.ones((9, 4)))
 
     sim_state = run(helpers.sim(4))
-    # 2 devices holding 2 virtual replicas each: the mean runs over (local_replica, replica)
-    mesh_state = run(parallel.Layout("mesh", 4, 2, 1))
-    # float32 rounding: the model's gradients (see above) and the float32 mean, which nests two
-    # pmeans; atol 1e-6 for values near 0 (observed <= 2e-7). int8 and DCT are no looser: each
-    # virtual replica encodes its own pseudo-gradient and every sum over replicas runs in
-    # replica order (tests/test_compress.py); the DCT's top-k is continuous but for ties.
-    for got, want in [(mesh_state.params, sim_state.params),
-                      (mesh_state.anchor, sim_state.anchor),
-                      (mesh_state.exchange_state, sim_state.exchange_state)]:  # fmt: skip
-        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    for layout_name, layout in LAYOUTS.items():
+        mesh_state = run(layout)
+        # float32 rounding: AdamW's clipping norm (see above) and the float32 mean, which nests
+        # two pmeans; atol 1e-6 for values near 0 (observed <= 2e-7). int8 and DCT are no
+        # looser: each virtual replica encodes its own pseudo-gradient and every sum over
+        # replicas runs in replica order (tests/test_compress.py); the DCT's top-k is continuous
+        # but for ties. Eager's per-replica anchor and outer state are compared whole.
+        for got, want in [(mesh_state.params, sim_state.params),
+                          (mesh_state.anchor, sim_state.anchor),
+                          (mesh_state.outer_state, sim_state.outer_state),
+                          (mesh_state.timing_state, sim_state.timing_state),
+                          (mesh_state.exchange_state, sim_state.exchange_state)]:  # fmt: skip
+            chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6,
+                                        custom_message=f"{name} on {layout_name}")  # fmt: skip
 
 
 def _compiled_mesh_hlo(**variant) -> tuple[str, dict]:
