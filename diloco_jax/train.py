@@ -35,7 +35,7 @@ from diloco_jax import model as model_lib
 from diloco_jax.algorithm import PER_REPLICA, init_replicas
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.data import DataError
-from diloco_jax.preemption import Preemption
+from diloco_jax.preemption import Preemption, watch_launcher
 from diloco_jax.reporting import log
 from diloco_jax.sample import generate_text
 from diloco_jax.step import StepControl, make_replica_step
@@ -359,6 +359,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.train") -> int:
+    watch_launcher()  # started by diloco_jax.launch: stop when it dies
     args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog, distributed=True,
                      resume=True)  # fmt: skip
     if args is None:
