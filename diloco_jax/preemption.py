@@ -1,5 +1,6 @@
 """Graceful preemption: SIGTERM or SIGINT asks the training loop to stop at the next call
-boundary, where it saves a checkpoint and returns; a second signal exits at once.
+boundary, where it saves a checkpoint (unless ``train.checkpoint`` is off) and returns; a second
+signal exits at once.
 
 The processes that ``diloco_jax.launch`` starts are tied to it, so that they stop when it dies,
 however it dies (SIGKILL, the out-of-memory killer, a closed terminal): the launcher hands each
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -50,6 +52,20 @@ class Preemption:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def saving(checkpoint: bool) -> str:
+    """How a stopped run ends, for its log line."""
+    return "with a checkpoint" if checkpoint else "without a checkpoint (train.checkpoint=false)"
+
+
+def stopped(preempted: str, step: int, workdir: pathlib.Path, checkpoint: bool) -> str:
+    """The last line of a run that a signal stopped at ``step``: where it is and how to go on."""
+    if checkpoint:
+        then = f"checkpoint in {workdir}/checkpoints; run the same command to continue"
+    else:
+        then = "nothing saved (train.checkpoint=false): the same command starts from step 0"
+    return f"stopped by {preempted} at step {step}; {then}"
 
 
 def _prctl() -> Callable | None:
