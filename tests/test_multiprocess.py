@@ -217,7 +217,8 @@ def test_without_the_kernel_signal_the_watch_thread_sends_sigterm_then_kills(tmp
     assert "did not stop within 1 s: killing it" in result.stderr
 
 
-@pytest.mark.slow  # N s; the launcher's tie to its processes is tested above with stand-ins
+# 90-100 s on the shared 2-core VM; the two tests above check the launcher's tie with stand-ins
+@pytest.mark.slow
 def test_sigkill_of_the_launcher_stops_every_process_and_the_same_command_resumes(
     two_processes, tmp_path
 ):
