@@ -10,7 +10,11 @@ Launcher flags (before the train flags):
 
 Ctrl-C (SIGINT) or SIGTERM is passed on to every process once: they agree on a step, save a
 checkpoint and exit 0. A second signal kills them. If one process fails, the others are stopped.
-No process outlives the launcher. Exit status: 0, or the first failing process's.
+No process outlives the launcher. If the launcher itself dies (SIGKILL included), each process
+gets SIGTERM and takes the same path (or exits at once if a signal was passed on before), and
+kills itself if it still runs after the grace (a ``--module`` other than train does that only if
+it calls ``diloco_jax.preemption.watch_launcher()``). Exit status: 0, or the first failing
+process's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from diloco_jax.preemption import launcher_tie
 
 _FLAGS = {"-n": "num_processes", "--num_processes": "num_processes",
           "--devices_per_process": "devices_per_process", "--port": "port", "--module": "module",
@@ -135,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     port = opts["port"] or free_port()
     group = _Group([], opts["grace"])
     previous = {sig: signal.signal(sig, group.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    tie, die_with_launcher = launcher_tie(opts["grace"])  # they stop when this process dies
     try:
         for i in range(count):
             # own session: a Ctrl-C in the terminal reaches the launcher only, which passes it on
             group.procs.append(subprocess.Popen(
                 [sys.executable, "-m", opts["module"], *rest],
-                env=child_env(i, count, port, devices), start_new_session=True,
+                env={**child_env(i, count, port, devices), **tie}, start_new_session=True,
+                preexec_fn=die_with_launcher,
             ))  # fmt: skip
         return group.wait()
     finally:

@@ -1,13 +1,34 @@
 """Graceful preemption: SIGTERM or SIGINT asks the training loop to stop at the next call
-boundary, where it saves a checkpoint and returns; a second signal exits at once."""
+boundary, where it saves a checkpoint (unless ``train.checkpoint`` is off) and returns; a second
+signal exits at once.
+
+The processes that ``diloco_jax.launch`` starts are tied to it, so that they stop when it dies,
+however it dies (SIGKILL, the out-of-memory killer, a closed terminal): the launcher hands each
+one :func:`launcher_tie`; the process calls :func:`watch_launcher` when it starts.
+
+- On Linux the kernel sends the process SIGTERM when the launcher dies (the parent-death signal,
+  ``prctl(PR_SET_PDEATHSIG)``, set between fork and exec, so it holds from the first instruction).
+- Everywhere, a thread of the process polls ``os.getppid()``; when the launcher is gone it sends
+  SIGTERM to its own process where the kernel did not, then waits the launcher's ``--grace`` and
+  kills the process if it is still running: nobody else is left to stop one that hangs.
+
+SIGTERM takes the graceful path above: the processes agree on a step, save and exit.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import pathlib
 import signal
+import sys
 import threading
+import time
+from collections.abc import Callable
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+LAUNCHER_ENV = "DILOCO_LAUNCHER"  # "PID GRACE", set by the launcher in each process it starts
+_PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2  # <linux/prctl.h>
 
 
 class Preemption:
@@ -31,3 +52,79 @@ class Preemption:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def saving(checkpoint: bool) -> str:
+    """How a stopped run ends, for its log line."""
+    return "with a checkpoint" if checkpoint else "without a checkpoint (train.checkpoint=false)"
+
+
+def stopped(preempted: str, step: int, workdir: pathlib.Path, checkpoint: bool) -> str:
+    """The last line of a run that a signal stopped at ``step``: where it is and how to go on."""
+    if checkpoint:
+        then = f"checkpoint in {workdir}/checkpoints; run the same command to continue"
+    else:
+        then = "nothing saved (train.checkpoint=false): the same command starts from step 0"
+    return f"stopped by {preempted} at step {step}; {then}"
+
+
+def _prctl() -> Callable | None:
+    """libc's ``prctl`` on Linux, else None."""
+    return ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def launcher_tie(grace: float) -> tuple[dict[str, str], Callable[[], None] | None]:
+    """What the launcher (this process) gives each process it starts so that the process stops
+    when the launcher dies: environment variables for :func:`watch_launcher` and, on Linux, a
+    ``preexec_fn`` that sets SIGTERM as the parent-death signal. Call ``subprocess.Popen`` from
+    the main thread: the kernel sends the signal when the thread that forked ends."""
+    launcher, prctl = os.getpid(), _prctl()
+
+    def die_with_launcher() -> None:  # in the child, between fork and exec
+        # until exec the launcher's own SIGTERM handler is in place here: a parent-death signal
+        # arriving now would only set its flag, which exec drops
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != launcher:  # it died before prctl: nobody would signal this process
+            os._exit(1)
+
+    return {LAUNCHER_ENV: f"{launcher} {grace}"}, (die_with_launcher if prctl else None)
+
+
+def _parent_death_signal() -> int:
+    """This thread's parent-death signal (0: none); a new thread starts without one."""
+    prctl = _prctl()
+    if prctl is None:
+        return 0
+    sig = ctypes.c_int(0)
+    return sig.value if prctl(_PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0) == 0 else 0
+
+
+def watch_launcher(environ=os.environ, *, poll: float = 0.2) -> threading.Thread | None:
+    """In a process started by ``diloco_jax.launch`` (``environ`` names it): a daemon thread that
+    waits for the launcher's death, then sends this process SIGTERM (unless the kernel's
+    parent-death signal does), waits the launcher's grace and kills this process. None (and no
+    thread) in a process the launcher did not start. Call it from the main thread, the one that
+    holds the parent-death signal."""
+    tie = environ.pop(LAUNCHER_ENV, None)  # not for the processes this one starts
+    if tie is None:
+        return None
+    launcher, grace = int(tie.split()[0]), float(tie.split()[1])
+    kernel_signals = _parent_death_signal() == signal.SIGTERM  # asked here: the thread has none
+
+    def watch() -> None:
+        while os.getppid() == launcher:  # an orphan's parent is another process
+            time.sleep(poll)
+        if not kernel_signals:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        try:
+            print(f"the launcher (pid {launcher}) died and this process did not stop within "
+                  f"{grace:g} s: killing it", file=sys.stderr, flush=True)  # fmt: skip
+        except OSError:  # its terminal may be gone with it
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="watch-launcher", daemon=True)
+    thread.start()
+    return thread

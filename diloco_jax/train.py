@@ -24,7 +24,7 @@ from diloco_jax import config as config_lib
 from diloco_jax.algorithm import PER_REPLICA, SyncPlan, init_replicas
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.data import DataError
-from diloco_jax.preemption import Preemption
+from diloco_jax.preemption import Preemption, saving, stopped, watch_launcher
 from diloco_jax.reporting import log
 from diloco_jax.runtime import checkpoint, parallel
 from diloco_jax.runtime.step import StepControl, make_replica_step
@@ -294,8 +294,8 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     change the training must match its config unless ``allow_config_change``); returns a
     summary dict (final eval loss, steps, tokens, time, sample, and the final ``state``).
 
-    SIGTERM or SIGINT stops the run at the next call boundary with a checkpoint
-    (``summary["preempted"]``); a second signal exits at once."""
+    SIGTERM or SIGINT stops the run at the next call boundary, with a checkpoint if
+    ``train.checkpoint`` (``summary["preempted"]``); a second signal exits at once."""
     lead = jax.process_index() == 0  # the process that logs and writes files
     reporting.setup_logging(process=jax.process_index(), processes=jax.process_count())
     workdir = pathlib.Path(workdir)
@@ -341,7 +341,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
                 checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False)
         bar.close()
         if stop.requested:
-            log.warning("%s: stopping at step %d with a checkpoint", stop.requested, step)
+            log.warning("%s: stopping at step %d %s", stop.requested, step, saving(t.checkpoint))
         elif eval_loss is None:  # resumed a run that had already finished
             eval_loss = _evaluate(s, runlog, state, step, total)
         summary = _finish(s, state, step, eval_loss, time.time() - train_start, mngr, workdir,
@@ -355,6 +355,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.train") -> int:
+    watch_launcher()  # started by diloco_jax.launch: stop when it dies
     args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog, distributed=True,
                      resume=True)  # fmt: skip
     if args is None:
@@ -377,8 +378,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
     if jax.process_index() != 0:
         return 0
     if summary["preempted"]:
-        print(f"\nstopped by {summary['preempted']} at step {summary['steps']}; "
-              f"checkpoint in {workdir}/checkpoints; run the same command to continue")  # fmt: skip
+        print("\n" + stopped(summary["preempted"], summary["steps"], workdir, cfg.train.checkpoint))
         return 0
     unit = summary["unit"]
     print(

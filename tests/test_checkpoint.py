@@ -19,7 +19,9 @@ import pytest
 
 from diloco_jax import cli, reporting, resume
 from diloco_jax import config as config_lib
+from diloco_jax import train as train_lib
 from diloco_jax.config import apply_overrides, load_preset
+from diloco_jax.preemption import Preemption
 from diloco_jax.runtime import checkpoint
 from diloco_jax.runtime.checkpoint import CheckpointError
 from diloco_jax.train import build, main, train
@@ -136,6 +138,27 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_continues_exactly(tmp_path):
     full = train(cfg, tmp_path / "full", show_progress=False)
     assert_bitwise_equal(resumed["state"], full["state"])
     assert_each_event_once(workdir)
+
+
+def test_sigterm_with_checkpoint_off_stops_without_saving_and_says_so(tmp_path, monkeypatch,
+                                                                     capsys):  # fmt: skip
+    class SignalledAtOnce(Preemption):
+        def __enter__(self):
+            super().__enter__()
+            assert self._previous, "no handler: SIGTERM would end the test run"
+            signal.raise_signal(signal.SIGTERM)  # the handler runs before this returns
+            return self
+
+    monkeypatch.setattr(train_lib, "Preemption", SignalledAtOnce)
+    # the baseline without replicas: the quickest to compile, and stopping is the same for all
+    flags = ["--config", "configs/tiny.py", "--workdir", str(tmp_path), "--config.algorithm=single",
+             "--config.parallel.runtime=sim", "--config.train.checkpoint=false"]  # fmt: skip
+    assert main(flags) == 0
+    out, err = capsys.readouterr()
+    assert "SIGTERM: stopping at step 0 without a checkpoint (train.checkpoint=false)" in err
+    assert "stopped by SIGTERM at step 0; nothing saved (train.checkpoint=false)" in out
+    assert not (tmp_path / "checkpoints").exists()
+    assert events(tmp_path)[-1]["preempted"] == "SIGTERM"
 
 
 def test_cli_mismatched_checkpoint_is_one_line_exit_2(tmp_path):

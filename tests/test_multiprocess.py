@@ -1,5 +1,6 @@
 """Several processes on localhost (gloo collectives, ports chosen free at test time): the same
-result as one process and as the simulator; surviving SIGKILL, SIGTERM and Ctrl-C."""
+result as one process and as the simulator; surviving SIGKILL, SIGTERM and Ctrl-C, the launcher's
+death included."""
 
 import dataclasses
 import json
@@ -16,6 +17,7 @@ import pytest
 
 from diloco_jax.config import apply_overrides, load_preset
 from diloco_jax.launch import child_env, free_port
+from diloco_jax.preemption import LAUNCHER_ENV
 from diloco_jax.runtime import checkpoint
 from diloco_jax.tasks import model as model_lib
 from diloco_jax.train import train
@@ -188,3 +190,75 @@ def test_two_processes_equal_one_process_for_each_variant(name, tmp_path):
     finished(launch(tmp_path / "two", extra=flags))
     finished(launch(tmp_path / "one", processes=1, devices=2, extra=flags))
     chex.assert_trees_all_equal(final_params(tmp_path / "one"), final_params(tmp_path / "two"))
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie that nobody reaped yet counts)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def test_processes_of_a_sigkilled_launcher_get_sigterm_once_then_are_killed_after_the_grace(
+    tmp_path,
+):
+    # stand-ins for train: process 0 exits at SIGTERM, process 1 ignores it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco_jax.launch", "-n", "2", "--grace", "1",
+         "--module", "tests.launched_child", "--", str(tmp_path), "1"],
+        cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("*.ready"))) < 2:
+        assert time.time() < deadline and proc.poll() is None, "the processes did not start"
+        time.sleep(0.05)
+    pids = [int(p.stem) for p in tmp_path.glob("*.ready")]
+    proc.kill()  # SIGKILL: the launcher passes nothing on and kills nothing
+    # the processes hold the launcher's stdout and stderr until they end
+    _, err = proc.communicate(timeout=30)
+    deadline = time.time() + 10
+    while not all(gone(pid) for pid in pids):
+        assert time.time() < deadline, [pid for pid in pids if not gone(pid)]
+        time.sleep(0.05)
+    # one SIGTERM each (the kernel's on Linux; the watch thread does not send a second)
+    assert [(tmp_path / f"{pid}.sigterm").read_text() for pid in pids] == ["SIGTERM\n"] * 2
+    assert err.count("did not stop within 1 s: killing it") == 1, err[-3000:]
+
+
+def test_without_the_kernel_signal_the_watch_thread_sends_sigterm_then_kills(tmp_path):
+    # the portable path (no parent-death signal, as off Linux): a process whose launcher is gone
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    env = {**os.environ, "JAX_PROCESS_ID": "0", LAUNCHER_ENV: f"{dead.pid} 1"}
+    cmd = [sys.executable, "-m", "tests.launched_child", str(tmp_path), "0"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert [p.read_text() for p in tmp_path.glob("*.sigterm")] == ["SIGTERM\n"]
+    assert "did not stop within 1 s: killing it" in result.stderr
+
+
+# 90-100 s on the shared 2-core VM; the two tests above check the launcher's tie with stand-ins
+@pytest.mark.slow
+def test_sigkill_of_the_launcher_stops_every_process_and_the_same_command_resumes(
+    two_processes, tmp_path
+):
+    workdir = tmp_path / "w"
+    proc = launch(workdir)
+    wait_for(workdir / "checkpoints" / "10", [proc])
+    assert len(pids_running(workdir)) == 3  # the launcher and its two processes
+    proc.kill()
+    out, err = proc.communicate(timeout=120)  # its processes hold its output until they end
+    deadline = time.time() + 30
+    while pids_running(workdir):
+        assert time.time() < deadline, pids_running(workdir)
+        time.sleep(0.1)
+    # they took the graceful path: one step agreed, a checkpoint there
+    assert "stopped by SIGTERM at step" in out, err[-3000:]
+    stopped = int(out.split("at step ")[1].split(";")[0])
+    saved = sorted(int(d.name) for d in (workdir / "checkpoints").iterdir() if d.name.isdigit())
+    assert 10 <= stopped < 120 and saved[-1] == stopped, (stopped, saved)
+    _, err = finished(launch(workdir))  # the same command
+    assert f"resumed from {workdir / 'checkpoints'} at step {stopped}" in err
+    chex.assert_trees_all_equal(final_params(workdir), two_processes[1])
