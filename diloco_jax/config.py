@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import inspect
 import pathlib
 from typing import Any, get_type_hints
 
+from diloco_jax.algorithm import optim
 from diloco_jax.algorithm.compress import CODECS, Codec
 from diloco_jax.algorithm.core import Streaming
 from diloco_jax.algorithm.dct import DctConfig
@@ -22,7 +24,9 @@ from diloco_jax.tasks.model import COMPUTE_DTYPES
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
 RUNTIMES = ("auto", "sim", "mesh")
-_CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()
+_CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()  # the library's defaults
+_ADAMW = inspect.signature(optim.inner_adamw).parameters
+_NESTEROV = inspect.signature(optim.outer_nesterov).parameters
 
 
 class ConfigError(ValueError):
@@ -75,21 +79,23 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
+    """AdamW (``algorithm/optim.inner_adamw``); defaults past the schedule are the library's."""
+
     learning_rate: float = 3e-3
     warmup_steps: int = 50
-    final_lr_fraction: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    clip_norm: float = 1.0
+    final_lr_fraction: float = _ADAMW["final_lr_fraction"].default
+    weight_decay: float = _ADAMW["weight_decay"].default
+    b1: float = _ADAMW["b1"].default
+    b2: float = _ADAMW["b2"].default
+    clip_norm: float = _ADAMW["clip_norm"].default
 
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
     sync_every: int = 50
-    learning_rate: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
+    learning_rate: float = _NESTEROV["learning_rate"].default  # the paper's 0.7, 0.9, Nesterov
+    momentum: float = _NESTEROV["momentum"].default
+    nesterov: bool = _NESTEROV["nesterov"].default
     reset_inner_state: bool = False
     # sync: the paper; delayed: apply the previous sync's mean (its all-reduce overlaps the next
     # round); eager: the previous mean with this replica's fresh share (Kale et al., 2025)
@@ -292,10 +298,6 @@ def validate(cfg: Config) -> None:
          cfg.data.corpus.startswith("tfds:") or (cfg.data.train_split, cfg.data.eval_split)
          == ("train", ""), "only TFDS datasets (data.corpus=tfds:NAME) have named splits "
          "(data.train_split, data.eval_split)"),
-        ("inner.learning_rate", cfg.inner.learning_rate > 0, "must be > 0"),
-        ("inner.final_lr_fraction", 0 <= cfg.inner.final_lr_fraction <= 1, "must be in [0, 1]"),
-        ("outer.learning_rate", cfg.outer.learning_rate > 0, "must be > 0"),
-        ("outer.momentum", 0 <= cfg.outer.momentum < 1, "must be in [0, 1)"),
         ("parallel.replica_devices", p.replicas % max(p.replica_devices, 1) == 0,
          f"must divide parallel.replicas = {p.replicas}"),
         ("data.batch_size", cfg.data.batch_size % max(p.data_devices, 1) == 0,

@@ -15,6 +15,10 @@ if TYPE_CHECKING:  # config imports this module to check its values
     from diloco_jax.config import Config
 
 KEY_OF_OPTION = {
+    **{f"inner.{k}": f"inner.{k}" for k in ("learning_rate", "warmup_steps", "final_lr_fraction",
+                                            "weight_decay", "b1", "b2", "clip_norm")},
+    "inner.total_steps": "train.total_steps", "outer.learning_rate": "outer.learning_rate",
+    "outer.momentum": "outer.momentum",
     "sync_every": "outer.sync_every", "outer_mode": "outer.mode",
     "reset_inner_state": "outer.reset_inner_state", "streaming.fragments": "streaming.fragments",
     "streaming.overlap": "streaming.overlap", "streaming.mix": "streaming.mix",
@@ -51,20 +55,27 @@ def _variants(cfg: Config) -> dict:
     )
 
 
-def check(cfg: Config) -> None:
-    """Applies the library's own checks of DiLoCo's arguments to ``cfg``; raises
-    :class:`~diloco_jax.algorithm.OptionError` (see :data:`KEY_OF_OPTION` for the keys)."""
-    check_options(**_variants(cfg))
-
-
-def algorithm_from_config(cfg: Config, axis_name, diagnostics: bool = False):
-    """The algorithm that ``cfg`` asks for, reducing over ``axis_name``."""
+def _optimizers(cfg: Config):
+    """The inner and outer optimizers ``cfg`` asks for (building them checks their arguments)."""
     inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
     outer = optim.outer_nesterov(
         learning_rate=cfg.outer.learning_rate,
         momentum=cfg.outer.momentum,
         nesterov=cfg.outer.nesterov,
     )
+    return inner, outer
+
+
+def check(cfg: Config) -> None:
+    """Applies the library's own checks of the optimizers' and DiLoCo's arguments to ``cfg``;
+    raises :class:`~diloco_jax.algorithm.OptionError` (:data:`KEY_OF_OPTION` names the keys)."""
+    _optimizers(cfg)
+    check_options(**_variants(cfg))
+
+
+def algorithm_from_config(cfg: Config, axis_name, diagnostics: bool = False):
+    """The algorithm that ``cfg`` asks for, reducing over ``axis_name``."""
+    inner, outer = _optimizers(cfg)
     return optim.make_algorithm(
         cfg.algorithm, inner, outer, axis_name=axis_name, diagnostics=diagnostics, **_variants(cfg)
     )

@@ -53,6 +53,14 @@ def test_bad_overrides(key, value, match):
         ("outer.momentum", "1.5", r"outer.momentum = 1.5 .*\[0, 1\)"),
         ("train.checkpoint_every", "30", "multiple of train.log_every = 25"),
         ("train.checkpoint_every", "75", "multiple of outer.sync_every = 50 .*sync boundaries"),
+        # the optimizers' own checks (algorithm/optim.py), written with config keys
+        ("inner.learning_rate", "inf", "inner.learning_rate = inf .*finite number > 0"),
+        ("inner.learning_rate", "-1e-3", "inner.learning_rate = -0.001 .*finite number > 0"),
+        ("inner.weight_decay", "-1", "inner.weight_decay = -1.0 .*finite number >= 0"),
+        ("inner.b1", "2", r"inner.b1 = 2.0 .*\[0, 1\)"),
+        ("inner.b2", "-0.5", r"inner.b2 = -0.5 .*\[0, 1\)"),
+        ("inner.clip_norm", "nan", "inner.clip_norm = nan .*finite"),
+        ("outer.learning_rate", "nan", "outer.learning_rate = nan .*finite number > 0"),
     ],
 )
 def test_validate_names_key_value_and_rule(key, value, match):
