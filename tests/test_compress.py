@@ -117,6 +117,7 @@ def codec_tx(codec):
     return tx
 
 
+@pytest.mark.slow  # ~17 s; top-k is checked by hand in the default suite
 def test_topk_of_everything_equals_plain_diloco():
     plain, _ = helpers.run(codec_tx(None), helpers.sim(4), 7)
     full, _ = helpers.run(codec_tx(Codec("topk", topk_fraction=1.0, min_size=0)), helpers.sim(4), 7)

@@ -88,6 +88,7 @@ def test_train_on_a_sentencepiece_dataset(data_dir, tmp_path):
     assert isinstance(done["sample"], str) and done["sample"].startswith("ROMEO.")
 
 
+@pytest.mark.slow  # ~40 s; resume is exact by default on the shipped corpus (test_checkpoint)
 def test_train_on_a_prepared_dataset_and_resume_exactly(data_dir, tmp_path):
     import shutil
 

@@ -120,6 +120,7 @@ def test_two_processes_equal_one_process_two_devices_and_the_simulator(two_proce
     chex.assert_trees_all_close(sim, two, atol=2e-5)
 
 
+@pytest.mark.slow  # ~60 s; the default suite keeps the SIGTERM run and the launcher's SIGKILL tests
 def test_sigkill_one_process_then_restart_equals_uninterrupted(two_processes, tmp_path):
     workdir = tmp_path / "w"
     proc = launch(workdir)

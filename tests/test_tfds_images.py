@@ -158,6 +158,7 @@ def test_chunked_eval_equals_one_pass():
     np.testing.assert_allclose(whole["accuracy"], (logits.argmax(-1) == data[1]).mean())
 
 
+@pytest.mark.slow  # ~25 s; the cifar10 preset on a prepared dataset stays in the default suite
 def test_train_on_a_prepared_image_folder(data_dir, tmp_path):
     overrides = {"data.corpus": "tfds:digit_pngs", "data.data_dir": str(data_dir),
                  "train.total_steps": 60, "train.eval_every": 60, "train.log_every": 20,

@@ -57,6 +57,7 @@ def test_digits_preset_trains_above_chance(tmp_path):
     assert evals[-1]["accuracy"] > 0.3 and done["final_eval_loss"] < np.log(10)
 
 
+@pytest.mark.slow  # ~35 s; mesh == simulator runs by default on the LM (test_parallel)
 def test_image_task_mesh_equals_simulator(tmp_path):
     def anchor(name, **layout):
         cfg = digits(**{"train.total_steps": 20, "train.eval_every": 20, **layout})
