@@ -1,6 +1,7 @@
 """Command-line parsing shared by the entry points: a preset, overrides and a workdir.
 
---config PATH            preset file with get_config() (default: configs/default.py)
+--config NAME|PATH       a preset by name (tiny; the list below) or a file with get_config()
+                         (default: default)
 --config.KEY=VALUE       override one key, e.g. --config.outer.sync_every=50
 --workdir DIR            output directory (default: runs/<preset>-<date>-<time>)
 --help                   this text and every config key with its value
@@ -25,6 +26,7 @@ import time
 from typing import NamedTuple
 
 from diloco_jax import config as config_lib
+from diloco_jax import presets
 from diloco_jax.distributed import Cluster
 
 _SWITCHES = ("allow_config_change",)
@@ -43,13 +45,14 @@ class Args(NamedTuple):
 
 
 def _usage(prog: str, cfg: config_lib.Config, distributed: bool, resume: bool) -> str:
-    lines = [f"usage: {prog} [--config PATH] [--workdir DIR] [--config.KEY=VALUE ...]", ""]
+    lines = [f"usage: {prog} [--config NAME|PATH] [--workdir DIR] [--config.KEY=VALUE ...]", ""]
     _, common, resuming, multi_process = __doc__.strip().split("\n\n")
     lines += common.splitlines()
     if resume:
         lines += ["", *resuming.splitlines()]
     if distributed:
         lines += ["", *multi_process.splitlines()]
+    lines += ["", f"presets ({presets.DIRECTORY}):", "  " + ", ".join(presets.names())]
     lines += ["", "config keys (value in the chosen preset):"]
     lines += [f"  {key} = {value!r}" for key, value in config_lib.keys(cfg).items()]
     return "\n".join(lines)
@@ -123,7 +126,7 @@ def parse(argv: list[str], *, prog: str, distributed: bool = False, resume: bool
              *(_SWITCHES if resume else ()))  # fmt: skip
     try:
         flags, overrides, want_help = _split(argv, known)
-        preset = pathlib.Path(flags.get("config", config_lib.DEFAULT_PRESET))
+        preset = flags.get("config", config_lib.DEFAULT_PRESET)  # a name or a path
         cfg = config_lib.load_preset(preset)
         if want_help:
             print(_usage(prog, cfg, distributed, resume))
@@ -136,5 +139,5 @@ def parse(argv: list[str], *, prog: str, distributed: bool = False, resume: bool
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    workdir = pathlib.Path(flags.get("workdir", f"runs/{preset.stem}-{stamp}"))
+    workdir = pathlib.Path(flags.get("workdir", f"runs/{pathlib.Path(preset).stem}-{stamp}"))
     return Args(cfg, workdir, cluster, "workdir" in flags, allow_config_change)

@@ -1,6 +1,7 @@
 """Typed run configuration: presets, command-line overrides, validation.
 
-A preset is a Python file ``configs/<name>.py`` whose ``get_config()`` returns a :class:`Config`.
+A preset is a Python file ``configs/<name>.py`` whose ``get_config()`` returns a :class:`Config`
+(found by name or path: ``diloco_jax/presets.py``).
 Overrides look like ``--config.outer.sync_every=50``. :func:`validate` checks every value before
 anything is compiled; a bad value raises :class:`ConfigError` naming the key, the value and what is
 allowed. Library code never reads a Config: ``train`` and ``sim`` unpack it into named arguments.
@@ -15,6 +16,7 @@ import inspect
 import pathlib
 from typing import Any, get_type_hints
 
+from diloco_jax import presets
 from diloco_jax.algorithm import optim
 from diloco_jax.algorithm.compress import CODECS, Codec
 from diloco_jax.algorithm.core import Streaming
@@ -22,7 +24,7 @@ from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.algorithm.optim import ALGORITHMS
 from diloco_jax.tasks.model import COMPUTE_DTYPES
 
-DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
+DEFAULT_PRESET = presets.DEFAULT
 RUNTIMES = ("auto", "sim", "mesh")
 _CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()  # the library's defaults
 _ADAMW = inspect.signature(optim.inner_adamw).parameters
@@ -185,11 +187,13 @@ class Config:
     sim: SimConfig = SimConfig()
 
 
-def load_preset(path: str | pathlib.Path) -> Config:
-    """Runs ``get_config()`` of the preset file at ``path``."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config preset not found: {path}")
+def load_preset(preset: str | pathlib.Path) -> Config:
+    """Runs ``get_config()`` of a preset: a file, or the name of a preset that comes with
+    diloco-jax (``tiny``; :func:`diloco_jax.presets.find`)."""
+    try:
+        path = presets.find(preset)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
     spec = importlib.util.spec_from_file_location(f"diloco_preset_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:

@@ -1,7 +1,10 @@
 """``python -m sim``: a sweep of DiLoCo variants as virtual workers on one device.
 
-    python -m sim --config PRESET.py --workdir DIR [--sweep KEY=V1,V2,...]... \\
+    python -m sim --config PRESET --workdir DIR [--sweep KEY=V1,V2,...]... \\
         [--baselines single,ddp] [--seeds 0,1,2] [--config.KEY=VALUE ...]
+
+Installed from a wheel the simulator is ``diloco_jax.sim``: run ``diloco-sim`` (or
+``python -m diloco_jax.sim``) with the same flags.
 
 Every ``--sweep`` adds a grid axis; every run uses ``parallel.runtime=sim``. Writes
 ``results.csv`` (a row per run), ``summary.csv`` (mean and spread over seeds), ``curves.png``,
@@ -31,7 +34,7 @@ def _pop_flags(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, list[
     return found, rest
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}") -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -42,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    parsed = cli.parse(rest, prog="python -m sim")
+    parsed = cli.parse(rest, prog=prog)
     if parsed is None:
         return 0
     base, workdir = parsed.cfg, parsed.workdir
-    from sim.sweep import format_table, sweep
+    from .sweep import format_table, sweep
 
     try:
         table = sweep(base, workdir, sweeps=flags["sweep"], baselines=baselines, seeds=seeds)

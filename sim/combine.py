@@ -1,4 +1,5 @@
-"""``python -m sim.combine``: one table and one loss-against-bytes figure from several sweeps.
+"""``python -m sim.combine`` (installed: ``diloco-combine``): one table and one loss-against-bytes
+figure from several sweeps.
 
     python -m sim.combine SWEEP_DIR... --out DIR [--title TEXT]
 
@@ -16,7 +17,7 @@ import csv
 import pathlib
 import sys
 
-from sim import plots
+from . import plots
 
 NUMBERS = ("final_eval_loss", "final_eval_loss_std", "best_eval_loss", "bytes_per_replica",
            "bytes_vs_ddp", "sim_wallclock_s", "utilization", "seeds", "tokens",
@@ -54,10 +55,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m sim.combine", description=__doc__.split("\n")[0]
-    )
+def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}.combine") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", type=pathlib.Path, help="sweep directories")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="output directory")
     parser.add_argument("--title", default="final loss against bytes sent")

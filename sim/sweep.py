@@ -20,7 +20,8 @@ import numpy as np
 from diloco_jax import comms, schedule
 from diloco_jax import config as config_lib
 from diloco_jax.reporting import log
-from sim import clock, plots
+
+from . import clock, plots
 
 COLUMNS = [
     "run", "algorithm", "replicas", "sync_every", "outer_lr", "outer_momentum", "codec", "seed",

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from diloco_jax import config as config_lib
+from diloco_jax import presets
 from diloco_jax.config import Config, ConfigError, apply_overrides, load_preset, validate
 
 
@@ -100,3 +101,4 @@ def test_cli_help_lists_keys():
     result = _train_cli("--help")
     assert result.returncode == 0
     assert "outer.sync_every = 5" in result.stdout and "--config.KEY=VALUE" in result.stdout
+    assert f"presets ({presets.DIRECTORY}):\n  {', '.join(presets.names())}\n" in result.stdout

@@ -56,9 +56,8 @@ def _prepare(args):
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diloco_jax.data.prepare",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.data.prepare") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", nargs="+", help="UTF-8 text files")
     source.add_argument("--images", help="a folder with one subfolder of images per class")
