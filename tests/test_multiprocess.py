@@ -172,6 +172,7 @@ def test_launcher_passes_ctrl_c_on_and_leaves_no_process(tmp_path):
 
 
 VARIANT_FLAGS = {
+    "delayed": ["--config.outer.mode=delayed"],
     "eager": ["--config.outer.mode=eager"],
     "overlap_int8_ef": ["--config.streaming.overlap=2", "--config.streaming.mix=0.5",
                         "--config.compress.codec=int8", "--config.compress.error_feedback=true",
@@ -183,9 +184,10 @@ VARIANT_FLAGS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(VARIANT_FLAGS))
 def test_two_processes_equal_one_process_for_each_variant(name, tmp_path):
-    """Eager outer steps, overlapped syncs with an error-fed codec, DCT momentum: 2 processes of
-    2 virtual replicas each compute what 1 process with 2 devices does, bitwise (each replica
-    encodes its own pseudo-gradient; every sum over replicas runs in replica order)."""
+    """Delayed and eager outer steps, overlapped syncs with an error-fed codec, DCT momentum: 2
+    processes of 2 virtual replicas each compute what 1 process with 2 devices does, bitwise
+    (each replica encodes its own pseudo-gradient; every sum over replicas runs in replica
+    order)."""
     flags = ["--config.train.total_steps=40", "--config.train.eval_every=40",
              *VARIANT_FLAGS[name]]  # fmt: skip
     finished(launch(tmp_path / "two", extra=flags))
