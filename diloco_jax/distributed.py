@@ -7,9 +7,13 @@ Where the cluster comes from, first match wins:
 2. the environment ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` (what
    ``python -m diloco_jax.launch`` sets);
 3. a cluster JAX detects itself: SLURM (``srun``) and Open MPI (``mpirun``) jobs of more than one
-   task are detected here; elsewhere (Cloud TPU pods, Kubernetes) pass ``--distributed on``.
+   task are detected here, by the variables JAX reads; elsewhere (Cloud TPU pods, Kubernetes)
+   pass ``--distributed on``.
 
-Without any of these the run is one process. On CPU the collectives go through gloo.
+Without any of these the run is one process. A SLURM allocation of several tasks entered without
+``srun`` (an ``salloc`` shell, a batch script) is refused with a line saying to use ``srun`` or
+``--distributed off``: JAX would stop with "coordinator_address should be defined". On CPU the
+collectives go through gloo.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax.config import ConfigError
 
 MODES = ("auto", "on", "off")
+# what jax._src.clusters.slurm_cluster.SlurmCluster.is_env_present requires; srun sets all of
+# them, an salloc shell or a batch script only SLURM_JOB_ID (and SLURM_NTASKS)
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+              "SLURM_LOCALID")  # fmt: skip
 _ENV = {
     "coordinator_address": "JAX_COORDINATOR_ADDRESS",
     "num_processes": "JAX_NUM_PROCESSES",
@@ -85,14 +93,37 @@ def resolve(cluster: Cluster, environ=os.environ) -> Cluster:
             raise ConfigError(f"num_processes = {count} is invalid: must be >= 1")
         if not 0 <= pid < count:
             raise ConfigError(f"process_id = {pid} is invalid: must be in [0, {count})")
+    elif cluster.mode != "off":
+        _check_slurm(environ)
     return dataclasses.replace(cluster, **values)
 
 
+def _tasks(environ, name: str) -> int:
+    text = environ.get(name, "1")
+    return int(text) if text.strip().isdigit() else 1
+
+
+def _check_slurm(environ) -> None:
+    """Refuses a SLURM allocation of several tasks that this process did not enter through
+    ``srun`` (JAX cannot find the other tasks: none were started)."""
+    if "SLURM_JOB_ID" not in environ or _tasks(environ, "SLURM_NTASKS") < 2:
+        return
+    missing = [v for v in SLURM_VARS if v not in environ]
+    if missing:
+        raise ConfigError(
+            f"SLURM allocation found (SLURM_JOB_ID={environ['SLURM_JOB_ID']}, SLURM_NTASKS="
+            f"{environ['SLURM_NTASKS']}) but this process was not started by srun ({missing[0]} "
+            'is not set): run it as "srun python -m diloco_jax.train ..." (one task per host), '
+            "or pass --distributed off to train in this process alone"
+        )
+
+
 def detected_cluster(environ=os.environ) -> str | None:
-    """The multi-task job this process runs in, if JAX can set it up from the environment."""
-    if "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
+    """The multi-task job this process runs in, if JAX can set it up from the environment: the
+    variables JAX's own cluster detection reads, and more than one task."""
+    if all(v in environ for v in SLURM_VARS) and _tasks(environ, "SLURM_NTASKS") > 1:
         return "SLURM"
-    if "OMPI_MCA_orte_hnp_uri" in environ and int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    if "OMPI_MCA_orte_hnp_uri" in environ and _tasks(environ, "OMPI_COMM_WORLD_SIZE") > 1:
         return "Open MPI"
     return None
 

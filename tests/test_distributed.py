@@ -68,12 +68,57 @@ def test_joining_without_a_cluster_is_a_clear_error(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+SRUN = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}  # fmt: skip
+SALLOC = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "node[01-02]"}
+
+
 def test_cluster_detection():
-    assert distributed.detected_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) == "SLURM"
-    assert distributed.detected_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
+    """SLURM: the variables JAX's own SlurmCluster.is_env_present reads, and several tasks."""
+    from jax._src.clusters.slurm_cluster import SlurmCluster
+
+    assert distributed.detected_cluster(SRUN) == "SLURM"
+    assert distributed.detected_cluster({**SRUN, "SLURM_NTASKS": "1"}) is None
+    for name in distributed.SLURM_VARS:  # JAX needs each of them
+        environ = {k: v for k, v in SRUN.items() if k != name}
+        assert distributed.detected_cluster(environ) is None
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("os.environ", environ)
+            assert not SlurmCluster.is_env_present()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("os.environ", SRUN)
+        assert SlurmCluster.is_env_present()
+    assert distributed.detected_cluster(SALLOC) is None
     mpi = {"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "2"}
     assert distributed.detected_cluster(mpi) == "Open MPI"
     assert distributed.detected_cluster({}) is None
+
+
+def test_slurm_allocation_without_srun_says_what_to_do():
+    with pytest.raises(ConfigError) as e:
+        resolve(Cluster(), environ=SALLOC)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("SLURM allocation found (SLURM_JOB_ID=7, SLURM_NTASKS=4) but this "
+                              "process was not started by srun")  # fmt: skip
+    assert 'run it as "srun python -m diloco_jax.train ...' in message
+    assert "--distributed off" in message
+    with pytest.raises(ConfigError, match="not started by srun"):
+        resolve(Cluster(mode="on"), environ=SALLOC)
+    # what still runs: one task, --distributed off, under srun, explicit settings
+    assert resolve(Cluster(), environ={**SALLOC, "SLURM_NTASKS": "1"}) == Cluster()
+    assert resolve(Cluster(mode="off"), environ=SALLOC) == Cluster(mode="off")
+    assert resolve(Cluster(), environ=SRUN) == Cluster()
+    assert resolve(Cluster(), environ={**SALLOC, **ENV}) == Cluster("10.0.0.1:1234", 4, 2)
+
+
+def test_salloc_shell_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    for name, value in SALLOC.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--config", "tiny", "--workdir", str(tmp_path / "w")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: SLURM allocation found"), line
+    assert not (tmp_path / "w").exists()
 
 
 def test_fingerprint_sees_one_flipped_bit_and_a_swap():
