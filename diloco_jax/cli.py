@@ -20,6 +20,8 @@ Multi-process runs (``python -m diloco_jax.train`` only; see diloco_jax/distribu
 
 from __future__ import annotations
 
+import argparse
+import os
 import pathlib
 import sys
 import time
@@ -117,6 +119,36 @@ def _switch(flags: dict[str, str], name: str) -> bool:
     return text == "true"
 
 
+def check_output_dir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.Path:
+    """``path`` if a run can write there: a directory, or a path whose nearest existing ancestor
+    is a writable directory (nothing is created here). Raises :class:`ConfigError`, one line
+    naming ``flag``, otherwise."""
+    if not str(path).strip():
+        raise config_lib.ConfigError(f"{flag} is empty: give a directory")
+    path = pathlib.Path(path).expanduser()
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not os.path.lexists(existing):  # a relative path in a missing working directory
+        existing = pathlib.Path.cwd()
+    where = f"{flag} {path}" + ("" if existing == path else f": parent {existing}")
+    if not existing.is_dir():
+        kind = "a file" if existing.is_file() else "not a directory"
+        raise config_lib.ConfigError(f"{where} is {kind}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise config_lib.ConfigError(f"{where} is not writable")
+    return path
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``error: ...``, and exit status 2 (argparse's own
+    prints the usage first)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (--help for usage)", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse(argv: list[str], *, prog: str, distributed: bool = False, resume: bool = False
           ) -> Args | None:  # fmt: skip
     """Returns ``Args(config, workdir, cluster, ...)``, or None after printing help. Exits with
@@ -135,9 +167,11 @@ def parse(argv: list[str], *, prog: str, distributed: bool = False, resume: bool
         config_lib.validate(cfg)
         cluster = _cluster(flags)
         allow_config_change = _switch(flags, "allow_config_change")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        workdir = check_output_dir(
+            flags.get("workdir", f"runs/{pathlib.Path(preset).stem}-{stamp}")
+        )
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    workdir = pathlib.Path(flags.get("workdir", f"runs/{pathlib.Path(preset).stem}-{stamp}"))
     return Args(cfg, workdir, cluster, "workdir" in flags, allow_config_change)

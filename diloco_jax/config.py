@@ -291,6 +291,7 @@ def validate(cfg: Config) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     rules = [
         ("algorithm", cfg.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
+        ("seed", 0 <= cfg.seed < 2**31, "must be an integer in [0, 2**31)"),
         ("parallel.runtime", p.runtime in RUNTIMES, f"must be one of {RUNTIMES}"),
         ("model.d_model", m.d_model % m.num_heads == 0,
          f"must be divisible by model.num_heads = {m.num_heads}"),

@@ -3,6 +3,14 @@
     python -m sim --config PRESET --workdir DIR [--sweep KEY=V1,V2,...]... \\
         [--baselines single,ddp] [--seeds 0,1,2] [--config.KEY=VALUE ...]
 
+Any config key can be swept (but ``seed``: use ``--seeds``). A value that holds commas (a list,
+as ``sim.speeds`` takes) goes in brackets, which are not part of it; ``[]`` is the empty value:
+
+    --sweep "sim.speeds=[],[1,1,0.5,0.5],[1,1,1,0.25]"
+
+Seeds are integers in [0, 2**31). A bad flag, seed or sweep value is refused with one line
+(exit status 2) before anything is trained or written.
+
 Installed from a wheel the simulator is ``diloco_jax.sim``: run ``diloco-sim`` (or
 ``python -m diloco_jax.sim``) with the same flags.
 
@@ -34,15 +42,37 @@ def _pop_flags(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, list[
     return found, rest
 
 
+def _items(flag: str, values: list[str]) -> list[str]:
+    """The comma-separated items of every use of ``flag``; an empty item is an error."""
+    items = [item.strip() for value in values for item in value.split(",")]
+    if "" in items:
+        raise config_lib.ConfigError(f"{flag} {','.join(values)!r}: an empty item")
+    return items
+
+
+def _seeds(values: list[str]) -> list[int]:
+    seeds = []
+    for item in _items("--seeds", values):
+        try:
+            seed = int(item)
+        except ValueError:
+            seed = -1
+        if not 0 <= seed < 2**31 or seed in seeds:
+            why = "is listed twice" if seed in seeds else "is not an integer in [0, 2**31)"
+            raise config_lib.ConfigError(f"--seeds: {item!r} {why}")
+        seeds.append(seed)
+    return seeds or [0]
+
+
 def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}") -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
     try:
         flags, rest = _pop_flags(argv, ("sweep", "baselines", "seeds"))
-        seeds = [int(s) for v in flags["seeds"] for s in v.split(",")] or [0]
-        baselines = [b.strip() for v in flags["baselines"] for b in v.split(",") if b.strip()]
-    except (config_lib.ConfigError, ValueError) as e:
+        seeds = _seeds(flags["seeds"])
+        baselines = _items("--baselines", flags["baselines"])
+    except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     parsed = cli.parse(rest, prog=prog)

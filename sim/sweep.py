@@ -32,25 +32,78 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+def _split_values(text: str) -> list[str]:
+    """``"1,[1,0.5],[]"`` -> ``["1", "1,0.5", ""]``: commas inside ``[ ]`` do not split, and a
+    value wholly in brackets is what they hold (``[]``: the empty string)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or (i == len(text) and depth):
+            raise ValueError("unbalanced [ ]")
+        if char == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    values = []
+    for item in items:
+        if not item:
+            raise ValueError("an empty value (write [] for the empty string)")
+        whole = item.startswith("[") and item.endswith("]") and "]" not in item[1:-1]
+        values.append(item[1:-1].strip() if whole else item)
+    return values
+
+
 def parse_sweep(text: str) -> tuple[str, list[str]]:
-    """``"outer.sync_every=1,10,50"`` -> ``("outer.sync_every", ["1", "10", "50"])``."""
+    """``"outer.sync_every=1,10,50"`` -> ``("outer.sync_every", ["1", "10", "50"])``. A value that
+    holds commas (a list-valued key) goes in brackets: ``"sim.speeds=[1,1,0.5],[1,0.5,0.5],[]"``
+    -> ``("sim.speeds", ["1,1,0.5", "1,0.5,0.5", ""])``. Raises :class:`ConfigError` (one line)
+    for an unknown key, an empty or repeated value, unbalanced brackets."""
     key, eq, values = text.partition("=")
-    if not eq or not values:
+    key = key.strip()
+    usage = "use KEY=V1,V2,... (e.g. outer.sync_every=1,10; sim.speeds=[1,0.5],[1,1])"
+    if not eq or not key or not values.strip():
+        raise config_lib.ConfigError(f"--sweep {text!r}: {usage}")
+    if key not in config_lib.keys():
+        try:
+            config_lib.override(config_lib.Config(), key, "")  # raises, naming the closest key
+        except config_lib.ConfigError as e:
+            raise config_lib.ConfigError(f"--sweep {text!r}: {e}") from None
+    if key in ("seed", "parallel.runtime"):
         raise config_lib.ConfigError(
-            f"--sweep {text!r}: use KEY=V1,V2,... (e.g. outer.sync_every=1,10)"
+            f"--sweep {text!r}: {key} is set by the simulator"
+            + (" (use --seeds)" if key == "seed" else "")
         )
-    return key.strip(), [v.strip() for v in values.split(",") if v.strip()]
+    try:
+        parsed = _split_values(values)
+    except ValueError as e:
+        raise config_lib.ConfigError(f"--sweep {text!r}: {e}; {usage}") from None
+    repeated = sorted({v for v in parsed if parsed.count(v) > 1})
+    if repeated:
+        raise config_lib.ConfigError(f"--sweep {text!r}: value {repeated[0]!r} is listed twice")
+    return key, parsed
+
+
+def _label(key: str, value: str) -> str:
+    """How one swept value names its runs: ``speeds=[1,0.5]`` for a value with commas."""
+    return f"{key.split('.')[-1]}=" + (f"[{value}]" if "," in value or not value else value)
 
 
 def plan(base: config_lib.Config, sweeps: list[str], baselines: list[str], seeds: list[int]):
     """``[(name, group, config)]`` for the grid of ``sweeps`` x ``seeds`` plus the baselines;
-    every config is validated here, before anything runs."""
+    every config is validated here, before anything runs or is written."""
     axes = [parse_sweep(s) for s in sweeps]
+    swept = [k for k, _ in axes]
+    twice = sorted({k for k in swept if swept.count(k) > 1})
+    if twice:
+        raise config_lib.ConfigError(f"--sweep: {twice[0]} is swept twice (one --sweep per key)")
+    if not seeds:
+        raise config_lib.ConfigError("--seeds: no seeds")
     variants = []
     for point in itertools.product(*[[(k, v) for v in vals] for k, vals in axes]):
-        group = ",".join(f"{k.split('.')[-1]}={v}" for k, v in point) or "diloco"
+        group = ",".join(_label(k, v) for k, v in point) or "diloco"
         variants.append((group, list(point)))
     for name in baselines:
+        if baselines.count(name) > 1:
+            raise config_lib.ConfigError(f"--baselines: {name!r} is listed twice")
         if name not in ("single", "ddp"):
             raise config_lib.ConfigError(f"--baselines: {name!r} is not one of single, ddp")
         variants.append((name, [("algorithm", name)]))

@@ -190,6 +190,71 @@ def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys):
     assert slow["final_eval_loss"] == fast["final_eval_loss"]
 
 
+def test_sweep_list_valued_key_in_brackets():
+    """``sim.speeds`` takes a comma-separated list: each swept value goes in brackets."""
+    from sim import sweep
+
+    key, values = sweep.parse_sweep("sim.speeds=[],[1, 1,0.5,0.5] , [1,1,1,0.25]")
+    assert (key, values) == ("sim.speeds", ["", "1, 1,0.5,0.5", "1,1,1,0.25"])
+    runs = sweep.plan(Config(), ["sim.speeds=[],[1,1,0.5,0.5]", "outer.sync_every=5,10"],
+                      ["ddp"], [0, 3])  # fmt: skip
+    names = [name for name, _, _ in runs]
+    assert names[:2] == ["speeds=[],sync_every=5,seed=0", "speeds=[],sync_every=5,seed=3"]
+    assert "speeds=[1,1,0.5,0.5],sync_every=10,seed=3" in names and "ddp,seed=0" in names
+    speeds = {(cfg.sim.speeds, cfg.outer.sync_every, cfg.seed) for _, _, cfg in runs[:8]}
+    assert len(speeds) == 8 and ("1,1,0.5,0.5", 10, 3) in speeds and ("", 5, 0) in speeds
+    assert all(cfg.parallel.runtime == "sim" for _, _, cfg in runs)
+    # a value that is not wholly bracketed is taken as written (TFDS split slices)
+    assert sweep.parse_sweep("data.train_split=train[:90%],train")[1] == ["train[:90%]", "train"]
+    with pytest.raises(ConfigError, match="needs 4 positive numbers"):
+        sweep.plan(Config(), ["sim.speeds=[1,0.5]"], [], [0])
+
+
+@pytest.mark.parametrize(
+    "sweeps,match",
+    [(["outer.sync_every=,"], "an empty value"), (["outer.sync_every="], "use KEY=V1,V2"),
+     (["=1,2"], "use KEY=V1,V2"), (["outer.sync_every"], "use KEY=V1,V2"),
+     (["bogus.key=1"], "unknown config key 'bogus.key'"),
+     (["outer.sync_evry=1"], "did you mean outer.sync_every"),
+     (["outer.sync_every=1,1"], "'1' is listed twice"),
+     (["outer.sync_every=1", "outer.sync_every=2"], "swept twice"),
+     (["sim.speeds=[1,1"], r"unbalanced \[ \]"), (["sim.speeds=1]"], r"unbalanced \[ \]"),
+     (["seed=1,2"], "use --seeds"), (["outer.sync_every=x"], "'x' is not a valid int"),
+     (["outer.sync_every=5,0"], "outer.sync_every = 0 is invalid")],
+)  # fmt: skip
+def test_sweep_plan_refuses_bad_specs_in_one_line(sweeps, match):
+    from sim import sweep
+
+    with pytest.raises(ConfigError, match=match) as e:
+        sweep.plan(Config(), sweeps, [], [0])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [(["--seeds", "0,x"], "--seeds: 'x' is not an integer"), (["--seeds", "0,,1"], "empty item"),
+     (["--seeds", ""], "empty item"), (["--seeds", "-1"], "'-1' is not an integer in"),
+     (["--seeds", str(2**31)], "is not an integer in"), (["--seeds", "1,1"], "listed twice"),
+     (["--baselines", "ddp,"], "--baselines 'ddp,': an empty item"),
+     (["--sweep", "outer.sync_every=,"], "an empty value"),
+     (["--workdir", "FILE/sub"], "--workdir .*: parent .* is a file")],
+)  # fmt: skip
+def test_sweep_cli_refuses_before_anything_is_written(tmp_path, capsys, flags, match):
+    from sim.__main__ import main
+
+    (tmp_path / "FILE").write_text("")
+    flags = [f.replace("FILE", str(tmp_path / "FILE")) for f in flags]
+    workdir = ["--workdir", str(tmp_path / "w")] if "--workdir" not in flags else []
+    try:
+        code = main(["--config", "tiny", *workdir, *flags])
+    except SystemExit as e:  # cli.parse exits
+        code = e.code
+    assert code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and __import__("re").search(match, line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]
+
+
 def test_sweep_bad_value_fails_before_training(tmp_path, capsys):
     from sim.__main__ import main
 
