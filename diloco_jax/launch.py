@@ -1,7 +1,7 @@
 """``python -m diloco_jax.launch -n N [launcher flags] [--] [train flags ...]``: N processes of one
 run on this machine (each ``python -m diloco_jax.train``), joined through ``jax.distributed``.
 
-Launcher flags (before the train flags):
+Launcher flags (before the train flags; ``-h`` or ``--help`` first: this text):
   -n, --num_processes N      processes to start (required)
   --devices_per_process K    CPU: K fake devices per process; GPU: K GPUs each (default 1)
   --port P                   coordinator port on 127.0.0.1 (default: a free one)
@@ -19,6 +19,7 @@ process's.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -60,12 +61,23 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
         try:
             opts[key] = value if key == "module" else type(opts.get(key, 1))(value)
         except ValueError:
-            raise ValueError(f"flag {name} = {value!r} is not a number") from None
+            kind = "a number" if key == "grace" else "an integer"
+            raise ValueError(f"flag {name} = {value!r} is not {kind}") from None
         i += 1
     if "num_processes" not in opts:
         raise ValueError("missing -n N (how many processes to start)")
-    if opts["num_processes"] < 1 or opts["devices_per_process"] < 1:
-        raise ValueError("-n and --devices_per_process must be >= 1")
+    rules = [
+        ("-n", opts["num_processes"] >= 1, "must be >= 1"),
+        ("--devices_per_process", opts["devices_per_process"] >= 1, "must be >= 1"),
+        ("--port", 0 <= opts["port"] <= 65535, "must be in [0, 65535] (0: a free one)"),
+        ("--grace", math.isfinite(opts["grace"]) and opts["grace"] >= 0, "must be >= 0 seconds"),
+        ("--module", opts["module"].replace(".", "").replace("_", "").isalnum(),
+         "must be a module name (e.g. diloco_jax.train)"),
+    ]  # fmt: skip
+    for flag, ok, allowed in rules:
+        if not ok:
+            key = _FLAGS["--num_processes" if flag == "-n" else flag]
+            raise ValueError(f"flag {flag} = {opts[key]!r} is invalid: {allowed}")
     return opts, argv[i:]
 
 
@@ -132,10 +144,14 @@ class _Group:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     try:
-        opts, rest = parse(sys.argv[1:] if argv is None else argv)
+        opts, rest = parse(argv)
     except ValueError as e:
-        print(f"error: {e}\n\n{__doc__}", file=sys.stderr)
+        print(f"error: {e} (--help for usage)", file=sys.stderr)
         return 2
     count, devices = opts["num_processes"], opts["devices_per_process"]
     port = opts["port"] or free_port()

@@ -12,10 +12,12 @@ of the best; log scales; runs that send nothing as horizontal lines). A run is n
 
 from __future__ import annotations
 
-import argparse
 import csv
 import pathlib
 import sys
+
+from diloco_jax import cli
+from diloco_jax.config import ConfigError
 
 from . import plots
 
@@ -29,13 +31,16 @@ def read(sweep_dirs: list[pathlib.Path]) -> list[dict]:
     rows = []
     for directory in sweep_dirs:
         path = directory / "summary.csv"
-        if not path.is_file():
+        if not path.is_file():  # a missing directory too
             raise FileNotFoundError(f"{path} not found: run `python -m sim` into {directory} first")
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
-                for key in NUMBERS:
-                    row[key] = float(row[key])
-                row["run"] = f"{directory.name}: {row['run']}"
+                try:
+                    for key in NUMBERS:
+                        row[key] = float(row[key])
+                    row["run"] = f"{directory.name}: {row['run']}"
+                except (KeyError, TypeError, ValueError):
+                    raise ConfigError(f"{path} is not a summary.csv of `python -m sim`") from None
                 rows.append(row)
     return rows
 
@@ -56,14 +61,15 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}.combine") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", type=pathlib.Path, help="sweep directories")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="output directory")
     parser.add_argument("--title", default="final loss against bytes sent")
     args = parser.parse_args(argv)
     try:
         rows = read(args.sweeps)
-    except FileNotFoundError as e:
+        cli.check_output_dir(args.out, "--out")
+    except (FileNotFoundError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)

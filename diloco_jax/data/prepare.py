@@ -16,7 +16,8 @@ Nothing is downloaded; TensorFlow is not needed.
 
 from __future__ import annotations
 
-import argparse
+import math
+import pathlib
 import sys
 
 from diloco_jax.data.corpus import DataError
@@ -56,8 +57,33 @@ def _prepare(args):
     )
 
 
+def _check(args, cli) -> None:
+    """Refuses bad values and unusable paths before anything is read or written."""
+    from diloco_jax.data import tfds_io
+
+    tfds_io.check_name(args.name or ("images" if args.images else "text"))
+    rules = [
+        ("--val_fraction", args.val_fraction is None or 0 < args.val_fraction < 1, "(0, 1)"),
+        ("--vocab_size", args.vocab_size >= 2, ">= 2"),
+        ("--record_tokens", args.record_tokens >= 1, ">= 1"),
+        ("--size", args.size >= 0, ">= 0 (0: keep)"),
+    ]
+    for flag, ok, allowed in rules:
+        value = getattr(args, flag[2:])
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise DataError(f"{flag} = {value!r} is invalid: must be in {allowed}")
+    for path in args.text or ():
+        if not pathlib.Path(path).expanduser().is_file():
+            raise DataError(f"--text {path}: no such file")
+    if args.images and not pathlib.Path(args.images).expanduser().is_dir():
+        raise DataError(f"--images {args.images}: no such folder")
+    cli.check_output_dir(args.out, "--out")
+
+
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.data.prepare") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    from diloco_jax import cli
+
+    parser = cli.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", nargs="+", help="UTF-8 text files")
     source.add_argument("--images", help="a folder with one subfolder of images per class")
@@ -85,8 +111,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.dat
     if ignored:
         parser.error(f"{', '.join(ignored)} does not apply to --{kind}")
     try:
+        _check(args, cli)
         root, line = _prepare(args)
-    except DataError as e:
+    except (DataError, cli.config_lib.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{line}; train with --config.data.corpus=tfds:{root.name} "
