@@ -71,7 +71,7 @@ def _split(argv: list[str], known: tuple[str, ...]):
             want_help = True
             i += 1
             continue
-        if not arg.startswith("--"):
+        if not arg.startswith("--") or arg == "--":
             raise config_lib.ConfigError(f"unexpected argument {arg!r} (flags start with --)")
         name, eq, value = arg[2:].partition("=")
         if not eq and name in _SWITCHES:

@@ -195,6 +195,8 @@ def load_preset(preset: str | pathlib.Path) -> Config:
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     spec = importlib.util.spec_from_file_location(f"diloco_preset_{path.stem}", path)
+    if spec is None:  # importlib reads .py files only
+        raise ConfigError(f"config preset {path} is not a Python file (.py) with get_config()")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

@@ -63,12 +63,12 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}.combine") -> int:
     parser = cli.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", type=pathlib.Path, help="sweep directories")
-    parser.add_argument("--out", type=pathlib.Path, required=True, help="output directory")
+    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--title", default="final loss against bytes sent")
     args = parser.parse_args(argv)
     try:
         rows = read(args.sweeps)
-        cli.check_output_dir(args.out, "--out")
+        args.out = cli.check_output_dir(args.out, "--out")
     except (FileNotFoundError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -63,7 +63,7 @@ def _check(args, cli) -> None:
 
     tfds_io.check_name(args.name or ("images" if args.images else "text"))
     rules = [
-        ("--val_fraction", args.val_fraction is None or 0 < args.val_fraction < 1, "(0, 1)"),
+        ("--val_fraction", args.val_fraction is None or 0 < args.val_fraction < 1, "in (0, 1)"),
         ("--vocab_size", args.vocab_size >= 2, ">= 2"),
         ("--record_tokens", args.record_tokens >= 1, ">= 1"),
         ("--size", args.size >= 0, ">= 0 (0: keep)"),
@@ -71,7 +71,7 @@ def _check(args, cli) -> None:
     for flag, ok, allowed in rules:
         value = getattr(args, flag[2:])
         if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            raise DataError(f"{flag} = {value!r} is invalid: must be in {allowed}")
+            raise DataError(f"{flag} = {value!r} is invalid: must be {allowed}")
     for path in args.text or ():
         if not pathlib.Path(path).expanduser().is_file():
             raise DataError(f"--text {path}: no such file")
