@@ -41,7 +41,7 @@ def tags(events) -> dict[str, list[tuple[int, float]]]:
 
 def test_scalars_one_series_per_replica():
     record = {"event": "sync", "step": 5, "time_s": 0.5, "outer_step": 1, "drift": [0.5, 0.25],
-              "finite": [True, False], "unit": "token", "none": None, "nested": [[1.0]]}  # fmt: skip
+              "finite": [True, False], "unit": "token", "none": None, "nest": [[1.0]]}  # fmt: skip
     assert reporting.scalars(record) == {
         "sync/time_s": 0.5, "sync/outer_step": 1.0, "sync/drift/replica_0": 0.5,
         "sync/drift/replica_1": 0.25, "sync/finite/replica_0": 1.0, "sync/finite/replica_1": 0.0,
