@@ -2,8 +2,9 @@
 
     python -m diloco_jax.train [--config PRESET.py] [--workdir DIR] [--config.KEY=VALUE ...]
 
-Writes ``metrics.jsonl``, TensorBoard events, ``config.json`` (``config_history.jsonl`` on later
-starts) and orbax checkpoints into the workdir, and resumes from the workdir's latest checkpoint
+Writes ``metrics.jsonl``, TensorBoard events, ``run_record.jsonl``, ``config.json``
+(``config_history.jsonl`` on later starts) and orbax checkpoints into the workdir (W&B's too with
+``log.wandb``: ``diloco_jax/records.py``), and resumes from the workdir's latest checkpoint
 if there is one (a config that changes the training is refused: see ``diloco_jax/resume.py``).
 """
 
