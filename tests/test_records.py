@@ -1,5 +1,6 @@
-"""What a run records: per-replica TensorBoard series, hparams, the run record, the progress bar's
-switches and the Weights & Biases writer (offline)."""
+"""What a run records: per-replica series, the run record's git commit, the progress bar's switches,
+the log keys and the Weights & Biases writer (offline). A training run's TensorBoard series,
+hparams and run records (and the progress bar key): ``tests/test_train.py``."""
 
 import json
 import pathlib
@@ -11,32 +12,10 @@ import pytest
 from diloco_jax import config as config_lib
 from diloco_jax import records, reporting
 from diloco_jax.train import train
+from tests.helpers import BAR
 from tests.test_train import tiny
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-BAR = "step/s"  # in every tqdm bar of train's (unit "step")
-
-
-def tf_events(workdir: pathlib.Path) -> list:
-    """Every event of ``workdir/tensorboard`` (TFRecord framing: length, its crc, data, crc)."""
-    from tensorboardX.proto import event_pb2
-
-    events = []
-    for path in sorted((workdir / "tensorboard").glob("events.out.tfevents.*")):
-        data, i = path.read_bytes(), 0
-        while i < len(data):
-            (n,) = struct.unpack("<Q", data[i : i + 8])
-            events.append(event_pb2.Event.FromString(data[i + 12 : i + 12 + n]))
-            i += 12 + n + 4
-    return events
-
-
-def tags(events) -> dict[str, list[tuple[int, float]]]:
-    out = {}
-    for event in events:
-        for value in event.summary.value:
-            out.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return out
 
 
 def test_scalars_one_series_per_replica():
@@ -78,60 +57,6 @@ def test_log_keys_are_validated(monkeypatch):
     monkeypatch.setattr(config_lib.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(config_lib.ConfigError, match=r"log.wandb = True .*diloco-jax\[wandb\]"):
         config_lib.validate(tiny(**{"log.wandb": "true"}))
-
-
-def test_run_records_tensorboard_and_resume(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    cfg = tiny(**{"parallel.runtime": "sim", "train.total_steps": 10, "train.sample_chars": 0,
-                  "log.progress_bar": "false"})  # fmt: skip
-    train(cfg, tmp_path)  # show_progress defaults to True: the key turns the bar off
-    assert BAR not in capsys.readouterr().err
-    series = tags(tf_events(tmp_path))
-    for r in range(4):
-        assert [s for s, _ in series[f"sync/drift/replica_{r}"]] == [5, 10]
-        assert [s for s, _ in series[f"train/replica_loss/replica_{r}"]] == [5, 10]
-    [loss] = [v for s, v in series["train/loss"] if s == 10]
-    events = map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-    [last] = [e for e in events if (e["event"], e["step"]) == ("train", 10)]
-    assert loss == pytest.approx(last["loss"])
-    assert [v for s, v in series["train/replica_loss/replica_2"] if s == 10] == pytest.approx(
-        [last["replica_loss"][2]]
-    )
-    _check_hparams(tf_events(tmp_path), sync_every=5)
-
-    [first] = _records(tmp_path)
-    assert first["step"] == 0 and first["git"]["commit"] and isinstance(first["git"]["dirty"], bool)
-    assert first["packages"]["jax"] and first["packages"]["diloco-jax"] == "0.1.0"
-    assert first["devices"]["platform"] == "cpu" and first["devices"]["count"] == 8
-    assert first["devices"]["process_count"] == 1 and first["command"] and first["hostname"]
-
-    monkeypatch.setenv("TQDM_DISABLE", "1")
-    resumed = config_lib.apply_overrides(cfg, [("train.total_steps", "15"),
-                                               ("log.progress_bar", "true")])  # fmt: skip
-    train(resumed, tmp_path, allow_config_change=True)  # total_steps changes the schedule
-    assert BAR not in capsys.readouterr().err
-    assert [r["step"] for r in _records(tmp_path)] == [0, 10]
-    _check_hparams(tf_events(tmp_path), sync_every=5)  # once: the first start's
-    assert [s for s, _ in tags(tf_events(tmp_path))["sync/drift/replica_3"]] == [5, 10, 15]
-
-
-def _records(workdir):
-    return [json.loads(line) for line in (workdir / "run_record.jsonl").read_text().splitlines()]
-
-
-def _check_hparams(events, *, sync_every):
-    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
-
-    starts = [HParamsPluginData.FromString(v.metadata.plugin_data.content).session_start_info
-              for e in events for v in e.summary.value
-              if v.tag == "_hparams_/session_start_info"]  # fmt: skip
-    assert len(starts) == 1
-    hparams = starts[0].hparams
-    assert hparams["outer.sync_every"].number_value == sync_every
-    assert hparams["algorithm"].string_value == "diloco"
-    assert hparams["log.progress_bar"].bool_value is False
-    experiment = [e for e in events for v in e.summary.value if v.tag == "_hparams_/experiment"]
-    assert len(experiment) == 1
 
 
 def wandb_records(run: pathlib.Path) -> tuple[list[dict], dict]:
