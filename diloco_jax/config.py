@@ -26,6 +26,7 @@ from diloco_jax.tasks.model import COMPUTE_DTYPES
 
 DEFAULT_PRESET = presets.DEFAULT
 RUNTIMES = ("auto", "sim", "mesh")
+WANDB_MODES = ("offline", "online")
 _CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()  # the library's defaults
 _ADAMW = inspect.signature(optim.inner_adamw).parameters
 _NESTEROV = inspect.signature(optim.outer_nesterov).parameters
@@ -148,6 +149,16 @@ class SimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """What a run reports besides ``metrics.jsonl`` and TensorBoard (``diloco_jax/records.py``)."""
+
+    progress_bar: bool = True  # the bar on stderr (TQDM_DISABLE=1 turns it off too)
+    wandb: bool = False  # also log to Weights & Biases (needs pip install 'diloco-jax[wandb]')
+    wandb_project: str = "diloco-jax"
+    wandb_mode: str = "offline"  # offline: files under workdir/wandb (wandb sync); online
+
+
+@dataclasses.dataclass(frozen=True)
 class CompressConfig:
     """How DiLoCo's pseudo-gradients travel; see ``diloco_jax/algorithm/compress.py``."""
 
@@ -185,6 +196,7 @@ class Config:
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     sim: SimConfig = SimConfig()
+    log: LogConfig = LogConfig()
 
 
 def load_preset(preset: str | pathlib.Path) -> Config:
@@ -315,6 +327,10 @@ def validate(cfg: Config) -> None:
          cfg.algorithm != "diloco" or t.checkpoint_every % cfg.outer.sync_every == 0,
          f"must be a multiple of outer.sync_every = {cfg.outer.sync_every} (saves happen at "
          "sync boundaries)"),
+        ("log.wandb_mode", cfg.log.wandb_mode in WANDB_MODES, f"must be one of {WANDB_MODES}"),
+        ("log.wandb_project", bool(cfg.log.wandb_project.strip()), "must name a project"),
+        ("log.wandb", not cfg.log.wandb or importlib.util.find_spec("wandb") is not None,
+         "needs the wandb package: pip install 'diloco-jax[wandb]' (uv sync --extra wandb)"),
     ]  # fmt: skip
     _enforce(rules, flat)
     _validate_variants(cfg)

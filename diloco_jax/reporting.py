@@ -1,8 +1,9 @@
 """What a run tells its user: ``metrics.jsonl``, TensorBoard events, log lines, a progress bar.
 
 Every event is one JSON object per line in ``metrics.jsonl`` (``{"event": "eval", "step": 250,
-"eval_loss": 1.93, ...}``); numeric values also go to TensorBoard as ``<event>/<name>``. Only the
-process with index 0 writes anything.
+"eval_loss": 1.93, ...}``); numeric values also go to TensorBoard as ``<event>/<name>``, a
+per-replica list as one series per replica, ``<event>/<name>/replica_<r>`` (:func:`scalars`), and
+to the optional sinks (:class:`WandbWriter`). Only the process with index 0 writes anything.
 """
 
 from __future__ import annotations
@@ -54,9 +55,14 @@ class RunLog:
     ``purge_step``); an ``(event, step)`` already in the file is not written again (a finished
     run that is resumed evaluates again at the same step)."""
 
-    def __init__(self, workdir: pathlib.Path, *, enabled: bool = True, start_step: int = 0):
+    def __init__(self, workdir: pathlib.Path, *, enabled: bool = True, start_step: int = 0,
+                 hparams: dict[str, Any] | None = None, sinks: tuple = ()):  # fmt: skip
+        """``hparams`` (flat, scalar values: the resolved config) go to TensorBoard's HParams
+        tab once, when the workdir's ``tensorboard/`` is created; ``sinks`` (objects with
+        ``write(step, scalars)`` and ``close()``) get every new event's :func:`scalars`."""
         self.enabled = enabled
         self._start = time.time()
+        self._sinks = sinks
         if not enabled:
             return
         from tensorboardX import SummaryWriter
@@ -68,6 +74,8 @@ class RunLog:
         tensorboard = workdir / "tensorboard"
         purge = start_step + 1 if tensorboard.exists() else None
         self._tb = SummaryWriter(str(tensorboard), purge_step=purge)
+        if hparams and purge is None:  # a resume keeps the first start's
+            _write_hparams(self._tb, hparams)
 
     def write(self, event: str, step: int, **values: Any) -> None:
         if not self.enabled or (event, int(step)) in self._written:
@@ -76,14 +84,68 @@ class RunLog:
         record = {"event": event, "step": int(step), "time_s": round(time.time() - self._start, 3)}
         record.update({k: _plain(v) for k, v in values.items()})
         self._jsonl.write(json.dumps(record) + "\n")
-        for name, value in record.items():
-            if name not in ("event", "step") and isinstance(value, int | float):
-                self._tb.add_scalar(f"{event}/{name}", value, int(step))
+        series = scalars(record)
+        for tag, value in series.items():
+            self._tb.add_scalar(tag, value, int(step))
+        for sink in self._sinks:
+            sink.write(int(step), series)
 
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """An event's numbers by TensorBoard tag: ``<event>/<name>`` for a number (a bool as 0 or
+    1), ``<event>/<name>/replica_<r>`` for each entry of a list of numbers (per-replica loss,
+    drift, finiteness); strings, None and nested lists are left out."""
+    event, out = record["event"], {}
+    for name, value in record.items():
+        if name in ("event", "step"):
+            continue
+        if isinstance(value, int | float):
+            out[f"{event}/{name}"] = float(value)
+        elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
+            out.update({f"{event}/{name}/replica_{r}": float(v) for r, v in enumerate(value)})
+    return out
+
+
+HPARAM_METRICS = ("eval/eval_loss", "train/loss")  # the HParams tab's columns
+
+
+def _write_hparams(writer, hparams: dict[str, Any]) -> None:
+    """The HParams tab's experiment and session start, in this run's own events (tensorboardX's
+    ``add_hparams`` would make a sub-run)."""
+    from tensorboardX.summary import hparams as hparams_summary
+
+    experiment, start, _ = hparams_summary(hparams, dict.fromkeys(HPARAM_METRICS, 0.0))
+    writer.file_writer.add_summary(experiment)
+    writer.file_writer.add_summary(start)
+
+
+class WandbWriter:
+    """A Weights & Biases run in ``workdir/wandb`` that gets each event's :func:`scalars` at its
+    step; ``config`` becomes the run's config. ``mode="offline"`` writes files only (upload
+    them later with ``wandb sync``). A resumed run starts a new W&B run in the same group."""
+
+    def __init__(self, workdir: pathlib.Path, *, project: str, mode: str, config: dict):
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError("Weights & Biases logging needs the wandb package: "
+                              "pip install 'diloco-jax[wandb]'") from None  # fmt: skip
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, mode=mode, dir=str(workdir), config=config,
+                              group=workdir.resolve().name)  # fmt: skip
+
+    def write(self, step: int, series: dict[str, float]) -> None:
+        self.run.log(series, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def _keep_until(path: pathlib.Path, start_step: int) -> set[tuple[str, int]]:
@@ -120,16 +182,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def progress_disabled() -> bool:
+    """Whether ``TQDM_DISABLE`` is set to something other than empty, 0, false, no or off
+    (tqdm reads it only for bars that do not pass ``disable`` themselves)."""
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def progress_bar(
     total: int, *, initial: int = 0, enabled: bool = True, unit: str = "step", desc: str = ""
 ) -> tqdm.tqdm:
+    """The bar on stderr; off unless ``enabled`` and not :func:`progress_disabled`."""
     return tqdm.tqdm(
         total=total,
         desc=desc or None,
         initial=initial,
         unit=unit,
         dynamic_ncols=True,
-        disable=not enabled,
+        disable=not enabled or progress_disabled(),
         mininterval=0.5,
         file=sys.stderr,
     )

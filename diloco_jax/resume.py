@@ -45,6 +45,8 @@ MAY_CHANGE = (
     "sim.network", "sim.bandwidth_gbps", "sim.latency_ms", "sim.topology", "sim.step_time_s",
     "sim.diagnostics",
     "train.check_replicated",  # a debug check of the same computation
+    # where the same numbers are shown: the progress bar, Weights & Biases
+    "log.progress_bar", "log.wandb", "log.wandb_project", "log.wandb_mode",
 )  # fmt: skip
 
 

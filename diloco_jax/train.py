@@ -2,8 +2,9 @@
 
     python -m diloco_jax.train [--config PRESET.py] [--workdir DIR] [--config.KEY=VALUE ...]
 
-Writes ``metrics.jsonl``, TensorBoard events, ``config.json`` (``config_history.jsonl`` on later
-starts) and orbax checkpoints into the workdir, and resumes from the workdir's latest checkpoint
+Writes ``metrics.jsonl``, TensorBoard events, ``run_record.jsonl``, ``config.json``
+(``config_history.jsonl`` on later starts) and orbax checkpoints into the workdir (W&B's too with
+``log.wandb``: ``diloco_jax/records.py``), and resumes from the workdir's latest checkpoint
 if there is one (a config that changes the training is refused: see ``diloco_jax/resume.py``).
 """
 
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import cli, distributed, problems, recipe, reporting, resume, schedule
+from diloco_jax import cli, distributed, problems, recipe, records, reporting, resume, schedule
 from diloco_jax import config as config_lib
 from diloco_jax.algorithm import PER_REPLICA, SyncPlan, init_replicas
 from diloco_jax.algorithm import state as state_lib
@@ -305,7 +306,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     state = start.state
     if lead:
         resume.record(workdir, cfg, start)
-    runlog = reporting.RunLog(workdir, enabled=lead, start_step=start.step)
+    runlog = records.open_runlog(cfg, workdir, start.step, enabled=lead)  # + run_record.jsonl
     log.info(
         "%s: %d replicas on %s (%d replica x %d data devices, %d processes), %d params, "
         "%d %ss per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
@@ -322,7 +323,8 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)
     step = int(state.step)
-    bar = reporting.progress_bar(total, initial=step, enabled=show_progress and lead)
+    show = show_progress and lead and cfg.log.progress_bar  # TQDM_DISABLE: reporting
+    bar = reporting.progress_bar(total, initial=step, enabled=show)
     eval_loss, train_start, call_seconds = None, time.time(), []
     with Preemption() as stop:
         while step < total and not _agree_to_stop(stop):

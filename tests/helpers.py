@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
+import struct
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +18,7 @@ from diloco_jax.runtime import parallel
 from diloco_jax.runtime.step import StepControl, full_control, make_replica_step
 from diloco_jax.tasks import model as model_lib
 
+BAR = "step/s"  # in every tqdm bar with unit "step" (train's)
 SEQ_LEN = 16
 BATCH = 4
 _CORPUS = {}
@@ -116,3 +121,39 @@ def run_vmapped(algorithm, params, targets_R, num_steps: int, *, control=None, g
         metrics.append(jax.device_get(m))
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *trajectory)
     return stacked, jax.device_get(state), jax.tree.map(lambda *xs: np.stack(xs), *metrics)
+
+
+def tf_events(workdir: pathlib.Path) -> list:
+    """Every event of ``workdir/tensorboard`` (TFRecord framing: length, its crc, data, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted((workdir / "tensorboard").glob("events.out.tfevents.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            events.append(event_pb2.Event.FromString(data[i + 12 : i + 12 + n]))
+            i += 12 + n + 4
+    return events
+
+
+def tb_series(events) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` of TensorBoard ``events``."""
+    out = {}
+    for event in events:
+        for value in event.summary.value:
+            out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def tb_hparams(events) -> list:
+    """The hparams of each session start in TensorBoard ``events`` (a protobuf map each)."""
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
+
+    return [HParamsPluginData.FromString(v.metadata.plugin_data.content).session_start_info.hparams
+            for e in events for v in e.summary.value
+            if v.tag == "_hparams_/session_start_info"]  # fmt: skip
+
+
+def run_records(workdir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "run_record.jsonl").read_text().splitlines()]

@@ -12,6 +12,7 @@ from diloco_jax.runtime import checkpoint
 from diloco_jax.tasks import model
 from diloco_jax.tasks.sample import generate_text
 from diloco_jax.train import build, train
+from tests.helpers import BAR, run_records, tb_hparams, tb_series, tf_events
 
 
 def tiny(**overrides):
@@ -39,6 +40,19 @@ def test_outputs(tiny_run):
     assert json.loads((workdir / "config.json").read_text())["outer"]["sync_every"] == 5
     assert (workdir / "checkpoints" / "20").is_dir()
     assert summary["sample"].startswith("ROMEO.\n") and len(summary["sample"]) >= 40
+    series = tb_series(tf_events(workdir))  # a per-replica value is one series per replica
+    [train20] = [e for e in events if (e["event"], e["step"]) == ("train", 20)]
+    for r in range(4):
+        assert [s for s, _ in series[f"sync/drift/replica_{r}"]] == [5, 10, 15, 20]
+        assert series[f"train/replica_loss/replica_{r}"][-1] == (20, pytest.approx(
+            train20["replica_loss"][r]))  # fmt: skip
+    [hparams] = tb_hparams(tf_events(workdir))
+    assert hparams["outer.sync_every"].number_value == 5
+    assert hparams["algorithm"].string_value == "diloco" and hparams["log.progress_bar"].bool_value
+    [record] = run_records(workdir)
+    assert record["step"] == 0 and record["packages"]["jax"] and record["command"]
+    assert record["git"] is None or isinstance(record["git"]["dirty"], bool)  # CI: a checkout
+    assert (record["devices"]["platform"], record["devices"]["count"]) == ("cpu", 8)
 
 
 def test_checkpoint_restores_the_final_state(tiny_run):
@@ -48,17 +62,23 @@ def test_checkpoint_restores_the_final_state(tiny_run):
     chex.assert_trees_all_equal(jax.device_get(restored), jax.device_get(summary["state"]))
 
 
-def test_rerun_resumes_and_does_not_retrain(tiny_run):
+def test_rerun_resumes_and_does_not_retrain(tiny_run, capsys, monkeypatch):
     workdir, summary = tiny_run
     metrics = (workdir / "metrics.jsonl").read_text()
-    again = train(tiny(**{"parallel.runtime": "sim"}), workdir, show_progress=False)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    capsys.readouterr()
+    # show_progress is on: the key turns the bar off (and may change on a resume)
+    again = train(tiny(**{"parallel.runtime": "sim", "log.progress_bar": False}), workdir)
+    assert BAR not in capsys.readouterr().err
     assert again["steps"] == 20 and again["final_eval_loss"] == pytest.approx(
         summary["final_eval_loss"]
     )
     # the finished run's eval and done events are not written again; the resume is recorded
     assert (workdir / "metrics.jsonl").read_text() == metrics
     [entry] = map(json.loads, (workdir / "config_history.jsonl").read_text().splitlines())
-    assert entry["step"] == 20 and entry["changes"] == {}
+    assert entry["step"] == 20 and entry["changes"] == {"log.progress_bar": [True, False]}
+    assert [r["step"] for r in run_records(workdir)] == [0, 20]  # one record per start
+    assert len(tb_hparams(tf_events(workdir))) == 1  # the first start's only
 
 
 @pytest.mark.parametrize("algorithm", ["ddp", "single"])
