@@ -62,6 +62,7 @@ def test_dropout_only_with_a_key_and_deterministic_given_it():
     chex.assert_trees_all_equal(grads_a, grads_b)
 
 
+@pytest.mark.slow  # ~12 s; bf16 parameters train every variant by default (test_dtypes)
 def test_bf16_compute_keeps_float32_params_and_stays_close():
     graphdef, params = model_lib.init_model(0, **SMALL, compute_dtype="bfloat16")
     _, plain = model_lib.init_model(0, **SMALL)
@@ -110,6 +111,7 @@ def test_model_option_errors():
         validate(apply_overrides(Config(), [("model.compute_dtype", "fp16")]))
 
 
+@pytest.mark.slow  # ~20 s; each option is tested on its own by default
 def test_training_with_every_option_runs_and_learns(tmp_path):
     from diloco_jax.train import train
 

@@ -140,6 +140,7 @@ def test_sigkill_one_process_then_restart_equals_uninterrupted(two_processes, tm
     assert len(pairs) == len(set(pairs)) and ("done", 120) in pairs
 
 
+@pytest.mark.slow  # ~55 s; the launcher's signal tests stay by default
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_exactly(two_processes, tmp_path):
     workdir = tmp_path / "w"
     procs = start_processes(workdir)

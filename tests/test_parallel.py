@@ -23,9 +23,10 @@ def simulated():
 
 @pytest.mark.parametrize(
     "replica_devices,data_devices",
-    [(4, 2), (2, 1), (2, 4), (1, 4)],
+    [pytest.param(4, 2, marks=pytest.mark.slow), (2, 1),  # ~10 s each: 2 of 4 by default
+     pytest.param(2, 4, marks=pytest.mark.slow), (1, 4)],
     ids=["4x2", "2dev-holding-2-virtual", "2x4", "1dev-holding-4-virtual-x4data"],
-)
+)  # fmt: skip
 def test_mesh_equals_simulator(simulated, replica_devices, data_devices):
     sim_state, sim_loss = simulated
     layout = parallel.Layout("mesh", 4, replica_devices, data_devices)

@@ -125,6 +125,7 @@ def test_replica_dropped_for_all_syncs_equals_a_run_without_it():
     chex.assert_trees_all_close(with_drop.anchor, without.anchor, atol=1e-6)
 
 
+@pytest.mark.slow  # ~20 s; the masks are checked by hand by default
 def test_drop_probability_zero_and_dylu_equal_speeds_equal_plain_run():
     steps = 6
     plain, _ = helpers.run(_lm_tx, helpers.sim(2), steps)

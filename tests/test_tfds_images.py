@@ -177,7 +177,7 @@ def test_train_on_a_prepared_image_folder(data_dir, tmp_path):
 def test_prepare_images_cli(digit_folder, tmp_path, capsys):
     folder = digit_folder[0]
     assert prepare_main(["--images", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
-    assert "image folder not found" in capsys.readouterr().err
+    assert f"--images {tmp_path / 'none'}: no such folder" in capsys.readouterr().err
     one = tmp_path / "one" / "only"
     one.mkdir(parents=True)
     assert prepare_main(["--images", str(one.parent), "--out", str(tmp_path)]) == 2

@@ -90,6 +90,7 @@ def test_baselines_train(algorithm, tmp_path):
     assert summary["state"].params["head"]["kernel"].shape[0] == replicas
 
 
+@pytest.mark.slow  # ~11 s; mesh == simulator by default in test_parallel
 def test_mesh_runtime_trains_like_the_simulator(tiny_run, tmp_path):
     _, sim = tiny_run
     mesh = train(tiny(**{"parallel.runtime": "mesh", "train.sample_chars": 0}), tmp_path,

@@ -276,6 +276,7 @@ def _compiled_mesh_hlo(**variant) -> tuple[str, dict]:
     return helpers.compiled_hlo(tx, parallel.Layout("mesh", 4, 4, 1), 4)
 
 
+@pytest.mark.slow  # ~14 s; the int8 wire format is checked by default
 def test_streaming_reduces_one_fragment_at_a_time_on_the_mesh():
     """Each all-reduce of the compiled mesh step carries at most one fragment's values: the
     peak bytes of a sync fall with F."""
