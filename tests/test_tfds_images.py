@@ -14,7 +14,7 @@ from PIL import Image
 from diloco_jax import tasks
 from diloco_jax.config import ConfigError, apply_overrides, load_preset, validate
 from diloco_jax.data import DataError, tfds_images, tfds_io
-from diloco_jax.data.images import load_images, sample_images
+from diloco_jax.data.images import load_digits, load_images, sample_images
 from diloco_jax.data.prepare import main as prepare_main
 from diloco_jax.tasks import vision
 from diloco_jax.train import train
@@ -29,16 +29,14 @@ def png(pixels_HxWxC: np.ndarray) -> bytes:
 
 @pytest.fixture(scope="module")
 def digit_folder(tmp_path_factory):
-    """scikit-learn's digits as PNG files, one folder per class: ``(folder, pixels, labels)``."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    pixels_Nx8x8 = (digits.images * 15).astype(np.uint8)  # 0..16 -> 0..240
+    """The shipped digits as PNG files, one folder per class: ``(folder, pixels, labels)``."""
+    digits_Nx8x8, labels_N = load_digits()
+    pixels_Nx8x8 = digits_Nx8x8 * np.uint8(15)  # 0..16 -> 0..240
     folder = tmp_path_factory.mktemp("digit_pngs")
-    for i, (pixels, label) in enumerate(zip(pixels_Nx8x8, digits.target, strict=True)):
+    for i, (pixels, label) in enumerate(zip(pixels_Nx8x8, labels_N, strict=True)):
         (folder / f"class_{label}").mkdir(exist_ok=True)
         Image.fromarray(pixels).save(folder / f"class_{label}" / f"{i:04d}.png")
-    return folder, pixels_Nx8x8[..., None], digits.target
+    return folder, pixels_Nx8x8[..., None], labels_N
 
 
 @pytest.fixture(scope="module")

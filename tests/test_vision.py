@@ -1,5 +1,6 @@
 """Image classification: the ResNet, the digits data, and DiLoCo training it (sim and mesh)."""
 
+import hashlib
 import json
 
 import chex
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from diloco_jax.config import apply_overrides, load_preset
-from diloco_jax.data.images import image_shards, load_images, sample_images
+from diloco_jax.data.images import image_shards, load_digits, load_images, sample_images
 from diloco_jax.tasks import vision
 from diloco_jax.train import train
 
@@ -22,6 +23,35 @@ def test_resnet_shapes_and_strides():
     kernels = {k: v["conv1"]["kernel"].shape for k, v in params["blocks"].items()}
     assert [kernels[i][-1] for i in range(6)] == [8, 8, 16, 16, 32, 32]
     assert sorted(k for k, v in params["blocks"].items() if "skip" in v) == [2, 4]
+
+
+def _sha256(*arrays) -> str:
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def test_shipped_digits_are_scikit_learns():
+    """The shipped digits.npz holds what scikit-learn's ``load_digits`` returned when it was
+    written (scripts/make_digits_data.py printed this hash), and the split ``load_images``
+    makes of it is the one it made when it read scikit-learn's copy (hashes recorded then)."""
+    images_Nx8x8, labels_N = load_digits()
+    assert images_Nx8x8.dtype == labels_N.dtype == np.uint8
+    assert images_Nx8x8.shape == (1797, 8, 8) and labels_N.shape == (1797,)
+    assert images_Nx8x8.min() == 0 and images_Nx8x8.max() == 16
+    per_class = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    np.testing.assert_array_equal(np.bincount(labels_N, minlength=11), [*per_class, 0])
+    assert (
+        _sha256(images_Nx8x8, labels_N)
+        == "87ff0c9e40dc7e2c0e34e7257799c2e3f3aec1a016363bb11cad869ec428a826"
+    )
+    split_hashes = {
+        0.05: "8e48c62beebc4a169dcfb235fac21764ffa16743b969023233603513a2996494",
+        0.2: "c02d54b1e5e90265ae0b0f535637704813296f617e4dc8ffff5496d9699ea35f",
+    }
+    for val_fraction, expected in split_hashes.items():
+        assert _sha256(*load_images("digits", val_fraction=val_fraction)[:4]) == expected
 
 
 def test_digits_split_shards_and_sampling():

@@ -1,5 +1,6 @@
-"""Image-classification data: scikit-learn's digits (shipped inside the package, no download),
-or any TFDS image dataset prepared locally (``tfds:NAME``, :mod:`diloco_jax.data.tfds_images`).
+"""Image-classification data: the 8x8 digits (shipped inside the package as ``digits.npz``, no
+download; see NOTICE.md), or any TFDS image dataset prepared locally (``tfds:NAME``,
+:mod:`diloco_jax.data.tfds_images`).
 
 ``load_images("digits", val_fraction)`` shuffles the 1,797 8x8 grayscale digits once with a fixed
 seed and keeps the last ``val_fraction`` for validation; its pixels are float32 in [0, 1]. A TFDS
@@ -11,6 +12,7 @@ dataset keeps its own splits and uint8 pixels (4x less memory), scaled to [0, 1]
 
 from __future__ import annotations
 
+import pathlib
 from typing import NamedTuple
 
 import jax
@@ -21,6 +23,7 @@ from diloco_jax.data.corpus import DataError
 from diloco_jax.randomness import replica_key
 
 IMAGE_DATASETS = ("digits",)
+_DIGITS = pathlib.Path(__file__).with_name("digits.npz")
 
 
 class Images(NamedTuple):
@@ -29,6 +32,14 @@ class Images(NamedTuple):
     val_images: np.ndarray
     val_labels: np.ndarray
     num_classes: int
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The shipped digits (UCI "Optical Recognition of Handwritten Digits", as scikit-learn's
+    ``load_digits`` returns them): ``(images_Nx8x8, labels_N)``, uint8, N = 1797, pixels 0..16,
+    labels 0..9, in scikit-learn's order."""
+    with np.load(_DIGITS) as digits:
+        return digits["images"], digits["labels"]
 
 
 def is_image_data(cfg_data) -> bool:
@@ -52,12 +63,10 @@ def load_images(name: str, *, val_fraction: float, data_dir: str = "", **tfds_op
         return tfds_images.load(name, data_dir, **tfds_options)
     if name != "digits":
         raise DataError(f"image dataset {name!r} is not one of {IMAGE_DATASETS} or tfds:NAME")
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    order = np.random.default_rng(0).permutation(len(digits.target))
-    images = (digits.images[order] / 16.0).astype(np.float32)[..., None]
-    labels = digits.target[order].astype(np.int32)
+    pixels_Nx8x8, labels_N = load_digits()
+    order = np.random.default_rng(0).permutation(len(labels_N))
+    images = (pixels_Nx8x8[order] / 16.0).astype(np.float32)[..., None]
+    labels = labels_N[order].astype(np.int32)
     cut = len(labels) - int(round(len(labels) * val_fraction))
     return Images(images[:cut], labels[:cut], images[cut:], labels[cut:], 10)
 
