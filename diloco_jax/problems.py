@@ -8,8 +8,16 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from diloco_jax import config as config_lib
-from diloco_jax import tasks
-from diloco_jax.data import eval_windows, load_corpus, replica_shards, unigram_entropy
+from diloco_jax import extras, tasks
+from diloco_jax.data import (
+    eval_windows,
+    load_corpus,
+    replica_shards,
+    tfds_images,
+    tfds_io,
+    tfds_text,
+    unigram_entropy,
+)
 from diloco_jax.data.images import image_shards, is_image_data, load_images
 from diloco_jax.tasks import model as model_lib
 from diloco_jax.tasks import vision
@@ -25,6 +33,28 @@ class Problem(NamedTuple):
     task: tasks.Task  # sample, loss and evaluation for this model and data
     baseline_nats: float  # unigram entropy of the tokens, or log(classes)
     tokenizer: Any = None
+
+
+def check_extras(cfg: config_lib.Config) -> None:
+    """Raises ConfigError, one line naming ``data.corpus`` and the extra to install, when the
+    data ``cfg`` names needs a package that is not installed: TFDS datasets need the tfds extra,
+    their images Pillow (images), a dataset prepared with a SentencePiece tokenizer
+    sentencepiece. Cheap (nothing is read), so entry points call it before any work."""
+    d = cfg.data
+    if not d.corpus.startswith(tfds_io.TFDS_PREFIX):
+        return  # the shipped text and digits, text files: the default install
+    feature = f"config key data.corpus = {d.corpus!r}"
+    try:
+        extras.check(feature, "tensorflow_datasets")
+        if tfds_images.is_image_dataset(d.corpus, d.data_dir):
+            extras.check(f"{feature} (images)", "PIL")
+        else:
+            extras.check(feature, "grain")
+            name = d.corpus.removeprefix(tfds_io.TFDS_PREFIX)
+            if (tfds_io.data_root(d.data_dir) / name / tfds_text.TOKENIZER_FILE).is_file():
+                extras.check(f"{feature} (its SentencePiece tokenizer)", "sentencepiece")
+    except extras.MissingExtra as e:
+        raise config_lib.ConfigError(str(e)) from None
 
 
 def load(cfg: config_lib.Config, replicas: int) -> Problem:

@@ -132,11 +132,9 @@ class WandbWriter:
     them later with ``wandb sync``). A resumed run starts a new W&B run in the same group."""
 
     def __init__(self, workdir: pathlib.Path, *, project: str, mode: str, config: dict):
-        try:
-            import wandb
-        except ImportError:
-            raise ImportError("Weights & Biases logging needs the wandb package: "
-                              "pip install 'diloco-jax[wandb]'") from None  # fmt: skip
+        from diloco_jax import extras
+
+        wandb = extras.require("wandb", "Weights & Biases logging")
         workdir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=project, mode=mode, dir=str(workdir), config=config,
                               group=workdir.resolve().name)  # fmt: skip

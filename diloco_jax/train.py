@@ -25,6 +25,7 @@ from diloco_jax import config as config_lib
 from diloco_jax.algorithm import PER_REPLICA, SyncPlan, init_replicas
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.data import DataError
+from diloco_jax.extras import MissingExtra
 from diloco_jax.preemption import Preemption, saving, stopped, watch_launcher
 from diloco_jax.reporting import log
 from diloco_jax.runtime import checkpoint, parallel
@@ -90,6 +91,7 @@ def build(cfg: config_lib.Config) -> Setup:
     """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
     DataError before anything is compiled."""
     config_lib.validate(cfg)
+    problems.check_extras(cfg)
     m, d = cfg.model, cfg.data
     replicas = effective_replicas(cfg)
     problem = problems.load(cfg, replicas)
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
                 "a run of several processes needs --workdir (a directory every process can reach)"
             )
         summary = train(cfg, workdir, allow_config_change=args.allow_config_change)
-    except (config_lib.ConfigError, DataError, checkpoint.CheckpointError) as e:
+    except (config_lib.ConfigError, DataError, checkpoint.CheckpointError, MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except distributed.ConsistencyError as e:

@@ -16,7 +16,7 @@ import csv
 import pathlib
 import sys
 
-from diloco_jax import cli
+from diloco_jax import cli, extras
 from diloco_jax.config import ConfigError
 
 from . import plots
@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}
     parser.add_argument("--title", default="final loss against bytes sent")
     args = parser.parse_args(argv)
     try:
+        extras.check("drawing tradeoff.png", "matplotlib")  # the figure is what combine is for
         rows = read(args.sweeps)
         args.out = cli.check_output_dir(args.out, "--out")
-    except (FileNotFoundError, ConfigError) as e:
+    except (FileNotFoundError, ConfigError, extras.MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,25 @@
-"""Figures of a sweep: loss curves and the loss-communication trade-off."""
+"""Figures of a sweep: loss curves and the loss-communication trade-off.
+
+matplotlib is optional (the ``plots`` extra): it is imported when a figure is drawn, so the rest
+of the simulator works without it.
+"""
 
 from __future__ import annotations
 
 import pathlib
 
-import matplotlib
 import numpy as np
 
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+from diloco_jax import extras
+
+
+def _pyplot():
+    """matplotlib's pyplot, drawing into files only (no display needed)."""
+    matplotlib = extras.require("matplotlib", "drawing figures")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> None:
@@ -16,6 +27,7 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> Non
 
     ``runs[name] = {"tokens": [...], "steps": [...], "loss": [...]}`` (means over seeds).
     """
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for name, run in runs.items():
         style = "--" if name in ("single", "ddp") else "-"
@@ -36,6 +48,7 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> Non
 def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "") -> None:
     """Final validation loss against bytes each replica sent (log scale), a point per run named
     by its run; runs that sent nothing are drawn as horizontal lines."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     _panel(ax, rows, "bytes_per_replica", {}, label_of=lambda row: row["run"])
     ax.set_xlabel("bytes sent per replica (log scale)")
@@ -79,6 +92,7 @@ def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = ""
     """Left: final loss against total bytes per replica, every run. Right: against the peak
     bytes of one sync, only the runs within 0.2 nats of the best (where codecs and streaming
     differ). Points are labelled with how they communicate; colours are the sweeps."""
+    plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6.5))
     colours: dict[str, str] = {}
     _panel(left, rows, "bytes_per_replica", colours)

@@ -13,11 +13,12 @@ import json
 import logging
 import pathlib
 import shutil
+import sys
 from collections import defaultdict
 
 import numpy as np
 
-from diloco_jax import comms, schedule
+from diloco_jax import comms, extras, schedule
 from diloco_jax import config as config_lib
 from diloco_jax.reporting import log
 
@@ -293,12 +294,19 @@ def mean_curves(dones: list[dict], groups: dict[str, str]) -> dict[str, dict]:
 
 
 def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progress=True) -> list:
-    """Runs the plan, writes results.csv, summary.csv, curves.png, tradeoff.png; returns the
-    summary table (a row per group: mean and spread over seeds)."""
+    """Runs the plan, writes results.csv, summary.csv, curves.png, tradeoff.png (these two only
+    with matplotlib, the plots extra: without it a note says so and the tables are still
+    written); returns the summary table (a row per group: mean and spread over seeds)."""
     from diloco_jax import problems
     from diloco_jax.reporting import progress_bar, setup_logging
 
     runs = plan(base, sweeps, baselines, seeds)
+    for cfg in {cfg.data: cfg for _, _, cfg in runs}.values():  # the data each run needs
+        problems.check_extras(cfg)
+    draw = not extras.missing("matplotlib")
+    if not draw:  # a sweep is worth its tables alone: say so at the start, not after hours
+        print(f"note: curves.png and tradeoff.png are not drawn (they need matplotlib): "
+              f"{extras.install_hint('matplotlib')}", file=sys.stderr)  # fmt: skip
     setup_logging(logging.WARNING)  # the sweep's bar and table say enough
     # the model's shapes give the bytes: the data decide the model (its vocabulary or classes)
     params = problems.load(base, replicas=1).params
@@ -320,8 +328,10 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     write_csv(workdir / "results.csv", rows)
     table = summarize(rows, groups)
     write_csv(workdir / "summary.csv", table)
-    plots.curves(mean_curves(dones, groups), workdir / "curves.png")
-    plots.tradeoff(table, workdir / "tradeoff.png")
-    log.warning("wrote %s", ", ".join(str(workdir / f) for f in
-                ("results.csv", "summary.csv", "curves.png", "tradeoff.png")))  # fmt: skip
+    written = ["results.csv", "summary.csv"]
+    if draw:
+        plots.curves(mean_curves(dones, groups), workdir / "curves.png")
+        plots.tradeoff(table, workdir / "tradeoff.png")
+        written += ["curves.png", "tradeoff.png"]
+    log.warning("wrote %s", ", ".join(str(workdir / f) for f in written))
     return table

@@ -20,6 +20,7 @@ import math
 import pathlib
 import sys
 
+from diloco_jax import extras
 from diloco_jax.data.corpus import DataError
 
 
@@ -78,6 +79,13 @@ def _check(args, cli) -> None:
     if args.images and not pathlib.Path(args.images).expanduser().is_dir():
         raise DataError(f"--images {args.images}: no such folder")
     cli.check_output_dir(args.out, "--out")
+    if args.images:
+        extras.check("preparing images (--images)", "tensorflow_datasets", "PIL")
+    elif args.tokenizer == "sentencepiece":
+        extras.check("preparing text (--text) with --tokenizer sentencepiece",
+                     "tensorflow_datasets", "grain", "sentencepiece")  # fmt: skip
+    else:
+        extras.check("preparing text (--text)", "tensorflow_datasets", "grain")
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.data.prepare") -> int:
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.dat
     try:
         _check(args, cli)
         root, line = _prepare(args)
-    except (DataError, cli.config_lib.ConfigError) as e:
+    except (DataError, cli.config_lib.ConfigError, extras.MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{line}; train with --config.data.corpus=tfds:{root.name} "

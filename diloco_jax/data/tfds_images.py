@@ -19,6 +19,7 @@ import pathlib
 
 import numpy as np
 
+from diloco_jax import extras
 from diloco_jax.data import tfds_io
 from diloco_jax.data.corpus import DataError
 
@@ -29,8 +30,7 @@ _MODES = {1: "L", 3: "RGB"}  # channels -> Pillow mode
 def is_image_dataset(spec: str, data_dir: str = "") -> bool:
     """True when ``tfds:NAME`` exists and has an image feature (whatever its name: a wrong
     ``data.image_feature`` is then reported by :func:`load`)."""
-    import tensorflow_datasets as tfds
-
+    tfds = extras.require("tensorflow_datasets", f"reading {spec}")
     try:
         features = tfds_io.open_builder(spec, data_dir)[2].info.features
     except DataError:
@@ -40,6 +40,7 @@ def is_image_dataset(spec: str, data_dir: str = "") -> bool:
 
 def _normalized(image, channels: int, size: int):
     """A Pillow image in the mode of ``channels``, resized to ``size`` x ``size`` if ``size``."""
+    extras.require("PIL", "converting images")
     from PIL import Image
 
     if image.mode.startswith("I"):  # 16-bit grayscale (I;16, I;16B, I): keep the top 8 bits
@@ -50,6 +51,7 @@ def _normalized(image, channels: int, size: int):
 
 
 def _decode(encoded: bytes, channels: int, size: int, where: str) -> np.ndarray:
+    extras.require("PIL", "decoding images")
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -101,9 +103,10 @@ def load(
     """Reads ``tfds:NAME``'s train and validation (or test) splits into
     :class:`~diloco_jax.data.images.Images` (uint8 ``[N, H, W, C]``; ``image_size`` > 0 resizes
     to ``image_size`` x ``image_size``)."""
-    import tensorflow_datasets as tfds
-
     from diloco_jax.data.images import Images
+
+    tfds = extras.require("tensorflow_datasets", f"reading {spec}")
+    extras.require("PIL", f"decoding the images of {spec}")
 
     decoders = {image_feature: tfds.decode.SkipDecoding()}
     splits = tfds_io.open_splits(spec, data_dir, train_split=train_split, eval_split=eval_split,
@@ -204,6 +207,7 @@ def prepare(
     tfds_io.check_name(name)
     if not 0 < val_fraction < 1 or size < 0:
         raise DataError(f"val_fraction {val_fraction} must be in (0, 1) and size {size} >= 0")
+    extras.check("preparing an image folder", "tensorflow_datasets", "PIL")
     from PIL import Image, UnidentifiedImageError
 
     classes, splits = _folder_splits(pathlib.Path(image_dir).expanduser(), val_fraction)
@@ -229,8 +233,7 @@ def prepare(
     width, height = (size, size) if size else shapes.pop()
 
     def features():
-        import tensorflow_datasets as tfds
-
+        tfds = extras.require("tensorflow_datasets", "preparing an image folder")
         return tfds.features.FeaturesDict({
             "image": tfds.features.Image(shape=(height, width, channels)),
             "label": tfds.features.ClassLabel(names=classes),

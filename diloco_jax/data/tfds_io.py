@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from diloco_jax import extras
 from diloco_jax.data.corpus import DataError
 
 TFDS_PREFIX = "tfds:"
@@ -97,8 +98,7 @@ def open_builder(spec: str, data_dir: str = ""):
     """``(name, data dir, builder)`` of ``tfds:NAME`` (or ``tfds:NAME/CONFIG``): its newest
     prepared version, read from its directory. Raises DataError naming how to prepare a missing
     dataset."""
-    import tensorflow_datasets as tfds
-
+    tfds = extras.require("tensorflow_datasets", f"reading {spec}")
     name = spec.removeprefix(TFDS_PREFIX)
     root = data_root(data_dir)
     if not (root / name).is_dir():
@@ -126,8 +126,7 @@ def write(
     """Writes the TFDS dataset ``name`` (version 1.0.0, array_record) into ``data_dir``: its
     features are ``features()`` (a FeaturesDict), split ``s`` holds the ``(key, example)`` pairs
     of ``splits[s]()``. Returns the dataset's directory."""
-    import tensorflow_datasets as tfds
-
+    tfds = extras.require("tensorflow_datasets", f"writing the TFDS dataset {name!r}")
     check_name(name)
 
     class Prepared(tfds.core.GeneratorBasedBuilder, skip_registration=True):

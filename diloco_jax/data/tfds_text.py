@@ -19,6 +19,7 @@ import pathlib
 
 import numpy as np
 
+from diloco_jax import extras
 from diloco_jax.data import tfds_io
 from diloco_jax.data.corpus import Corpus, DataError
 from diloco_jax.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
@@ -73,8 +74,7 @@ def prepare(
               "validation": tok.encode(text[cut:]).astype(dtype)}  # fmt: skip
 
     def features():
-        import tensorflow_datasets as tfds
-
+        tfds = extras.require("tensorflow_datasets", "preparing a text dataset")
         return tfds.features.FeaturesDict({
             "tokens": tfds.features.Tensor(shape=(None,), dtype=dtype),
             "index": np.int64,
@@ -97,7 +97,7 @@ def tokenizer_for(name: str, data_dir: str | pathlib.Path):
 
 
 def _split_tokens(source, tokenizer, text_feature: str) -> np.ndarray:
-    import grain
+    grain = extras.require("grain", "reading a TFDS text dataset")
 
     def tokens(record):
         if "tokens" in record:

@@ -13,6 +13,8 @@ import tempfile
 
 import numpy as np
 
+from diloco_jax import extras
+
 BYTE_VOCAB = 256
 
 
@@ -35,8 +37,7 @@ class SentencePieceTokenizer:
     name = "sentencepiece"
 
     def __init__(self, path: str | pathlib.Path):
-        import sentencepiece as spm
-
+        spm = extras.require("sentencepiece", f"the SentencePiece tokenizer {path}")
         self.path = pathlib.Path(path)
         self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
         self.vocab_size = int(self._sp.get_piece_size())
@@ -53,8 +54,7 @@ def train_sentencepiece(
 ) -> SentencePieceTokenizer:
     """Trains a BPE SentencePiece model of at most ``vocab_size`` pieces on ``text`` and saves it
     to ``path`` (identity normalization, byte fallback: every text round-trips)."""
-    import sentencepiece as spm
-
+    spm = extras.require("sentencepiece", "training a SentencePiece tokenizer")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = pathlib.Path(tmp) / "train.txt"
