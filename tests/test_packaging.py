@@ -81,11 +81,16 @@ def test_wheel_ships_presets_simulator_data_license_and_scripts(wheel):
     assert tops == {"diloco_jax", info}, tops  # no top-level sim or configs
     want = {f"diloco_jax/configs/{p.name}" for p in (ROOT / "configs").glob("*.py")}
     want |= {f"diloco_jax/sim/{p.name}" for p in (ROOT / "sim").glob("*.py")}
-    want |= {"diloco_jax/data/shakespeare.txt.xz", "diloco_jax/data/NOTICE.md",
-             "diloco_jax/py.typed", f"{info}/licenses/LICENSE"}  # fmt: skip
+    want |= {"diloco_jax/data/shakespeare.txt.xz", "diloco_jax/data/digits.npz",
+             "diloco_jax/data/NOTICE.md", "diloco_jax/py.typed",
+             f"{info}/licenses/LICENSE"}  # fmt: skip
     assert len(want) > 15 and want <= files, sorted(want - files)
     assert not [name for name in files if "__pycache__" in name or name.endswith(".pyc")]
     assert "License-Expression: Apache-2.0" in metadata
+    extras = {line.split(": ")[1] for line in metadata.splitlines()
+              if line.startswith("Provides-Extra: ")}  # fmt: skip
+    assert extras == {"tfds", "images", "sentencepiece", "plots", "cuda12", "tensorboard",
+                      "wandb", "all"}  # fmt: skip
     assert {line.split(" = ")[0] for line in entry_points.splitlines() if " = " in line} == SCRIPTS
 
 
@@ -117,13 +122,31 @@ def _run(bin_dir: pathlib.Path, *args: str, cwd: pathlib.Path) -> subprocess.Com
 @pytest.mark.slow  # ~45 s: a fresh environment, then a tiny run from another directory
 @needs_uv
 def test_installed_wheel_trains_the_tiny_preset_from_another_directory(installed, tmp_path):
+    """The default install (no extra) trains, finds its shipped data and says in one line which
+    extra a TFDS corpus or a figure needs."""
     probe = ("import importlib.metadata as m, importlib.util as u, diloco_jax, diloco_jax.sim;"
              "print(diloco_jax.__file__); assert u.find_spec('sim') is None;"
              "[e.load() for e in m.entry_points(group='console_scripts') if e.dist.name == "
-             "'diloco-jax']")  # fmt: skip
+             "'diloco-jax']; from diloco_jax.data.images import load_digits;"
+             "assert load_digits()[0].shape == (1797, 8, 8); missing = [n for n in ("
+             "'tensorflow_datasets', 'grain', 'PIL', 'sentencepiece', 'matplotlib', 'sklearn',"
+             "'wandb') if u.find_spec(n)]; assert not missing, missing")  # fmt: skip
     found = _run(installed, "python", "-c", probe, cwd=tmp_path)
     assert found.returncode == 0, found.stderr
     assert str(installed.parent) in found.stdout and str(ROOT) not in found.stdout
+
+    tfds = _run(installed, "diloco-train", "--workdir", "r", "--config.data.corpus=tfds:mnist",
+                cwd=tmp_path)  # fmt: skip
+    assert tfds.returncode == 2 and not (tmp_path / "r").exists()
+    assert tfds.stderr.splitlines() == [
+        "error: config key data.corpus = 'tfds:mnist' needs TensorFlow Datasets: "
+        "pip install 'diloco-jax[tfds]'"
+    ]
+    combine = _run(installed, "diloco-combine", "sweep", "--out", "c", cwd=tmp_path)
+    assert combine.returncode == 2 and not (tmp_path / "c").exists()
+    assert combine.stderr.splitlines() == [
+        "error: drawing tradeoff.png needs matplotlib: pip install 'diloco-jax[plots]'"
+    ]
 
     shown = _run(installed, "diloco-train", "--help", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
