@@ -39,7 +39,8 @@ def check_extras(cfg: config_lib.Config) -> None:
     """Raises ConfigError, one line naming ``data.corpus`` and the extra to install, when the
     data ``cfg`` names needs a package that is not installed: TFDS datasets need the tfds extra,
     their images Pillow (images), a dataset prepared with a SentencePiece tokenizer
-    sentencepiece. Cheap (nothing is read), so entry points call it before any work."""
+    sentencepiece. Cheap (it reads a TFDS dataset's info, not its records), so entry points call
+    it before any work."""
     d = cfg.data
     if not d.corpus.startswith(tfds_io.TFDS_PREFIX):
         return  # the shipped text and digits, text files: the default install

@@ -301,7 +301,7 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     from diloco_jax.reporting import progress_bar, setup_logging
 
     runs = plan(base, sweeps, baselines, seeds)
-    for cfg in {cfg.data: cfg for _, _, cfg in runs}.values():  # the data each run needs
+    for cfg in {c.data: c for c in (base, *(c for _, _, c in runs))}.values():  # data loaded
         problems.check_extras(cfg)
     draw = not extras.missing("matplotlib")
     if not draw:  # a sweep is worth its tables alone: say so at the start, not after hours
