@@ -23,6 +23,7 @@ from diloco_jax import config as config_lib
 from diloco_jax import presets
 from diloco_jax.distributed import Cluster
 
+Extend = Callable[["ArgumentParser"], None]  # adds an entry point's own flags
 _METAVAR = {bool: "BOOL", int: "INT", float: "FLOAT", str: "TEXT"}
 
 
@@ -102,7 +103,7 @@ def _section_doc(cfg: config_lib.Config, section: str) -> str | None:
     if not doc or doc.startswith(kind.__name__):
         return None
     text = " ".join(doc.replace("``", "").split())
-    return textwrap.fill(text, 96, initial_indent="  ", subsequent_indent="  ")
+    return textwrap.fill(text, 94)
 
 
 def _add_config_keys(parser: ArgumentParser, cfg: config_lib.Config) -> None:
@@ -146,12 +147,13 @@ def _preset(argv: list[str]) -> str:
 
 
 def parser_for(prog: str, cfg: config_lib.Config, *, description: str = "",
-               distributed: bool = False, resume: bool = False) -> ArgumentParser:  # fmt: skip
-    """The parser of an entry point that trains: ``--config``, ``--workdir``, every config key,
-    and the resume and cluster flags where asked."""
+               distributed: bool = False, resume: bool = False,
+               extend: Extend | None = None) -> ArgumentParser:  # fmt: skip
+    """The parser of an entry point that trains: ``--config``, ``--workdir``, the resume and
+    cluster flags where asked, the entry point's own (``extend``), then every config key."""
     usage = f"{prog} [-h] [--config NAME|PATH] [--workdir DIR] [--config.KEY=VALUE ...]"
-    if resume or distributed:
-        usage += " [other flags below]"
+    if resume or distributed or extend:
+        usage += " [more flags below]"
     parser = ArgumentParser(prog=prog, usage=usage, description=description, add_help=False)
     run = parser.add_argument_group("run")
     run.add_argument("-h", "--help", action="store_true", help="this text")
@@ -167,12 +169,14 @@ def parser_for(prog: str, cfg: config_lib.Config, *, description: str = "",
                          "checkpoint's (each change is logged and recorded)")  # fmt: skip
     if distributed:
         _add_cluster_flags(parser)
+    if extend:
+        extend(parser)
     _add_config_keys(parser, cfg)
     return parser
 
 
 def parse(argv: list[str], *, prog: str, description: str = "", distributed: bool = False,
-          resume: bool = False, extend: Callable[[ArgumentParser], None] | None = None
+          resume: bool = False, extend: Extend | None = None
           ) -> Args | None:  # fmt: skip
     """Returns ``Args(config, workdir, cluster, ...)``, or None after printing help. Exits with
     status 2 and a one-line error on bad input. ``distributed``: accept the multi-process flags;
@@ -182,12 +186,10 @@ def parse(argv: list[str], *, prog: str, description: str = "", distributed: boo
         preset = _preset(argv)
         cfg = config_lib.load_preset(preset)
         parser = parser_for(prog, cfg, description=description, distributed=distributed,
-                            resume=resume)  # fmt: skip
+                            resume=resume, extend=extend)  # fmt: skip
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if extend:
-        extend(parser)
     ns = parser.parse_args(argv)
     if ns.help:
         parser.print_help()

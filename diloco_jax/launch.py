@@ -46,8 +46,10 @@ def _parser() -> ArgumentParser:
                         help="coordinator port on 127.0.0.1 (default: a free one)")  # fmt: skip
     parser.add_argument("--module", default="diloco_jax.train", metavar="M",
                         help="the module to run (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
-                        help="stopping processes get this long before SIGKILL")  # fmt: skip
+    parser.add_argument(
+        "--grace", type=float, default=30.0, metavar="SECONDS",
+        help="how long stopping processes get before SIGKILL (default: %(default)s)",
+    )  # fmt: skip
     return parser
 
 
