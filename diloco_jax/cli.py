@@ -1,41 +1,70 @@
-"""Command-line parsing shared by the entry points: a preset, overrides and a workdir.
+"""Command lines: one argparse style for every entry point, with one-line errors.
 
---config NAME|PATH       a preset by name (tiny; the list below) or a file with get_config()
-                         (default: default)
---config.KEY=VALUE       override one key, e.g. --config.outer.sync_every=50
---workdir DIR            output directory (default: runs/<preset>-<date>-<time>)
---help                   this text and every config key with its value
-
-Resuming a workdir (``python -m diloco_jax.train`` only; see diloco_jax/resume.py):
---allow_config_change    resume although keys that change the training differ from the
-                         checkpoint's config (each change is logged and recorded)
-
-Multi-process runs (``python -m diloco_jax.train`` only; see diloco_jax/distributed.py):
---coordinator_address HOST:PORT   process 0's address (or JAX_COORDINATOR_ADDRESS)
---num_processes N                 processes in the run (or JAX_NUM_PROCESSES)
---process_id I                    this process, 0..N-1 (or JAX_PROCESS_ID)
---distributed auto|on|off         on: let JAX detect the cluster (Cloud TPU, k8s); default auto
---init_timeout SECONDS            how long to wait for every process to join (default 300)
+Train and the simulator take a preset and overrides, the convention of JAX projects
+(``--config NAME|PATH --config.KEY=VALUE``); every config key is a real flag, typed and described
+in ``--help`` with the chosen preset's value. Resuming adds ``--allow_config_change``; a
+multi-process run adds the cluster flags (``diloco_jax/distributed.py``). Errors are one line,
+``error: ...``, exit status 2, before anything is loaded, compiled or written.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import pathlib
 import sys
+import textwrap
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from diloco_jax import config as config_lib
 from diloco_jax import presets
 from diloco_jax.distributed import Cluster
 
-_SWITCHES = ("allow_config_change",)
-_CLUSTER_FLAGS = {
-    "coordinator_address": str, "num_processes": int, "process_id": int, "distributed": str,
-    "init_timeout": int,
-}  # fmt: skip
+Extend = Callable[["ArgumentParser"], None]  # adds an entry point's own flags
+_METAVAR = {bool: "BOOL", int: "INT", float: "FLOAT", str: "TEXT"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``error: ...``, and exit status 2 (argparse's own
+    prints the usage first); no flag abbreviations; unknown flags name the closest known one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        print(f"error: {message} (--help for usage)", file=sys.stderr)
+        sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        if "--" in args:  # nothing here takes positionals after it
+            self.error("unexpected argument '--'")
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unknown(extras[0]))
+        return namespace
+
+    def unknown(self, arg: str) -> str:
+        """One line about an argument no flag takes, with the closest flag when one is close."""
+        if not arg.startswith("-"):
+            return f"unexpected argument {arg!r}"
+        name = arg.partition("=")[0]
+        close = difflib.get_close_matches(name, self._option_string_actions, n=1)
+        if name.startswith("--config."):  # a config key: named as the config names it
+            hint = f"; did you mean {close[0].removeprefix('--config.')}?" if close else ""
+            return f"unknown config key {name.removeprefix('--config.')!r}{hint}"
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"unknown flag {name}{hint}"
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=42, width=100)
 
 
 class Args(NamedTuple):
@@ -44,79 +73,144 @@ class Args(NamedTuple):
     cluster: Cluster
     workdir_given: bool  # False: the default, runs/<preset>-<date>-<time>
     allow_config_change: bool = False
+    flags: argparse.Namespace = argparse.Namespace()  # the entry point's own flags
 
 
-def _usage(prog: str, cfg: config_lib.Config, distributed: bool, resume: bool) -> str:
-    lines = [f"usage: {prog} [--config NAME|PATH] [--workdir DIR] [--config.KEY=VALUE ...]", ""]
-    _, common, resuming, multi_process = __doc__.strip().split("\n\n")
-    lines += common.splitlines()
+def _bool(text: str) -> bool:
+    try:
+        return config_lib.parse_value(text, bool, "")
+    except config_lib.ConfigError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a bool (use true or false)") from None
+
+
+def _typed(kind: type) -> Callable[[str], object]:
+    def parse(text: str):
+        if kind is bool:
+            return _bool(text)
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_METAVAR[kind].lower()}") from None
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _section_doc(cfg: config_lib.Config, section: str) -> str | None:
+    """A config section's own docstring, wrapped (None for the generated ones)."""
+    kind = type(getattr(cfg, section)) if section else None
+    doc = (kind.__doc__ or "") if kind else ""
+    if not doc or doc.startswith(kind.__name__):
+        return None
+    text = " ".join(doc.replace("``", "").split())
+    return textwrap.fill(text, 94)
+
+
+def _add_config_keys(parser: ArgumentParser, cfg: config_lib.Config) -> None:
+    """A typed ``--config.KEY`` flag for every key, one group per section, described with the
+    preset's value."""
+    groups = {}
+    for key, leaf in config_lib.described(cfg).items():
+        section = key.rpartition(".")[0]
+        if section not in groups:
+            title = f"config keys: {section or 'top level'}"
+            groups[section] = parser.add_argument_group(title, _section_doc(cfg, section))
+        about = f"{leaf.about} (preset: {leaf.value!r})".replace("%", "%%")
+        groups[section].add_argument(
+            f"--config.{key}", dest=key, type=_typed(leaf.kind), metavar=_METAVAR[leaf.kind],
+            default=argparse.SUPPRESS, help=about,
+        )  # fmt: skip
+
+
+def _add_cluster_flags(parser: ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "multi-process runs (diloco_jax/distributed.py; each also read from its JAX_* variable)"
+    )
+    group.add_argument("--coordinator_address", metavar="HOST:PORT",
+                       help="process 0's address (JAX_COORDINATOR_ADDRESS)")  # fmt: skip
+    group.add_argument("--num_processes", type=int, metavar="N",
+                       help="processes in the run (JAX_NUM_PROCESSES)")  # fmt: skip
+    group.add_argument("--process_id", type=int, metavar="I",
+                       help="this process, 0..N-1 (JAX_PROCESS_ID)")  # fmt: skip
+    group.add_argument("--distributed", default="auto", choices=("auto", "on", "off"),
+                       help="on: let JAX detect the cluster (Cloud TPU, k8s)")  # fmt: skip
+    group.add_argument("--init_timeout", type=int, default=300, metavar="SECONDS",
+                       help="how long to wait for every process to join")  # fmt: skip
+
+
+def _preset(argv: list[str]) -> str:
+    """The ``--config`` value (a preset name or path), read before the full parser exists (its
+    flags carry the preset's values)."""
+    first = ArgumentParser(add_help=False)
+    first.add_argument("--config", default=str(config_lib.DEFAULT_PRESET))
+    return first.parse_known_args(argv)[0].config
+
+
+def parser_for(prog: str, cfg: config_lib.Config, *, description: str = "",
+               distributed: bool = False, resume: bool = False,
+               extend: Extend | None = None) -> ArgumentParser:  # fmt: skip
+    """The parser of an entry point that trains: ``--config``, ``--workdir``, the resume and
+    cluster flags where asked, the entry point's own (``extend``), then every config key."""
+    usage = f"{prog} [-h] [--config NAME|PATH] [--workdir DIR] [--config.KEY=VALUE ...]"
+    if resume or distributed or extend:
+        usage += " [more flags below]"
+    parser = ArgumentParser(prog=prog, usage=usage, description=description, add_help=False)
+    run = parser.add_argument_group("run")
+    run.add_argument("-h", "--help", action="store_true", help="this text")
+    run.add_argument("--config", metavar="NAME|PATH", default=str(config_lib.DEFAULT_PRESET),
+                     help="a preset by name (" + ", ".join(presets.names()) + ") or a file with "
+                     "get_config() (default: default)")  # fmt: skip
+    run.add_argument("--workdir", metavar="DIR",
+                     help="output directory (default: runs/<preset>-<date>-<time>)")  # fmt: skip
     if resume:
-        lines += ["", *resuming.splitlines()]
+        run.add_argument("--allow_config_change", type=_bool, nargs="?", const=True,
+                         default=False, metavar="BOOL",
+                         help="resume although keys that change the training differ from the "
+                         "checkpoint's (each change is logged and recorded)")  # fmt: skip
     if distributed:
-        lines += ["", *multi_process.splitlines()]
-    lines += ["", f"presets ({presets.DIRECTORY}):", "  " + ", ".join(presets.names())]
-    lines += ["", "config keys (value in the chosen preset):"]
-    lines += [f"  {key} = {value!r}" for key, value in config_lib.keys(cfg).items()]
-    return "\n".join(lines)
+        _add_cluster_flags(parser)
+    if extend:
+        extend(parser)
+    _add_config_keys(parser, cfg)
+    return parser
 
 
-def _split(argv: list[str], known: tuple[str, ...]):
-    """Splits argv into plain flags, config overrides and whether help was asked for; a flag
-    of :data:`_SWITCHES` takes no value (``--name`` is ``--name=true``)."""
-    flags, overrides, want_help = {}, [], False
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            want_help = True
-            i += 1
-            continue
-        if not arg.startswith("--") or arg == "--":
-            raise config_lib.ConfigError(f"unexpected argument {arg!r} (flags start with --)")
-        name, eq, value = arg[2:].partition("=")
-        if not eq and name in _SWITCHES:
-            value = "true"
-        elif not eq:
-            if i + 1 >= len(argv):
-                raise config_lib.ConfigError(f"flag --{name} needs a value")
-            value, i = argv[i + 1], i + 1
-        if name.startswith("config."):
-            overrides.append((name[len("config.") :], value))
-        elif name in known:
-            flags[name] = value
-        else:
-            names = ", ".join(f"--{k}" for k in known)
-            raise config_lib.ConfigError(
-                f"unknown flag --{name} (known: {names}, --config.KEY=VALUE)"
-            )
-        i += 1
-    return flags, overrides, want_help
-
-
-def _cluster(flags: dict[str, str]) -> Cluster:
-    values = {}
-    for name, kind in _CLUSTER_FLAGS.items():
-        if name in flags:
-            try:
-                values[name] = kind(flags[name])
-            except ValueError:
-                raise config_lib.ConfigError(
-                    f"flag --{name} = {flags[name]!r} is invalid: must be an integer"
-                ) from None
-    if "distributed" in values:
-        values["mode"] = values.pop("distributed")
-    if "init_timeout" in values:
-        values["timeout_s"] = values.pop("init_timeout")
-    return Cluster(**values)
-
-
-def _switch(flags: dict[str, str], name: str) -> bool:
-    text = flags.get(name, "false").strip().lower()
-    if text not in ("true", "false"):
-        raise config_lib.ConfigError(
-            f"flag --{name} = {flags[name]!r} is invalid: must be true or false"
-        )
-    return text == "true"
+def parse(argv: list[str], *, prog: str, description: str = "", distributed: bool = False,
+          resume: bool = False, extend: Extend | None = None
+          ) -> Args | None:  # fmt: skip
+    """Returns ``Args(config, workdir, cluster, ...)``, or None after printing help. Exits with
+    status 2 and a one-line error on bad input. ``distributed``: accept the multi-process flags;
+    ``resume``: accept ``--allow_config_change``; ``extend`` adds the entry point's own flags
+    (their values: ``Args.flags``)."""
+    try:
+        preset = _preset(argv)
+        cfg = config_lib.load_preset(preset)
+        parser = parser_for(prog, cfg, description=description, distributed=distributed,
+                            resume=resume, extend=extend)  # fmt: skip
+    except config_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    ns = parser.parse_args(argv)
+    if ns.help:
+        parser.print_help()
+        return None
+    try:
+        for key in config_lib.keys(cfg).keys() & vars(ns).keys():
+            cfg = config_lib.replace(cfg, key, getattr(ns, key))
+        config_lib.validate(cfg)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        default = f"runs/{pathlib.Path(preset).stem}-{stamp}"
+        workdir = check_output_dir(default if ns.workdir is None else ns.workdir)
+    except config_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    cluster = Cluster(**{name: getattr(ns, name) for name in ("coordinator_address",
+                         "num_processes", "process_id")}, mode=ns.distributed,
+                      timeout_s=ns.init_timeout) if distributed else Cluster()  # fmt: skip
+    own = {action.dest for action in parser._actions} - set(config_lib.keys(cfg))
+    flags = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k in own})
+    return Args(cfg, workdir, cluster, ns.workdir is not None,
+                getattr(ns, "allow_config_change", False), flags)  # fmt: skip
 
 
 def check_output_dir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.Path:
@@ -138,40 +232,3 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--workdir") -> pathli
     if not os.access(existing, os.W_OK | os.X_OK):
         raise config_lib.ConfigError(f"{where} is not writable")
     return path
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, ``error: ...``, and exit status 2 (argparse's own
-    prints the usage first)."""
-
-    def error(self, message: str):
-        print(f"error: {message} (--help for usage)", file=sys.stderr)
-        sys.exit(2)
-
-
-def parse(argv: list[str], *, prog: str, distributed: bool = False, resume: bool = False
-          ) -> Args | None:  # fmt: skip
-    """Returns ``Args(config, workdir, cluster, ...)``, or None after printing help. Exits with
-    status 2 and a one-line error on bad input. ``distributed``: accept the multi-process flags;
-    ``resume``: accept ``--allow_config_change``."""
-    known = ("config", "workdir", *(_CLUSTER_FLAGS if distributed else ()),
-             *(_SWITCHES if resume else ()))  # fmt: skip
-    try:
-        flags, overrides, want_help = _split(argv, known)
-        preset = flags.get("config", config_lib.DEFAULT_PRESET)  # a name or a path
-        cfg = config_lib.load_preset(preset)
-        if want_help:
-            print(_usage(prog, cfg, distributed, resume))
-            return None
-        cfg = config_lib.apply_overrides(cfg, overrides)
-        config_lib.validate(cfg)
-        cluster = _cluster(flags)
-        allow_config_change = _switch(flags, "allow_config_change")
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        workdir = check_output_dir(
-            flags.get("workdir", f"runs/{pathlib.Path(preset).stem}-{stamp}")
-        )
-    except config_lib.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    return Args(cfg, workdir, cluster, "workdir" in flags, allow_config_change)

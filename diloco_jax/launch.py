@@ -1,13 +1,7 @@
 """``python -m diloco_jax.launch -n N [launcher flags] [--] [train flags ...]``: N processes of one
 run on this machine (each ``python -m diloco_jax.train``), joined through ``jax.distributed``.
 
-Launcher flags (before the train flags; ``-h`` or ``--help`` first: this text):
-  -n, --num_processes N      processes to start (required)
-  --devices_per_process K    CPU: K fake devices per process; GPU: K GPUs each (default 1)
-  --port P                   coordinator port on 127.0.0.1 (default: a free one)
-  --module M                 the module to run (default diloco_jax.train)
-  --grace SECONDS            how long stopping processes get before SIGKILL (default 30)
-
+Launcher flags come before the train flags (``-h`` or ``--help`` first: every flag).
 Ctrl-C (SIGINT) or SIGTERM is passed on to every process once: they agree on a step, save a
 checkpoint and exit 0. A second signal kills them. If one process fails, the others are stopped.
 No process outlives the launcher. If the launcher itself dies (SIGKILL included), each process
@@ -19,6 +13,7 @@ process's.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import signal
@@ -27,11 +22,8 @@ import subprocess
 import sys
 import time
 
+from diloco_jax.cli import ArgumentParser
 from diloco_jax.preemption import launcher_tie
-
-_FLAGS = {"-n": "num_processes", "--num_processes": "num_processes",
-          "--devices_per_process": "devices_per_process", "--port": "port", "--module": "module",
-          "--grace": "grace"}  # fmt: skip
 
 
 def free_port() -> int:
@@ -41,44 +33,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def parse(argv: list[str]) -> tuple[dict, list[str]]:
-    """``(launcher options, the rest)``; launcher flags come first, ``--`` ends them."""
-    opts = {"devices_per_process": 1, "port": 0, "module": "diloco_jax.train", "grace": 30.0}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--":
-            i += 1
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="python -m diloco_jax.launch", description=__doc__,
+        usage="%(prog)s -n N [launcher flags] [--] [train flags ...]",
+    )  # fmt: skip
+    parser.add_argument("-n", "--num_processes", type=int, required=True, metavar="N",
+                        help="processes to start")  # fmt: skip
+    parser.add_argument("--devices_per_process", type=int, default=1, metavar="K",
+                        help="CPU: K fake devices per process; GPU: K GPUs each")  # fmt: skip
+    parser.add_argument("--port", type=int, default=0, metavar="P",
+                        help="coordinator port on 127.0.0.1 (default: a free one)")  # fmt: skip
+    parser.add_argument("--module", default="diloco_jax.train", metavar="M",
+                        help="the module to run (default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--grace", type=float, default=30.0, metavar="SECONDS",
+        help="how long stopping processes get before SIGKILL (default: %(default)s)",
+    )  # fmt: skip
+    return parser
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """``(launcher options, the rest)``: launcher flags come first; the rest (after ``--`` or
+    from the first flag that is not the launcher's) goes to every process."""
+    parser = _parser()
+    option_names = set(parser._option_string_actions)
+    end = next((i for i, arg in enumerate(argv) if arg == "--"), len(argv))
+    for i, arg in enumerate(argv[:end]):  # the first train flag ends the launcher's
+        takes_value = i > 0 and argv[i - 1] in option_names and "=" not in argv[i - 1]
+        if not takes_value and arg.partition("=")[0] not in option_names:
+            end = i
             break
-        name, eq, value = arg.partition("=")
-        if name not in _FLAGS:
-            break
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ValueError(f"flag {name} needs a value")
-            value, i = argv[i + 1], i + 1
-        key = _FLAGS[name]
-        try:
-            opts[key] = value if key == "module" else type(opts.get(key, 1))(value)
-        except ValueError:
-            kind = "a number" if key == "grace" else "an integer"
-            raise ValueError(f"flag {name} = {value!r} is not {kind}") from None
-        i += 1
-    if "num_processes" not in opts:
-        raise ValueError("missing -n N (how many processes to start)")
+    opts = parser.parse_args(argv[:end])
     rules = [
-        ("-n", opts["num_processes"] >= 1, "must be >= 1"),
-        ("--devices_per_process", opts["devices_per_process"] >= 1, "must be >= 1"),
-        ("--port", 0 <= opts["port"] <= 65535, "must be in [0, 65535] (0: a free one)"),
-        ("--grace", math.isfinite(opts["grace"]) and opts["grace"] >= 0, "must be >= 0 seconds"),
-        ("--module", opts["module"].replace(".", "").replace("_", "").isalnum(),
+        ("-n", opts.num_processes >= 1, "must be >= 1"),
+        ("--devices_per_process", opts.devices_per_process >= 1, "must be >= 1"),
+        ("--port", 0 <= opts.port <= 65535, "must be in [0, 65535] (0: a free one)"),
+        ("--grace", math.isfinite(opts.grace) and opts.grace >= 0, "must be >= 0 seconds"),
+        ("--module", opts.module.replace(".", "").replace("_", "").isalnum(),
          "must be a module name (e.g. diloco_jax.train)"),
     ]  # fmt: skip
     for flag, ok, allowed in rules:
         if not ok:
-            key = _FLAGS["--num_processes" if flag == "-n" else flag]
-            raise ValueError(f"flag {flag} = {opts[key]!r} is invalid: {allowed}")
-    return opts, argv[i:]
+            value = getattr(opts, parser._option_string_actions[flag].dest)
+            parser.error(f"flag {flag} = {value!r} is invalid: {allowed}")
+    return opts, argv[end + (argv[end : end + 1] == ["--"]) :]
 
 
 def child_env(index: int, count: int, port: int, devices: int, base=os.environ) -> dict:
@@ -146,23 +145,19 @@ class _Group:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
+        _parser().print_help()
         return 0
-    try:
-        opts, rest = parse(argv)
-    except ValueError as e:
-        print(f"error: {e} (--help for usage)", file=sys.stderr)
-        return 2
-    count, devices = opts["num_processes"], opts["devices_per_process"]
-    port = opts["port"] or free_port()
-    group = _Group([], opts["grace"])
+    opts, rest = parse(argv)
+    count, devices = opts.num_processes, opts.devices_per_process
+    port = opts.port or free_port()
+    group = _Group([], opts.grace)
     previous = {sig: signal.signal(sig, group.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    tie, die_with_launcher = launcher_tie(opts["grace"])  # they stop when this process dies
+    tie, die_with_launcher = launcher_tie(opts.grace)  # they stop when this process dies
     try:
         for i in range(count):
             # own session: a Ctrl-C in the terminal reaches the launcher only, which passes it on
             group.procs.append(subprocess.Popen(
-                [sys.executable, "-m", opts["module"], *rest],
+                [sys.executable, "-m", opts.module, *rest],
                 env={**child_env(i, count, port, devices), **tie}, start_new_session=True,
                 preexec_fn=die_with_launcher,
             ))  # fmt: skip

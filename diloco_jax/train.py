@@ -1,6 +1,6 @@
-"""``python -m diloco_jax.train``: train a byte-level Transformer LM with DiLoCo (or a baseline).
+"""Train a model with DiLoCo (or a baseline): ``python -m diloco_jax.train`` (``diloco-train``).
 
-    python -m diloco_jax.train [--config PRESET.py] [--workdir DIR] [--config.KEY=VALUE ...]
+    python -m diloco_jax.train [--config NAME|PATH] [--workdir DIR] [--config.KEY=VALUE ...]
 
 Writes ``metrics.jsonl``, TensorBoard events, ``run_record.jsonl``, ``config.json``
 (``config_history.jsonl`` on later starts) and orbax checkpoints into the workdir (W&B's too with
@@ -361,7 +361,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.train") -> int:
     watch_launcher()  # started by diloco_jax.launch: stop when it dies
     args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog, distributed=True,
-                     resume=True)  # fmt: skip
+                     resume=True, description=__doc__)  # fmt: skip
     if args is None:
         return 0
     cfg, workdir = args.cfg, args.workdir

@@ -26,22 +26,6 @@ from diloco_jax import cli
 from diloco_jax import config as config_lib
 
 
-def _pop_flags(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, list[str]], list[str]]:
-    found, rest, i = {n: [] for n in names}, [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        if name.lstrip("-") in names and name.startswith("--"):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise config_lib.ConfigError(f"flag {name} needs a value")
-                value, i = argv[i + 1], i + 1
-            found[name.lstrip("-")].append(value)
-        else:
-            rest.append(argv[i])
-        i += 1
-    return found, rest
-
-
 def _items(flag: str, values: list[str]) -> list[str]:
     """The comma-separated items of every use of ``flag``; an empty item is an error."""
     items = [item.strip() for value in values for item in value.split(",")]
@@ -64,25 +48,28 @@ def _seeds(values: list[str]) -> list[int]:
     return seeds or [0]
 
 
+def _sweep_flags(parser: cli.ArgumentParser) -> None:
+    group = parser.add_argument_group("sweep")
+    group.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                       help="a grid axis: a key and its values ([a,b] holds a list)")  # fmt: skip
+    group.add_argument("--baselines", action="append", default=[], metavar="NAMES",
+                       help="also run these baselines: single, ddp (comma-separated)")  # fmt: skip
+    group.add_argument("--seeds", action="append", default=[], metavar="S1,S2,...",
+                       help="seeds, integers in [0, 2**31) (default: 0)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}") -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-    try:
-        flags, rest = _pop_flags(argv, ("sweep", "baselines", "seeds"))
-        seeds = _seeds(flags["seeds"])
-        baselines = _items("--baselines", flags["baselines"])
-    except config_lib.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    parsed = cli.parse(rest, prog=prog)
+    parsed = cli.parse(argv, prog=prog, description=__doc__, extend=_sweep_flags)
     if parsed is None:
         return 0
-    base, workdir = parsed.cfg, parsed.workdir
     from .sweep import format_table, sweep
 
+    flags = parsed.flags
     try:
-        table = sweep(base, workdir, sweeps=flags["sweep"], baselines=baselines, seeds=seeds)
+        seeds, baselines = _seeds(flags.seeds), _items("--baselines", flags.baselines)
+        table = sweep(parsed.cfg, parsed.workdir, sweeps=flags.sweep, baselines=baselines,
+                      seeds=seeds)  # fmt: skip
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -87,6 +87,9 @@ def _train_cli(*args):
          "data.batch_size = 5 is invalid"),
         (["--config", "configs/nope.py"], "error: config preset not found: configs/nope.py"),
         (["--frobnicate=1"], "error: unknown flag --frobnicate"),
+        (["--config.outer.sync_evry=5"],
+         "error: unknown config key 'outer.sync_evry'; did you mean outer.sync_every?"),
+        (["--config.outer.sync_every=x"], "--config.outer.sync_every: 'x' is not int"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
@@ -97,8 +100,33 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     assert not (tmp_path / "w" / "checkpoints").exists()
 
 
-def test_cli_help_lists_keys():
+def test_cli_help_describes_every_key_with_the_presets_value():
     result = _train_cli("--help")
     assert result.returncode == 0
-    assert "outer.sync_every = 5" in result.stdout and "--config.KEY=VALUE" in result.stdout
-    assert f"presets ({presets.DIRECTORY}):\n  {', '.join(presets.names())}\n" in result.stdout
+    text = "".join(result.stdout.split())  # argparse wraps lines where it likes
+    tiny = load_preset("tiny")
+    for key, leaf in config_lib.described(tiny).items():
+        assert f"--config.{key}" in result.stdout
+        assert "".join(f"{leaf.about} (preset: {leaf.value!r})".split()) in text, key
+    assert "--config.KEY=VALUE" in result.stdout and "--allow_config_change" in result.stdout
+    assert "".join(", ".join(presets.names()).split()) in text
+
+
+def test_every_key_has_a_one_line_description():
+    described = config_lib.described(Config())
+    assert len(described) == len(config_lib.keys(Config())) > 70
+    for key, leaf in described.items():
+        assert leaf.about.strip() and "\n" not in leaf.about and len(leaf.about) <= 100, key
+        assert isinstance(leaf.value, leaf.kind), key
+
+
+def test_overrides_on_the_command_line_equal_apply_overrides(tmp_path):
+    from diloco_jax import cli
+
+    pairs = [("outer.sync_every", "7"), ("sim.speeds", "1,1,0.5,0.5"), ("outer.nesterov", "no"),
+             ("inner.learning_rate", "1e-4"), ("train.sample_prompt", "")]  # fmt: skip
+    argv = ["--config", "tiny", "--workdir", str(tmp_path)]
+    argv += [f"--config.{k}={v}" for k, v in pairs[:3]] + [f"--config.{pairs[3][0]}", pairs[3][1]]
+    argv += ["--config.train.sample_prompt="]
+    args = cli.parse(argv, prog="t")
+    assert args.cfg == apply_overrides(load_preset("tiny"), pairs)

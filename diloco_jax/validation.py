@@ -1,0 +1,134 @@
+"""The rules of a :class:`~diloco_jax.config.Config`: every value checked before anything is
+loaded or compiled; the first bad key raises :class:`ConfigError` naming the key, its value and
+what is allowed. The library's own option rules (``algorithm/options.py``) are reported here with
+config keys.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from diloco_jax.algorithm.compress import CODECS
+from diloco_jax.algorithm.optim import ALGORITHMS
+from diloco_jax.config import RUNTIMES, WANDB_MODES, Config, ConfigError, keys
+from diloco_jax.tasks.model import COMPUTE_DTYPES
+
+_POSITIVE = (
+    "model.d_model", "model.num_layers", "model.num_heads", "model.mlp_ratio", "data.seq_len",
+    "data.batch_size", "parallel.replicas", "train.total_steps", "train.log_every",
+    "train.eval_every", "train.keep_checkpoints", "resnet.width", "resnet.stages", "resnet.depth",
+)  # fmt: skip
+_NON_NEGATIVE = (
+    "parallel.replica_devices", "parallel.data_devices", "inner.warmup_steps", "train.sample_chars",
+    "train.checkpoint_every", "data.image_size",
+)  # fmt: skip
+
+
+def _enforce(rules: list[tuple[str, bool, str]], flat: dict[str, Any]) -> None:
+    """Raises for the first ``(key, ok, allowed)`` rule that fails, naming key, value and rule."""
+    for key, ok, allowed in rules:
+        if not ok:
+            raise ConfigError(f"config key {key} = {flat[key]!r} is invalid: {allowed}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks every value that does not depend on the devices (see the module's docstring)."""
+    flat = keys(cfg)
+    rules = [(key, flat[key] >= 1, "must be an integer >= 1") for key in _POSITIVE]
+    rules += [(key, flat[key] >= 0, "must be >= 0") for key in _NON_NEGATIVE]
+    _enforce(rules, flat)
+    _validate_library_options(cfg)
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    rules = [
+        ("algorithm", cfg.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
+        ("seed", 0 <= cfg.seed < 2**31, "must be an integer in [0, 2**31)"),
+        ("parallel.runtime", p.runtime in RUNTIMES, f"must be one of {RUNTIMES}"),
+        ("model.d_model", m.d_model % m.num_heads == 0,
+         f"must be divisible by model.num_heads = {m.num_heads}"),
+        ("model.dropout", 0 <= m.dropout < 1, "must be in [0, 1)"),
+        ("model.compute_dtype", m.compute_dtype in COMPUTE_DTYPES,
+         f"must be one of {tuple(COMPUTE_DTYPES)}"),
+        ("data.val_fraction", 0 < cfg.data.val_fraction < 1, "must be in (0, 1)"),
+        ("data.train_split",
+         cfg.data.corpus.startswith("tfds:") or (cfg.data.train_split, cfg.data.eval_split)
+         == ("train", ""), "only TFDS datasets (data.corpus=tfds:NAME) have named splits "
+         "(data.train_split, data.eval_split)"),
+        ("parallel.replica_devices", p.replicas % max(p.replica_devices, 1) == 0,
+         f"must divide parallel.replicas = {p.replicas}"),
+        ("data.batch_size", cfg.data.batch_size % max(p.data_devices, 1) == 0,
+         f"must be divisible by parallel.data_devices = {p.data_devices}"),
+        ("train.checkpoint_every", t.checkpoint_every % t.log_every == 0,
+         f"must be a multiple of train.log_every = {t.log_every} (saves happen between calls)"),
+        ("train.checkpoint_every",
+         cfg.algorithm != "diloco" or t.checkpoint_every % cfg.outer.sync_every == 0,
+         f"must be a multiple of outer.sync_every = {cfg.outer.sync_every} (saves happen at "
+         "sync boundaries)"),
+        ("log.wandb_mode", cfg.log.wandb_mode in WANDB_MODES, f"must be one of {WANDB_MODES}"),
+        ("log.wandb_project", bool(cfg.log.wandb_project.strip()), "must name a project"),
+        ("log.wandb", not cfg.log.wandb or importlib.util.find_spec("wandb") is not None,
+         "needs the wandb package: pip install 'diloco-jax[wandb]' (uv sync --extra wandb)"),
+    ]  # fmt: skip
+    _enforce(rules, flat)
+    _validate_variants(cfg)
+    _validate_sim(cfg)
+
+
+def _validate_library_options(cfg: Config) -> None:
+    """The library's own checks of DiLoCo's arguments (``check_options``: ranges and what
+    combines), reported with config keys."""
+    from diloco_jax import recipe
+    from diloco_jax.algorithm import OptionError
+
+    codecs = (*CODECS, "dct")  # the config's codec key also chooses DCT momentum
+    _enforce([("compress.codec", cfg.compress.codec in codecs, f"must be one of {codecs}")],
+             keys(cfg))  # fmt: skip
+    try:
+        recipe.check(cfg)
+    except OptionError as e:
+        key = recipe.KEY_OF_OPTION[e.option]
+        allowed = e.render(recipe.KEY_OF_OPTION)
+        raise ConfigError(f"config key {key} = {keys(cfg)[key]!r} is invalid: {allowed}") from None
+
+
+def _validate_variants(cfg: Config) -> None:
+    """What the config adds to the library's checks: which variants need DiLoCo, fragments
+    against the model's layers, one error-feedback key shared by codecs and DCT momentum."""
+    c, st, o = cfg.compress, cfg.streaming, cfg.outer
+    diloco, plain = cfg.algorithm == "diloco", st.fragments == 1 and st.overlap == 0
+    sim = cfg.sim
+    rules = [
+        ("compress.codec", c.codec == "none" or diloco,
+         f"compresses DiLoCo's pseudo-gradients; algorithm is {cfg.algorithm!r}"),
+        ("outer.mode", o.mode == "sync" or diloco,
+         f"overlaps DiLoCo's outer step; algorithm is {cfg.algorithm!r}"),
+        ("streaming.fragments", st.fragments == 1 or diloco,
+         f"streams DiLoCo's syncs; algorithm is {cfg.algorithm!r}"),
+        ("streaming.fragments", st.fragments <= cfg.model.num_layers,
+         f"must be <= model.num_layers = {cfg.model.num_layers} (fragments are strided layers)"),
+        ("compress.error_feedback", c.codec != "dct" or not c.error_feedback,
+         "dct keeps what it does not send in its momentum already; set it to false"),
+        ("streaming.fragments", plain or not (sim.speeds or sim.dylu or sim.drop or sim.drop_prob),
+         "streaming does not combine with simulated stragglers or failures (sim.speeds, "
+         "sim.dylu, sim.drop, sim.drop_prob)"),
+    ]  # fmt: skip
+    _enforce(rules, keys(cfg))
+
+
+def _validate_sim(cfg: Config) -> None:
+    from diloco_jax import comms, schedule
+
+    sim = cfg.sim
+    try:
+        schedule.parse_speeds(sim.speeds, cfg.parallel.replicas)
+        schedule.parse_drops(sim.drop, cfg.parallel.replicas)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    rules = [
+        ("sim.drop_prob", 0 <= sim.drop_prob < 1, "must be in [0, 1)"),
+        ("sim.network", sim.network in comms.NETWORKS, f"must be one of {tuple(comms.NETWORKS)}"),
+        ("sim.topology", sim.topology in comms.TOPOLOGIES, f"must be one of {comms.TOPOLOGIES}"),
+        ("sim.step_time_s", sim.step_time_s >= 0, "must be >= 0 (0: measured)"),
+        ("sim.bandwidth_gbps", sim.bandwidth_gbps >= 0, "must be >= 0 (0: the network preset's)"),
+    ]  # fmt: skip
+    _enforce(rules, keys(cfg))
