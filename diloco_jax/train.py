@@ -327,9 +327,10 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     step = int(state.step)
     show = show_progress and lead and cfg.log.progress_bar  # TQDM_DISABLE: reporting
     bar = reporting.progress_bar(total, initial=step, enabled=show)
-    eval_loss, train_start, call_seconds = None, time.time(), []
+    eval_loss, train_start, call_seconds, host_seconds = None, time.time(), [], []
     with Preemption() as stop:
         while step < total and not _agree_to_stop(stop):
+            loop_tick = time.time()
             control = chunk_control(cfg, s, step)
             tick = time.time()
             state, metrics_NxR = run(state, s.replicas_R, s.shards_RxS, control)
@@ -343,6 +344,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
             if mngr is not None and _crossed(step, t.log_every, t.checkpoint_every):
                 # written in the background
                 checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False)
+            host_seconds.append(time.time() - loop_tick - call_seconds[-1])
         bar.close()
         if stop.requested:
             log.warning("%s: stopping at step %d %s", stop.requested, step, saving(t.checkpoint))
@@ -353,6 +355,9 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     # the first call can include one-off work; the median of the rest is the steady state
     steady = call_seconds[1:] or call_seconds
     summary["step_seconds"] = float(np.median(steady)) / t.log_every if steady else None
+    # the loop's own work between two calls (logging, progress bar, checks; the median leaves
+    # out the calls that also evaluate or save)
+    summary["host_seconds"] = float(np.median(host_seconds)) if host_seconds else None
     runlog.write("done", step, **{k: v for k, v in summary.items() if k != "sample"})
     runlog.close()
     return {**summary, "state": state}
