@@ -9,14 +9,25 @@ sequence 64, batch 8 per worker, inner AdamW, outer Nesterov, sync_every 10. For
 * XLA's memory of one compiled call, against ``R x (params + inner state) + anchor + outer
   state`` computed from the state's leaves;
 * model FLOP utilization: tokens/s x training FLOPs per token (6 N + 12 layers x seq x d) over
-  this machine's fp32 matmul rate, measured in the same run (2048 x 2048 matmul);
+  this machine's fp32 matmul rate, measured in the same run (2048 x 2048 matmul, blocking after
+  every call), which is checked against the CPU's theoretical peak (cores x FMA units x SIMD
+  lanes x 2 x clock, read from ``/proc/cpuinfo``): a rate above it is reported, and one above
+  twice it is called impossible (a measurement bug), not used;
 * the outer step's share of a round at sync_every=100 (from a 100-step call that syncs every
-  step against one that never syncs).
+  step against one that never syncs);
+* the training loop itself, the command a user runs (``python -m diloco_jax.train`` on the same
+  workload for 300 steps, 4 and 8 replicas): the whole command's time, steady tokens/s from its
+  ``metrics.jsonl``, the fraction of the matmul rate, the host work between calls, peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -35,14 +46,55 @@ WORKLOAD = {
 
 
 def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
+    """The fp32 rate of an ``n x n`` matmul: the median of ``repeats`` calls, each timed to its
+    result (no call overlaps another)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
-    start = time.perf_counter()
+    seconds = []
     for _ in range(repeats):
-        out = f(a)
-    out.block_until_ready()
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return 2 * n**3 / float(np.median(seconds))
+
+
+def cpu_peak_flops_per_s(fma_units: int = 2, clock_ghz: float | None = None) -> tuple[float, str]:
+    """The CPU's theoretical fp32 peak and how it was computed: cores (this process's affinity)
+    x ``fma_units`` x SIMD lanes (AVX-512: 16, AVX/AVX2: 8, else 4) x 2 (a fused multiply-add
+    is two FLOPs; without FMA, 1) x clock (``cpu MHz`` of ``/proc/cpuinfo``, the nominal clock
+    under a hypervisor: turbo can run above it). Linux only; ``(nan, reason)`` elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return float("nan"), "no /proc/cpuinfo"
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                      if ln.startswith("flags")), []))  # fmt: skip
+    lanes = 16 if "avx512f" in flags else 8 if "avx" in flags else 4
+    per_fma = 2 if "fma" in flags else 1
+    if clock_ghz is None:
+        mhz = [float(ln.split(":")[1]) for ln in info.splitlines() if ln.startswith("cpu MHz")]
+        clock_ghz = max(mhz) / 1e3 if mhz else float("nan")
+    cores = len(os.sched_getaffinity(0))
+    peak = cores * fma_units * lanes * per_fma * clock_ghz * 1e9
+    how = (f"{cores} cores x {fma_units} FMA units x {lanes} fp32 lanes x {per_fma} x "
+           f"{clock_ghz:.2f} GHz")  # fmt: skip
+    return peak, how
+
+
+def check_rate(measured: float, peak: float) -> str:
+    """A verdict on a measured FLOP rate against the theoretical peak."""
+    if not np.isfinite(peak):
+        return "theoretical peak unknown on this machine"
+    ratio = measured / peak
+    if ratio > 2:
+        return (f"IMPOSSIBLE: {ratio:.2f}x the theoretical peak; the measurement is wrong and "
+                "the utilization figures below are not meaningful")  # fmt: skip
+    if ratio > 1:
+        return (f"{ratio:.2f}x the peak at the nominal clock: the cores run above it (turbo), "
+                "or pass --clock_ghz")  # fmt: skip
+    return f"{ratio:.2f} of the theoretical peak"
 
 
 def timed(s, cfg, calls: int) -> tuple[float, object]:
@@ -120,14 +172,64 @@ def outer_share(replicas: int, calls: int, sync_every: int = 100) -> float:
     return sync_s / (sync_every * step_s + sync_s)
 
 
+def training_loop(replicas: int, steps: int = 300) -> dict:
+    """The command a user runs, on the standard workload: ``python -m diloco_jax.train`` with
+    ``replicas`` replicas for ``steps`` steps (evaluations, final checkpoint and sample as by
+    default) in a child process: its wall time, steady tokens/s (median over the logged calls
+    after the first), host work per call and peak RSS."""
+    overrides = {**WORKLOAD, "parallel.replicas": replicas, "train.total_steps": steps,
+                 "log.progress_bar": "false"}  # fmt: skip
+    with tempfile.TemporaryDirectory() as workdir:
+        flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+        cmd = [sys.executable, "-m", "diloco_jax.train", "--config", "default", "--workdir",
+               f"{workdir}/run", *flags]  # fmt: skip
+        with open(f"{workdir}/log.txt", "w") as log:
+            start = time.perf_counter()
+            child = subprocess.Popen(cmd, stdout=log, stderr=log)
+            _, status, usage = os.wait4(child.pid, 0)  # this child's own peak RSS
+            seconds = time.perf_counter() - start
+        child.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4, not Popen
+        if child.returncode:
+            tail = open(f"{workdir}/log.txt").read()[-2000:]
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{tail}")
+        events = [json.loads(x) for x in open(f"{workdir}/run/metrics.jsonl")]
+    rates = [e["tokens_per_s"] for e in events if e["event"] == "train"][1:]
+    done = next(e for e in events if e["event"] == "done")
+    return {
+        "seconds": seconds,
+        "tok_s": float(np.median(rates)),
+        "host_ms_per_call": 1e3 * done["host_seconds"],
+        "rss_mib": usage.ru_maxrss / 1024,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", default="1,4,8,16")
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument(
+        "--loop_replicas",
+        default="4,8",
+        help="replica counts of the training-loop runs ('' for none)",
+    )
+    parser.add_argument(
+        "--fma_units",
+        type=int,
+        default=2,
+        help="FMA units per core (2 on current x86 server cores)",
+    )
+    parser.add_argument(
+        "--clock_ghz",
+        type=float,
+        default=None,
+        help="clock for the theoretical peak (default: /proc/cpuinfo)",
+    )
     args = parser.parse_args()
     peak = matmul_flops_per_s()
+    theory, how = cpu_peak_flops_per_s(args.fma_units, args.clock_ghz)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; measured fp32 matmul rate "
-          f"{peak / 1e9:.1f} GFLOP/s (2048x2048)\n")  # fmt: skip
+          f"{peak / 1e9:.1f} GFLOP/s (2048x2048); theoretical peak {theory / 1e9:.1f} GFLOP/s "
+          f"({how}): {check_rate(peak, theory)}\n")  # fmt: skip
     print("| R | vmapped tok/s | one model (batch 8R) tok/s | ratio | MFU | XLA MiB vmapped | "
           "XLA MiB one model | state MiB: R(params+inner)+anchor+outer |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -139,6 +241,20 @@ def main() -> None:
     for r in (4, 8):
         share = outer_share(r, args.calls)
         print(f"\nouter step share of a 100-step round, R={r}: {100 * share:.2f}%")
+    loops = [int(x) for x in args.loop_replicas.split(",") if x]
+    if loops:
+        vm = build(config(**{"parallel.replicas": loops[0]}))
+        flops = flops_per_token(vm, config())
+        print("\ntraining loop (python -m diloco_jax.train, standard workload, 300 steps):\n")
+        print("| R | command (s) | steady tok/s | model GFLOP/s | of matmul rate | host ms per "
+              "call | peak RSS (MiB) |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in loops:
+        row = training_loop(r)
+        rate = row["tok_s"] * flops
+        print(f"| {r} | {row['seconds']:.1f} | {row['tok_s']:,.0f} | {rate / 1e9:.1f} | "
+              f"{rate / peak:.2f} | {row['host_ms_per_call']:.1f} | "
+              f"{row['rss_mib']:,.0f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -124,3 +124,42 @@ def test_training_with_every_option_runs_and_learns(tmp_path):
     summary = train(cfg, tmp_path, show_progress=False)
     assert np.isfinite(summary["final_eval_loss"])
     assert summary["final_eval_loss"] < np.log(256)  # below a uniform guess over bytes
+
+
+def _reference_attention(attn, x_BxLxD):
+    """What the model computed before its head-major einsums: the fused QKV Linear, then
+    ``jax.nn.dot_product_attention`` (causal), then the output Linear."""
+    b, seq, d = x_BxLxD.shape
+    n = attn.num_heads
+    qkv = attn.qkv(x_BxLxD).reshape(b, seq, 3, n, d // n)
+    y = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+    return attn.out(y.reshape(b, seq, d))
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_attention_equals_dot_product_attention_values_and_gradients(compute_dtype):
+    """The head-major attention is jax.nn.dot_product_attention's function: the same outputs
+    and parameter gradients (float32 to rounding; bf16 within a few bf16 ulps)."""
+    from flax import nnx
+
+    dtype = model_lib.COMPUTE_DTYPES[compute_dtype]
+    attn = model_lib.Attention(32, 4, dtype=dtype, rngs=nnx.Rngs(params=1))
+    x = jax.random.normal(jax.random.key(2), (3, 10, 32))
+    graphdef, params = nnx.split(attn, nnx.Param)
+
+    def run(fn):
+        def loss(p):
+            y = fn(nnx.merge(graphdef, p), x)
+            return (y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size).reshape(y.shape))).sum()
+
+        return fn(nnx.merge(graphdef, params), x), jax.grad(loss)(params)
+
+    (y, grads), (ref, ref_grads) = run(lambda m, x: m(x)), run(_reference_attention)
+    assert y.dtype == ref.dtype == dtype
+    tol = {"float32": dict(rtol=1e-5, atol=1e-6), "bfloat16": dict(rtol=0.05, atol=0.05)}
+    chex.assert_trees_all_close(y.astype(jnp.float32), ref.astype(jnp.float32), **tol[compute_dtype])
+    # gradient entries are sums over 30 positions in another order, and the largest are ~3: an
+    # entry near 0 can differ by a few ulps of those (2e-6 seen), hence atol 1e-5 in float32
+    grad_tol = dict(tol[compute_dtype], atol=max(1e-5, tol[compute_dtype]["atol"]))
+    chex.assert_trees_all_close(grads, ref_grads, **grad_tol)
+    assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0.1  # not a trivially zero output
