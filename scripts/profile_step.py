@@ -107,9 +107,11 @@ def categorize(hlo: Hlo, name: str) -> str:
         return "copies, transposes"
     path, func, line = op["where"] or ("", "", 0)
     base, text = pathlib.Path(path).name, _source_line(path, line) if path else ""
+    attention = func == "Attention.__call__"
     if hlo.has_dot(name):  # a library fusion may hold a norm's or bias's work beside the dot
-        return "matmul: attention" if "dot_product_attention" in text else "matmul: Linear layers"
-    if "dot_product_attention" in text:
+        scores = attention and ("logits" in text or "probs" in text)  # q.k and probs.v
+        return "matmul: attention" if scores else "matmul: Linear layers"
+    if attention:
         return "attention softmax, mask"
     if base == "normalization.py" or "norm" in func.lower():
         return "RMSNorm"
