@@ -185,7 +185,8 @@ def training_loop(replicas: int, steps: int = 300) -> dict:
                f"{workdir}/run", *flags]  # fmt: skip
         with open(f"{workdir}/log.txt", "w") as log:
             start = time.perf_counter()
-            child = subprocess.Popen(cmd, stdout=log, stderr=log)
+            # from another directory, as a user would (python -m would import ./diloco_jax)
+            child = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=workdir)
             _, status, usage = os.wait4(child.pid, 0)  # this child's own peak RSS
             seconds = time.perf_counter() - start
         child.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4, not Popen
@@ -207,6 +208,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", default="1,4,8,16")
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument(
+        "--share_replicas",
+        default="4,8",
+        help="replica counts of the outer-step share ('' for none)",
+    )
     parser.add_argument(
         "--loop_replicas",
         default="4,8",
@@ -230,15 +236,17 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; measured fp32 matmul rate "
           f"{peak / 1e9:.1f} GFLOP/s (2048x2048); theoretical peak {theory / 1e9:.1f} GFLOP/s "
           f"({how}): {check_rate(peak, theory)}\n")  # fmt: skip
-    print("| R | vmapped tok/s | one model (batch 8R) tok/s | ratio | MFU | XLA MiB vmapped | "
-          "XLA MiB one model | state MiB: R(params+inner)+anchor+outer |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in (int(x) for x in args.replicas.split(",")):
+    replicas = [int(x) for x in args.replicas.split(",") if x]
+    if replicas:
+        print("| R | vmapped tok/s | one model (batch 8R) tok/s | ratio | MFU | XLA MiB vmapped | "
+              "XLA MiB one model | state MiB: R(params+inner)+anchor+outer |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in replicas:
         row = bench_replicas(r, args.calls, peak)
         print(f"| {r} | {row['vmap_tok_s']:,.0f} | {row['big_tok_s']:,.0f} | {row['ratio']:.2f} | "
               f"{row['mfu']:.3f} | {row['vmap_mib']:.1f} | {row['big_mib']:.1f} | "
               f"{row['state_mib']:.2f} |")  # fmt: skip
-    for r in (4, 8):
+    for r in (int(x) for x in args.share_replicas.split(",") if x):
         share = outer_share(r, args.calls)
         print(f"\nouter step share of a 100-step round, R={r}: {100 * share:.2f}%")
     loops = [int(x) for x in args.loop_replicas.split(",") if x]

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.axes import DATA, LOCAL_REPLICA, REPLICA
 from diloco_jax.runtime.step import scan_steps
-from diloco_jax.runtime.xla_cpu import compiler_options
 
 
 class Layout(NamedTuple):
@@ -105,8 +104,7 @@ def simulator_steps(replica_step, kinds, num_steps: int):
     its state's per-replica and shared fields."""
     axes = state_lib.vmap_axes(kinds)
     step_R = jax.vmap(replica_step, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0), axis_name=REPLICA)
-    return jax.jit(scan_steps(step_R, num_steps), donate_argnums=0,
-                   compiler_options=compiler_options())  # fmt: skip
+    return jax.jit(scan_steps(step_R, num_steps), donate_argnums=0)
 
 
 def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int):
@@ -131,8 +129,7 @@ def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int):
         check_vma=False,
     )
     out_shardings = (_shardings(mesh, specs), NamedSharding(mesh, P()))
-    return jax.jit(run, donate_argnums=0, out_shardings=out_shardings,
-                   compiler_options=compiler_options(mesh.devices.flat[0].platform))  # fmt: skip
+    return jax.jit(run, donate_argnums=0, out_shardings=out_shardings)
 
 
 def put(tree, mesh: Mesh, spec: P | None = None, *, specs=None):

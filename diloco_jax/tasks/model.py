@@ -36,7 +36,7 @@ class Attention(nnx.Module):
     kernels: the same function, parameters and precision as ``jax.nn.dot_product_attention``
     (logits and softmax in float32, probabilities cast back to the compute dtype), but XLA gets
     every matmul in a layout that needs no transpose of the activations between them, which
-    made the vmapped replicas' step 6% faster on CPU (``scripts/profile_step.py``,
+    made the vmapped replicas' step 3-5% faster on CPU (``scripts/profile_step.py``,
     docs/benchmarks.md)."""
 
     def __init__(self, d_model: int, num_heads: int, *, dtype, rngs: nnx.Rngs):
