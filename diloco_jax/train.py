@@ -355,8 +355,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     # the first call can include one-off work; the median of the rest is the steady state
     steady = call_seconds[1:] or call_seconds
     summary["step_seconds"] = float(np.median(steady)) / t.log_every if steady else None
-    # the loop's own work between two calls (logging, progress bar, checks; the median leaves
-    # out the calls that also evaluate or save)
+    # the loop's own work between calls (logs, bar, checks); the median skips evals and saves
     summary["host_seconds"] = float(np.median(host_seconds)) if host_seconds else None
     runlog.write("done", step, **{k: v for k, v in summary.items() if k != "sample"})
     runlog.close()
