@@ -330,7 +330,6 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     eval_loss, train_start, call_seconds, host_seconds = None, time.time(), [], []
     with Preemption() as stop:
         while step < total and not _agree_to_stop(stop):
-            loop_tick = time.time()
             control = chunk_control(cfg, s, step)
             tick = time.time()
             state, metrics_NxR = run(state, s.replicas_R, s.shards_RxS, control)
@@ -344,7 +343,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
             if mngr is not None and _crossed(step, t.log_every, t.checkpoint_every):
                 # written in the background
                 checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False)
-            host_seconds.append(time.time() - loop_tick - call_seconds[-1])
+            host_seconds.append(time.time() - tick - call_seconds[-1])
         bar.close()
         if stop.requested:
             log.warning("%s: stopping at step %d %s", stop.requested, step, saving(t.checkpoint))
