@@ -109,9 +109,12 @@ class OuterConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     replicas: int = _key(4, "DiLoCo replicas (R)")
-    runtime: str = _key("auto", "auto (mesh on several devices, else sim) | sim (vmap) | mesh")
+    runtime: str = _key("auto", "auto (mesh on several devices, CPU cores too; else sim) | sim "
+                        "(vmap) | mesh")  # fmt: skip
     replica_devices: int = _key(0, "devices along the replica axis; 0: as many as divide")
     data_devices: int = _key(0, "devices per replica (data axis); 0: the rest that divide")
+    cpu_devices: int = _key(0, "XLA devices the CPU is split into before JAX starts; 0: one per "
+                            "core dividing the replicas (README)")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from diloco_jax.runtime import checkpoint, parallel
 MAY_CHANGE = (
     "parallel.replicas",  # an elastic restart (:func:`elastic`) says what it changes
     # every layout computes the same algorithm
-    "parallel.runtime", "parallel.replica_devices", "parallel.data_devices",
+    "parallel.runtime", "parallel.replica_devices", "parallel.data_devices", "parallel.cpu_devices",
     # steps per compiled call: the same steps cut into other calls (the run stops at the first
     # call boundary, counted from the resumed step, at or past train.total_steps rounded up to
     # whole calls)

@@ -20,7 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import cli, distributed, problems, recipe, records, reporting, resume, schedule
+from diloco_jax import (
+    cli,
+    distributed,
+    placement,
+    problems,
+    recipe,
+    records,
+    reporting,
+    resume,
+    schedule,
+)
 from diloco_jax import config as config_lib
 from diloco_jax.algorithm import PER_REPLICA, SyncPlan, init_replicas
 from diloco_jax.algorithm import state as state_lib
@@ -66,38 +76,18 @@ class Setup:
         return self.task.unit
 
 
-def effective_replicas(cfg: config_lib.Config) -> int:
-    return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
-
-
-def _layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
-    p = cfg.parallel
-    try:
-        layout = parallel.resolve_layout(
-            replicas=replicas, batch_size=cfg.data.batch_size, runtime=p.runtime,
-            replica_devices=p.replica_devices, data_devices=p.data_devices,
-        )  # fmt: skip
-    except ValueError as e:
-        raise config_lib.ConfigError(str(e)) from None
-    if layout.runtime == "sim" and jax.process_count() > 1:
-        raise config_lib.ConfigError(
-            f"config key parallel.runtime = {p.runtime!r} is invalid with "
-            f"{jax.process_count()} processes: the simulator runs in one process; use mesh"
-        )
-    return layout
-
-
 def build(cfg: config_lib.Config) -> Setup:
     """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
     DataError before anything is compiled."""
     config_lib.validate(cfg)
     problems.check_extras(cfg)
     m, d = cfg.model, cfg.data
-    replicas = effective_replicas(cfg)
+    replicas = placement.effective_replicas(cfg)
+    layout = placement.layout(cfg, replicas)
     problem = problems.load(cfg, replicas)
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
-    layout = _layout(cfg, replicas)
-    diagnostics = cfg.sim.diagnostics and layout.runtime == "sim"  # 1 more all-reduce: sim only
+    # 1 more all-reduce per sync: only where it stays in one machine's memory
+    diagnostics = cfg.sim.diagnostics and (layout.runtime == "sim" or placement.cpu_simulation())
     algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names, diagnostics)
     if cfg.train.init_from:
         params = resume.warm_start(cfg.train.init_from, params)
@@ -299,10 +289,10 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
 
     SIGTERM or SIGINT stops the run at the next call boundary, with a checkpoint if
     ``train.checkpoint`` (``summary["preempted"]``); a second signal exits at once."""
+    s, t = build(cfg), cfg.train  # first: it sets the CPU's device count before JAX starts
     lead = jax.process_index() == 0  # the process that logs and writes files
     reporting.setup_logging(process=jax.process_index(), processes=jax.process_count())
     workdir = pathlib.Path(workdir)
-    s, t = build(cfg), cfg.train
     mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
     start = resume.resume(mngr, s, workdir, allow_config_change=allow_config_change)
     state = start.state
@@ -370,6 +360,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
     cfg, workdir = args.cfg, args.workdir
     try:
         distributed.initialize(args.cluster)
+        placement.split_cpu(cfg)  # before anything starts JAX
         if jax.process_count() > 1 and not args.workdir_given:
             raise config_lib.ConfigError(
                 "a run of several processes needs --workdir (a directory every process can reach)"

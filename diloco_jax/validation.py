@@ -20,7 +20,8 @@ _POSITIVE = (
     "train.eval_every", "train.keep_checkpoints", "resnet.width", "resnet.stages", "resnet.depth",
 )  # fmt: skip
 _NON_NEGATIVE = (
-    "parallel.replica_devices", "parallel.data_devices", "inner.warmup_steps", "train.sample_chars",
+    "parallel.replica_devices", "parallel.data_devices", "parallel.cpu_devices",
+    "inner.warmup_steps", "train.sample_chars",
     "train.checkpoint_every", "data.image_size",
 )  # fmt: skip
 

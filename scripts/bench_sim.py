@@ -16,8 +16,11 @@ sequence 64, batch 8 per worker, inner AdamW, outer Nesterov, sync_every 10. For
 * the outer step's share of a round at sync_every=100 (from a 100-step call that syncs every
   step against one that never syncs);
 * the training loop itself, the command a user runs (``python -m diloco_jax.train`` on the same
-  workload for 300 steps, 4 and 8 replicas): the whole command's time, steady tokens/s from its
-  ``metrics.jsonl``, the fraction of the matmul rate, the host work between calls, peak RSS.
+  workload for 300 steps, 4 and 8 replicas, with the CPU as one XLA device and split by default,
+  ``parallel.cpu_devices``): the whole command's time, steady tokens/s from its
+  ``metrics.jsonl``, the fraction of the matmul rate, the host work between calls, peak RSS;
+  and, for those replica counts, the rate of the workload's own matmuls (d_model 128), a
+  nearer ceiling than the 2048x2048 one.
 """
 
 from __future__ import annotations
@@ -57,6 +60,40 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
         f(a).block_until_ready()
         seconds.append(time.perf_counter() - start)
     return 2 * n**3 / float(np.median(seconds))
+
+
+def workload_matmul_rate(replicas: int, repeats: int = 10) -> float:
+    """The fp32 rate of the standard workload's own Linear matmuls, each with its two gradient
+    matmuls (dX = dY W^T, dW = X^T dY), batched over ``replicas`` as the vmapped step runs them:
+    one replica's 512 tokens (batch 8 x sequence 64) through 2 layers of qkv, out, MLP up and
+    down at d_model 128, and the 256-way head. The median of ``repeats`` calls, each timed to
+    its result: a ceiling nearer the step's than the 2048x2048 rate."""
+    tokens, d = 8 * 64, 128
+    shapes = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * 2 + [(d, 256)]
+    keys = iter(jax.random.split(jax.random.key(1), 3 * len(shapes)))
+    args = [
+        (jax.random.normal(next(keys), (replicas, tokens, i)),
+         jax.random.normal(next(keys), (replicas, i, o)),
+         jax.random.normal(next(keys), (replicas, tokens, o)))
+        for i, o in shapes
+    ]  # fmt: skip
+
+    @jax.jit
+    def forward_and_grads(args):
+        return [
+            (jnp.einsum("rti,rio->rto", x, w), jnp.einsum("rto,rio->rti", dy, w),
+             jnp.einsum("rti,rto->rio", x, dy))
+            for x, w, dy in args
+        ]  # fmt: skip
+
+    jax.block_until_ready(forward_and_grads(args))
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(forward_and_grads(args))
+        seconds.append(time.perf_counter() - start)
+    flops = sum(3 * 2 * replicas * tokens * i * o for i, o in shapes)
+    return flops / float(np.median(seconds))
 
 
 def cpu_peak_flops_per_s(fma_units: int = 2, clock_ghz: float | None = None) -> tuple[float, str]:
@@ -172,13 +209,15 @@ def outer_share(replicas: int, calls: int, sync_every: int = 100) -> float:
     return sync_s / (sync_every * step_s + sync_s)
 
 
-def training_loop(replicas: int, steps: int = 300) -> dict:
+def training_loop(replicas: int, cpu_devices: int, steps: int = 300) -> dict:
     """The command a user runs, on the standard workload: ``python -m diloco_jax.train`` with
     ``replicas`` replicas for ``steps`` steps (evaluations, final checkpoint and sample as by
-    default) in a child process: its wall time, steady tokens/s (median over the logged calls
-    after the first), host work per call and peak RSS."""
+    default) in a child process, the CPU split into ``cpu_devices`` XLA devices (0: the default
+    choice): its wall time, steady tokens/s (median over the logged calls after the first), host
+    work per call and peak RSS."""
     overrides = {**WORKLOAD, "parallel.replicas": replicas, "train.total_steps": steps,
-                 "log.progress_bar": "false"}  # fmt: skip
+                 "log.progress_bar": "false", "parallel.runtime": "auto",
+                 "parallel.cpu_devices": cpu_devices}  # fmt: skip
     with tempfile.TemporaryDirectory() as workdir:
         flags = [f"--config.{k}={v}" for k, v in overrides.items()]
         cmd = [sys.executable, "-m", "diloco_jax.train", "--config", "default", "--workdir",
@@ -194,9 +233,11 @@ def training_loop(replicas: int, steps: int = 300) -> dict:
             tail = open(f"{workdir}/log.txt").read()[-2000:]
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{tail}")
         events = [json.loads(x) for x in open(f"{workdir}/run/metrics.jsonl")]
+        layout = open(f"{workdir}/log.txt").read().split(" replicas on ", 1)[1].split(",")[0] + ")"
     rates = [e["tokens_per_s"] for e in events if e["event"] == "train"][1:]
     done = next(e for e in events if e["event"] == "done")
     return {
+        "runtime": layout,
         "seconds": seconds,
         "tok_s": float(np.median(rates)),
         "host_ms_per_call": 1e3 * done["host_seconds"],
@@ -235,7 +276,12 @@ def main() -> None:
     theory, how = cpu_peak_flops_per_s(args.fma_units, args.clock_ghz)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; measured fp32 matmul rate "
           f"{peak / 1e9:.1f} GFLOP/s (2048x2048); theoretical peak {theory / 1e9:.1f} GFLOP/s "
-          f"({how}): {check_rate(peak, theory)}\n")  # fmt: skip
+          f"({how}): {check_rate(peak, theory)}")  # fmt: skip
+    for r in (int(x) for x in args.loop_replicas.split(",") if x):
+        rate = workload_matmul_rate(r)
+        print(f"the workload's own Linear matmuls (forward + 2 gradient matmuls), R={r}: "
+              f"{rate / 1e9:.1f} GFLOP/s, {rate / peak:.2f} of the 2048x2048 rate")  # fmt: skip
+    print()
     replicas = [int(x) for x in args.replicas.split(",") if x]
     if replicas:
         print("| R | vmapped tok/s | one model (batch 8R) tok/s | ratio | MFU | XLA MiB vmapped | "
@@ -254,13 +300,14 @@ def main() -> None:
         vm = build(config(**{"parallel.replicas": loops[0]}))
         flops = flops_per_token(vm, config())
         print("\ntraining loop (python -m diloco_jax.train, standard workload, 300 steps):\n")
-        print("| R | command (s) | steady tok/s | model GFLOP/s | of matmul rate | host ms per "
-              "call | peak RSS (MiB) |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in loops:
-        row = training_loop(r)
+        print("| R | parallel.cpu_devices | runtime | command (s) | steady tok/s | model GFLOP/s "
+              "| of matmul rate | host ms per call | peak RSS (MiB) |")  # fmt: skip
+        print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    for r, devices in ((r, d) for r in loops for d in (1, 0)):
+        row = training_loop(r, devices)
         rate = row["tok_s"] * flops
-        print(f"| {r} | {row['seconds']:.1f} | {row['tok_s']:,.0f} | {rate / 1e9:.1f} | "
+        print(f"| {r} | {devices or '0 (default)'} | {row['runtime']} | {row['seconds']:.1f} | "
+              f"{row['tok_s']:,.0f} | {rate / 1e9:.1f} | "
               f"{rate / peak:.2f} | {row['host_ms_per_call']:.1f} | "
               f"{row['rss_mib']:,.0f} |")  # fmt: skip
 

@@ -1,0 +1,51 @@
+"""From a config to devices: how many XLA devices the CPU is split into, and how replicas map to
+the devices (``parallel.*`` keys). Read at the edge (``diloco_jax.train``); the library functions
+are in :mod:`diloco_jax.runtime.parallel`."""
+
+from __future__ import annotations
+
+import jax
+
+from diloco_jax import config as config_lib
+from diloco_jax.runtime import parallel
+
+
+def effective_replicas(cfg: config_lib.Config) -> int:
+    """Replicas the state holds: one for the single-model baseline."""
+    return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
+
+
+def split_cpu(cfg: config_lib.Config) -> None:
+    """Sets the CPU's XLA device count (``parallel.cpu_devices``); call before JAX starts."""
+    p = cfg.parallel
+    auto = parallel.cpu_devices_for(replicas=effective_replicas(cfg), runtime=p.runtime,
+                                    replica_devices=p.replica_devices,
+                                    data_devices=p.data_devices)  # fmt: skip
+    try:
+        parallel.split_cpu(p.cpu_devices, auto=auto)
+    except ValueError as e:
+        raise config_lib.ConfigError(str(e)) from None
+
+
+def layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
+    """How ``replicas`` map to the devices (:func:`split_cpu` first: JAX starts here)."""
+    p = cfg.parallel
+    split_cpu(cfg)
+    try:
+        layout = parallel.resolve_layout(
+            replicas=replicas, batch_size=cfg.data.batch_size, runtime=p.runtime,
+            replica_devices=p.replica_devices, data_devices=p.data_devices,
+        )  # fmt: skip
+    except ValueError as e:
+        raise config_lib.ConfigError(str(e)) from None
+    if layout.runtime == "sim" and jax.process_count() > 1:
+        raise config_lib.ConfigError(
+            f"config key parallel.runtime = {p.runtime!r} is invalid with "
+            f"{jax.process_count()} processes: the simulator runs in one process; use mesh"
+        )
+    return layout
+
+
+def cpu_simulation() -> bool:
+    """One process on CPU devices: every collective stays in this machine's memory."""
+    return jax.process_count() == 1 and jax.default_backend() == "cpu"
