@@ -115,6 +115,8 @@ class ParallelConfig:
     data_devices: int = _key(0, "devices per replica (data axis); 0: the rest that divide")
     cpu_devices: int = _key(0, "XLA devices the CPU is split into before JAX starts; 0: one per "
                             "core dividing the replicas (README)")  # fmt: skip
+    device_memory_gib: float = _key(0.0, "one device's memory for the memory plan; 0: the "
+                                    "device's own (CPU: RAM / CPU devices)")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.algorithm.state import PER_REPLICA
 from diloco_jax.config import ConfigError
 
 MODES = ("auto", "on", "off")
@@ -221,3 +223,27 @@ def check_same(values, devices, what: str) -> None:
         f"{what} differs across processes: {names([d for d, _ in bad])} disagree with "
         f"{names(good)} (fingerprints {sorted({hex(v) for _, v in bad})} vs {hex(reference)})"
     )
+
+
+def check_replicated(s, state, step: int) -> None:
+    """Every device must hold bitwise the same copy of the shared state of ``s`` (a
+    ``train.Setup``) after ``step``; raises :class:`ConsistencyError` naming the field and the
+    processes otherwise.
+
+    By default (cheap) the anchor is compared after a call in which a sync started (streaming
+    fragments' syncs included); with ``train.check_replicated`` every shared field (anchor,
+    outer state, step, pending mean) after every call."""
+    if s.fingerprints is None:
+        return
+    n, kinds = s.cfg.train.log_every, s.algorithm.kinds
+    shared = state_lib.shared_part(state, kinds)._asdict()
+    if not s.cfg.train.check_replicated:
+        plan = getattr(s.algorithm, "plan", None)
+        if plan is None or kinds.anchor == PER_REPLICA or not plan.sync_steps(step - n + 1, step):
+            return
+        shared = {"anchor": shared["anchor"]}
+    devices = list(s.mesh.devices.flat)
+    for name, value in shared.items():
+        if jax.tree.leaves(value):
+            check_same(jax.device_get(s.fingerprints(value)), devices,
+                                   f"the shared {name} after step {step}")  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 
 from diloco_jax import config as config_lib
+from diloco_jax import memory
 from diloco_jax.runtime import parallel
 
 
@@ -49,3 +50,21 @@ def layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
 def cpu_simulation() -> bool:
     """One process on CPU devices: every collective stays in this machine's memory."""
     return jax.process_count() == 1 and jax.default_backend() == "cpu"
+
+
+def memory_plan(s, compiled) -> memory.MemoryPlan:
+    """The memory plan of ``s`` (a ``train.Setup``, abstract or not) for its ``compiled`` call."""
+    limit = memory.device_limit(jax.local_devices()[0], s.cfg.parallel.device_memory_gib)
+    data = {"training data": s.shards_RxS, "replica ids": s.replicas_R}
+    return memory.plan(s.state, data, compiled, limit,
+                       resident={"evaluation windows": s.eval_windows})  # fmt: skip
+
+
+def check_fits(plan: memory.MemoryPlan) -> None:
+    """Raises ConfigError (one line) if ``plan`` does not fit its device."""
+    if not plan.fits:
+        raise config_lib.ConfigError(
+            f"the run needs {memory.size(plan.total)} per device, more than the "
+            f"{memory.size(plan.limit)} of one device ({plan.limit_source}): fewer replicas per "
+            "device, a smaller batch or model, or model.remat (the plan: --dry_run)"
+        )

@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax import (
     cli,
@@ -32,8 +32,8 @@ from diloco_jax import (
     schedule,
 )
 from diloco_jax import config as config_lib
-from diloco_jax.algorithm import PER_REPLICA, SyncPlan, init_replicas
-from diloco_jax.algorithm import state as state_lib
+from diloco_jax.algorithm import SyncPlan, init_replicas
+from diloco_jax.axes import REPLICA
 from diloco_jax.data import DataError
 from diloco_jax.extras import MissingExtra
 from diloco_jax.preemption import Preemption, saving, stopped, watch_launcher
@@ -76,9 +76,10 @@ class Setup:
         return self.task.unit
 
 
-def build(cfg: config_lib.Config) -> Setup:
+def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
     """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
-    DataError before anything is compiled."""
+    DataError before anything is compiled. ``abstract``: the state and the data as shapes with
+    their shardings, nothing allocated on the devices (for compiling and the memory plan)."""
     config_lib.validate(cfg)
     problems.check_extras(cfg)
     m, d = cfg.model, cfg.data
@@ -91,7 +92,11 @@ def build(cfg: config_lib.Config) -> Setup:
     algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names, diagnostics)
     if cfg.train.init_from:
         params = resume.warm_start(cfg.train.init_from, params)
-    state = init_replicas(algorithm, params, replicas)
+
+    def init(params):
+        return init_replicas(algorithm, params, replicas)
+
+    state = jax.eval_shape(init, params) if abstract else init(params)
     kinds = algorithm.kinds
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     replica_step = make_replica_step(
@@ -109,11 +114,9 @@ def build(cfg: config_lib.Config) -> Setup:
     steps = cfg.train.log_every
     if mesh is None:
         run_chunk = parallel.simulator_steps(replica_step, kinds, steps)
-        shards_RxS = jax.tree.map(jnp.asarray, shards_RxS)
         outer_fn, fingerprints = algorithm.outer_params, None
     else:
         run_chunk = parallel.mesh_steps(replica_step, kinds, mesh, steps)
-        shards_RxS = parallel.split_over_replicas(shards_RxS, mesh)  # local replicas' rows only
         outer_fn = jax.jit(algorithm.outer_params,
                            out_shardings=parallel.replicated_sharding(mesh))  # fmt: skip
         fingerprints = distributed.make_device_fingerprints(mesh)
@@ -121,12 +124,15 @@ def build(cfg: config_lib.Config) -> Setup:
         cfg=cfg,
         layout=layout,
         graphdef=graphdef,
-        state=parallel.place(state, kinds, mesh),
+        state=parallel.place(state, kinds, mesh, abstract=abstract),
         mesh=mesh,
         run_chunk=run_chunk,
-        replicas_R=parallel.split_over_replicas(jnp.arange(replicas, dtype=jnp.int32), mesh),
-        shards_RxS=shards_RxS,
-        eval_windows=parallel.replicated(jax.tree.map(jnp.asarray, problem.eval_data), mesh),
+        replicas_R=parallel.on_devices(
+            np.arange(replicas, dtype=np.int32), mesh, P(REPLICA), abstract=abstract
+        ),  # fmt: skip
+        # each process puts only its local replicas' rows on its devices
+        shards_RxS=parallel.on_devices(shards_RxS, mesh, P(REPLICA), abstract=abstract),
+        eval_windows=parallel.on_devices(problem.eval_data, mesh, P(), abstract=abstract),
         unigram_nats=problem.baseline_nats,
         algorithm=algorithm,
         task=problem.task,
@@ -258,29 +264,6 @@ def _agree_to_stop(stop: Preemption) -> bool:
     return bool(signalled)
 
 
-def _check_replicated(s: Setup, state, step: int) -> None:
-    """Every device must hold bitwise the same copy of the shared state; raises
-    :class:`distributed.ConsistencyError` naming the field and the processes otherwise.
-
-    By default (cheap) the anchor is compared after a call in which a sync started (streaming
-    fragments' syncs included); with ``train.check_replicated`` every shared field (anchor,
-    outer state, step, pending mean) after every call."""
-    if s.fingerprints is None:
-        return
-    n, kinds = s.cfg.train.log_every, s.algorithm.kinds
-    shared = state_lib.shared_part(state, kinds)._asdict()
-    if not s.cfg.train.check_replicated:
-        plan = getattr(s.algorithm, "plan", None)
-        if plan is None or kinds.anchor == PER_REPLICA or not plan.sync_steps(step - n + 1, step):
-            return
-        shared = {"anchor": shared["anchor"]}
-    devices = list(s.mesh.devices.flat)
-    for name, value in shared.items():
-        if jax.tree.leaves(value):
-            distributed.check_same(jax.device_get(s.fingerprints(value)), devices,
-                                   f"the shared {name} after step {step}")  # fmt: skip
-
-
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True,
           allow_config_change: bool = False):  # fmt: skip
     """Trains ``cfg`` into ``workdir`` (resuming from its newest readable checkpoint; keys that
@@ -311,6 +294,12 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS, chunk_control(cfg, s, 0)).compile()
     log.info("compiled in %.1fs; validation unigram entropy %.3f nats", time.time() - t0,
              s.unigram_nats)  # fmt: skip
+    plan = placement.memory_plan(s, run)
+    if plan.fits:
+        log.info("%s", plan.summary())
+    else:
+        log.error("%s", plan.table())
+        placement.check_fits(plan)
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)
@@ -327,7 +316,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
             call_seconds.append(time.time() - tick)
             step += t.log_every
             _report_chunk(s, runlog, bar, step, metrics_NxR, call_seconds[-1])
-            _check_replicated(s, state, step)
+            distributed.check_replicated(s, state, step)
             if _crossed(step, t.log_every, t.eval_every) or step >= total:
                 eval_loss = _evaluate(s, runlog, state, step, total)
             if mngr is not None and _crossed(step, t.log_every, t.checkpoint_every):
@@ -351,16 +340,35 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     return {**summary, "state": state}
 
 
+def dry_run(cfg: config_lib.Config) -> int:
+    """``--dry_run``: prints the layout and the memory plan, compiled from shapes (nothing is
+    allocated); returns 0, or raises ConfigError if the run would not fit."""
+    s = build(cfg, abstract=True)
+    args = (s.state, s.replicas_R, s.shards_RxS, chunk_control(cfg, s, 0))
+    plan = placement.memory_plan(s, s.run_chunk.lower(*args).compile())
+    print(f"{cfg.algorithm}: {s.layout}, {s.num_params:,} params\n{plan.table()}")
+    placement.check_fits(plan)
+    return 0
+
+
+def _train_flags(parser: cli.ArgumentParser) -> None:
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print the layout and the memory plan per device (compiled from "
+                        "shapes, nothing allocated) and exit: 0 if it fits, 2 if not")  # fmt: skip
+
+
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.train") -> int:
     watch_launcher()  # started by diloco_jax.launch: stop when it dies
     args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog, distributed=True,
-                     resume=True, description=__doc__)  # fmt: skip
+                     resume=True, description=__doc__, extend=_train_flags)  # fmt: skip
     if args is None:
         return 0
     cfg, workdir = args.cfg, args.workdir
     try:
         distributed.initialize(args.cluster)
         placement.split_cpu(cfg)  # before anything starts JAX
+        if args.flags.dry_run:
+            return dry_run(cfg)
         if jax.process_count() > 1 and not args.workdir_given:
             raise config_lib.ConfigError(
                 "a run of several processes needs --workdir (a directory every process can reach)"

@@ -171,23 +171,24 @@ def _skew_one_device(x, mesh):
 
 def test_debug_check_compares_every_shared_field_and_names_it():
     from diloco_jax.config import apply_overrides, load_preset
-    from diloco_jax.train import _check_replicated, build
+    from diloco_jax.distributed import check_replicated
+    from diloco_jax.train import build
 
     overrides = [("parallel.runtime", "mesh"), ("parallel.replica_devices", "2"),
                  ("parallel.replicas", "2"), ("outer.sync_every", "10"),
                  ("train.check_replicated", "true")]  # fmt: skip
     s = build(apply_overrides(load_preset("configs/tiny.py"), overrides))
     step = s.cfg.train.log_every  # 5: the first call holds no sync (sync_every 10)
-    _check_replicated(s, s.state, step)  # the initial state is the same everywhere
+    check_replicated(s, s.state, step)  # the initial state is the same everywhere
     leaves, treedef = jax.tree.flatten(s.state.outer_state)
     i = next(i for i, x in enumerate(leaves) if x.ndim)
     leaves[i] = _skew_one_device(leaves[i], s.mesh)
     skewed = s.state._replace(outer_state=jax.tree.unflatten(treedef, leaves))
     with pytest.raises(ConsistencyError, match="the shared outer_state after step"):
-        _check_replicated(s, skewed, step)
+        check_replicated(s, skewed, step)
     # the default, cheap check compares only the anchor, after calls that contain a sync
     cheap = dataclasses.replace(s, cfg=apply_overrides(s.cfg, [("train.check_replicated", "0")]))
-    _check_replicated(cheap, skewed, step)
+    check_replicated(cheap, skewed, step)
     anchor = jax.tree.map(lambda x: _skew_one_device(x, s.mesh), s.state.anchor)
     with pytest.raises(ConsistencyError, match="the shared anchor after step"):
-        _check_replicated(cheap, s.state._replace(anchor=anchor), s.cfg.outer.sync_every)
+        check_replicated(cheap, s.state._replace(anchor=anchor), s.cfg.outer.sync_every)

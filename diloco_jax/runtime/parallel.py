@@ -17,6 +17,7 @@ import re
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -180,6 +181,21 @@ def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int):
     return jax.jit(run, donate_argnums=0, out_shardings=out_shardings)
 
 
+def shapes(tree, mesh: Mesh | None, spec: P | None = None, *, specs=None):
+    """What :func:`put` (or, for the simulator, ``jnp.asarray``) would make of ``tree``, as
+    ``jax.ShapeDtypeStruct`` with the same shardings, allocating nothing: for compiling and
+    planning memory before any state exists."""
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, tree)
+    else:
+        specs = jax.tree.map(lambda _: spec, tree) if specs is None else specs
+        shardings = _shardings(mesh, specs)
+    return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                                 sharding=sharding),
+                        tree, shardings)  # fmt: skip
+
+
 def put(tree, mesh: Mesh, spec: P | None = None, *, specs=None):
     """``tree`` as global arrays on ``mesh`` with partition ``spec`` (or a tree of ``specs``).
 
@@ -197,15 +213,26 @@ def put(tree, mesh: Mesh, spec: P | None = None, *, specs=None):
     return jax.tree.map(one, tree, _shardings(mesh, specs))
 
 
-def place(tree, kinds, mesh: Mesh | None):
+def place(tree, kinds, mesh: Mesh | None, *, abstract: bool = False):
     """Puts a replica-stacked state on ``mesh`` (per-replica fields split over ``REPLICA``,
-    shared ones replicated, as ``kinds`` declare); a no-op for the simulator (``mesh is None``)."""
-    if mesh is None:
+    shared ones replicated, as ``kinds`` declare); a no-op for the simulator (``mesh is None``).
+    ``abstract``: the placed shapes only (:func:`shapes`), for a state from ``jax.eval_shape``."""
+    if mesh is None and not abstract:
         return tree
-    specs = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub),
-                         state_lib.specs(kinds), tree,
-                         is_leaf=lambda x: isinstance(x, P))  # fmt: skip
-    return put(tree, mesh, specs=specs)
+    specs = None
+    if mesh is not None:
+        specs = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+                             state_lib.specs(kinds), tree,
+                             is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+    return shapes(tree, mesh, specs=specs) if abstract else put(tree, mesh, specs=specs)
+
+
+def on_devices(tree, mesh: Mesh | None, spec: P, *, abstract: bool = False):
+    """Host values as device arrays: split or replicated over ``mesh`` as ``spec`` says, or on
+    the one device of the simulator (``mesh is None``); ``abstract``: their :func:`shapes`."""
+    if abstract:
+        return shapes(tree, mesh, spec)
+    return jax.tree.map(jnp.asarray, tree) if mesh is None else put(tree, mesh, spec)
 
 
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
@@ -231,6 +258,7 @@ def host_copy(tree):
 
 
 __all__ = [
-    "Layout", "cpu_devices_for", "host_copy", "make_mesh", "mesh_steps", "place", "put",
-    "replicated", "resolve_layout", "simulator_steps", "split_cpu", "split_over_replicas",
+    "Layout", "cpu_devices_for", "host_copy", "make_mesh", "mesh_steps", "on_devices", "place",
+    "put",
+    "replicated", "resolve_layout", "simulator_steps", "shapes", "split_cpu", "split_over_replicas",
 ]  # fmt: skip
