@@ -10,6 +10,7 @@ import numpy as np
 from diloco_jax import config as config_lib
 from diloco_jax import extras, tasks
 from diloco_jax.data import (
+    DataError,
     eval_windows,
     load_corpus,
     replica_shards,
@@ -33,6 +34,7 @@ class Problem(NamedTuple):
     task: tasks.Task  # sample, loss and evaluation for this model and data
     baseline_nats: float  # unigram entropy of the tokens, or log(classes)
     tokenizer: Any = None
+    streamed: bool = False  # shards is a memory map on disk (data.max_memory_mib)
 
 
 def check_extras(cfg: config_lib.Config) -> None:
@@ -67,6 +69,11 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
     if is_image_data(d):  # image classification with a ResNet
         imgs = load_images(d.corpus, **where, image_feature=d.image_feature,
                            label_feature=d.label_feature, image_size=d.image_size)  # fmt: skip
+        budget = int(d.max_memory_mib * 2**20)
+        if budget and imgs.train_images.nbytes > budget:
+            raise DataError(f"{d.corpus}'s training images take {imgs.train_images.nbytes:,} "
+                            f"bytes, more than data.max_memory_mib allows ({budget:,} bytes), "
+                            "and image datasets cannot be streamed yet")  # fmt: skip
         r = cfg.resnet
         graphdef, params = vision.init_model(
             cfg.seed, channels=imgs.train_images.shape[-1], num_classes=imgs.num_classes,
@@ -76,7 +83,8 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
                        (imgs.val_images, imgs.val_labels), graphdef, params,
                        tasks.image_classification(graphdef),
                        float(np.log(imgs.num_classes)))  # fmt: skip
-    corpus = load_corpus(d.corpus, **where, text_feature=d.text_feature)
+    corpus = load_corpus(d.corpus, **where, text_feature=d.text_feature,
+                         max_bytes=int(d.max_memory_mib * 2**20))  # fmt: skip
     graphdef, params = model_lib.init_model(
         cfg.seed, vocab_size=corpus.vocab_size, seq_len=d.seq_len, **dataclasses.asdict(m)
     )
@@ -85,4 +93,5 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
         eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows),
         graphdef, params, tasks.language_model(graphdef, seq_len=d.seq_len),
         unigram_entropy(corpus.val_M), corpus.tokenizer,
+        isinstance(corpus.train_N, np.memmap),
     )  # fmt: skip

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import tqdm
 
 log = logging.getLogger("diloco_jax")
@@ -200,3 +201,29 @@ def progress_bar(
         mininterval=0.5,
         file=sys.stderr,
     )
+
+
+def log_syncs(runlog: RunLog, plan, first_step: int, metrics_NxR: dict) -> None:
+    """One ``sync`` event per DiLoCo sync started in a call of steps ``first_step + 1 ...``
+    (``plan``, a ``SyncPlan``, says which steps): per-replica drift diagnostics and the shared
+    statistics; a warning for replicas whose pseudo-gradient was not finite."""
+    shared = ("pairwise_cosine", "outer_update_norm", "contributors")
+    for step, fragment in plan.sync_steps(first_step + 1, first_step + len(metrics_NxR["loss"])):
+        i = step - first_step - 1
+        values = {k: v[i] for k, v in metrics_NxR.items() if k not in shared}
+        values.update({k: float(metrics_NxR[k][i, 0]) for k in shared})
+        if np.isnan(
+            values["pairwise_cosine"]
+        ):  # not computed (sim.diagnostics off, or several processes)
+            del values["pairwise_cosine"]
+        outer = plan.rounds(step)
+        if plan.fragments > 1:
+            values["fragment"] = fragment
+        runlog.write("sync", step, outer_step=outer, **values)
+        bad = [r for r, ok in enumerate(values["finite"]) if not ok]
+        if bad and len(bad) == len(values["finite"]):
+            log.warning("outer step %d discarded: every replica's pseudo-gradient is non-finite; "
+                        "all restart from the anchor", outer)  # fmt: skip
+        elif bad:
+            log.warning("outer step %d: replica(s) %s had non-finite pseudo-gradients: left out "
+                        "of the mean, restarted from the anchor", outer, bad)  # fmt: skip

@@ -42,6 +42,7 @@ MAY_CHANGE = (
     "train.init_from",  # read by a fresh start only
     "model.remat",  # memory only: the same gradients up to rounding
     "data.data_dir",  # where the dataset lives, not which one it is
+    "data.max_memory_mib",  # streamed or loaded: the same batches
     # the simulated clock and a logged statistic
     "sim.network", "sim.bandwidth_gbps", "sim.latency_ms", "sim.topology", "sim.step_time_s",
     "sim.diagnostics",

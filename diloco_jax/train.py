@@ -35,6 +35,7 @@ from diloco_jax import config as config_lib
 from diloco_jax.algorithm import SyncPlan, init_replicas
 from diloco_jax.axes import REPLICA
 from diloco_jax.data import DataError
+from diloco_jax.data.stream import StreamedShards
 from diloco_jax.extras import MissingExtra
 from diloco_jax.preemption import Preemption, saving, stopped, watch_launcher
 from diloco_jax.reporting import log
@@ -65,6 +66,14 @@ class Setup:
     fingerprints: Any = None  # mesh only: tree -> uint32 [devices], each device's copy
     num_params: int = 0
     tokenizer: Any = None  # the corpus's (None: bytes)
+    stream: Any = None  # data.max_memory_mib: the shards stay on disk (data/stream.py)
+
+    def data(self, step: int):
+        """The data argument of the call from ``step``: the shards on the devices, or (streamed)
+        the call's batches, read from disk now (``shards_RxS`` holds the first call's)."""
+        if self.stream is None:
+            return self.shards_RxS
+        return self.stream.on_devices(step, self.shards_RxS.sharding)
 
     @property
     def tokens_per_row(self) -> int:
@@ -110,16 +119,26 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
         controlled=schedule.needs_control(
             speeds=cfg.sim.speeds, dylu=cfg.sim.dylu, drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob
         ),
+        streamed=problem.streamed,
     )
-    steps = cfg.train.log_every
+    steps, streamed = cfg.train.log_every, problem.streamed
+    stream = (
+        StreamedShards(shards_RxS, cfg.seed, d.batch_size, d.seq_len, steps) if streamed else None
+    )
     if mesh is None:
-        run_chunk = parallel.simulator_steps(replica_step, kinds, steps)
+        run_chunk = parallel.simulator_steps(replica_step, kinds, steps, per_step_data=streamed)
         outer_fn, fingerprints = algorithm.outer_params, None
     else:
-        run_chunk = parallel.mesh_steps(replica_step, kinds, mesh, steps)
+        run_chunk = parallel.mesh_steps(replica_step, kinds, mesh, steps, per_step_data=streamed)
         outer_fn = jax.jit(algorithm.outer_params,
                            out_shardings=parallel.replicated_sharding(mesh))  # fmt: skip
         fingerprints = distributed.make_device_fingerprints(mesh)
+    if stream is None:  # each process puts only its local replicas' rows on its devices
+        data = parallel.on_devices(shards_RxS, mesh, P(REPLICA), abstract=abstract)
+    else:  # the first call's batches stand for the data (shapes, the memory plan)
+        data = parallel.shapes(jax.ShapeDtypeStruct(stream.shape(), np.int32), mesh,
+                               P(None, REPLICA))  # fmt: skip
+        data = data if abstract else stream.on_devices(0, data.sharding)
     return Setup(
         cfg=cfg,
         layout=layout,
@@ -130,8 +149,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
         replicas_R=parallel.on_devices(
             np.arange(replicas, dtype=np.int32), mesh, P(REPLICA), abstract=abstract
         ),  # fmt: skip
-        # each process puts only its local replicas' rows on its devices
-        shards_RxS=parallel.on_devices(shards_RxS, mesh, P(REPLICA), abstract=abstract),
+        shards_RxS=data,
         eval_windows=parallel.on_devices(problem.eval_data, mesh, P(), abstract=abstract),
         unigram_nats=problem.baseline_nats,
         algorithm=algorithm,
@@ -140,6 +158,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
         fingerprints=fingerprints,
         num_params=model_lib.count_params(params),
         tokenizer=problem.tokenizer,
+        stream=stream,
     )
 
 
@@ -158,32 +177,6 @@ def chunk_control(cfg: config_lib.Config, s: Setup, start: int) -> StepControl:
         seed=cfg.seed,
     )  # fmt: skip
     return parallel.split_over_replicas(StepControl(**masks), s.mesh, axis=1)
-
-
-def _log_syncs(runlog, s: Setup, first_step: int, metrics_NxR) -> None:
-    """One ``sync`` event per DiLoCo sync started in a call (the plan says which steps):
-    per-replica drift diagnostics and the shared statistics."""
-    if s.cfg.algorithm != "diloco":
-        return
-    plan = s.algorithm.plan
-    shared = ("pairwise_cosine", "outer_update_norm", "contributors")
-    for step, fragment in plan.sync_steps(first_step + 1, first_step + len(metrics_NxR["loss"])):
-        i = step - first_step - 1
-        values = {k: v[i] for k, v in metrics_NxR.items() if k not in shared}
-        values.update({k: float(metrics_NxR[k][i, 0]) for k in shared})
-        if np.isnan(values["pairwise_cosine"]):  # not computed (sim.diagnostics off, or mesh)
-            del values["pairwise_cosine"]
-        outer = plan.rounds(step)
-        if plan.fragments > 1:
-            values["fragment"] = fragment
-        runlog.write("sync", step, outer_step=outer, **values)
-        bad = [r for r, ok in enumerate(values["finite"]) if not ok]
-        if bad and len(bad) == len(values["finite"]):
-            log.warning("outer step %d discarded: every replica's pseudo-gradient is non-finite; "
-                        "all restart from the anchor", outer)  # fmt: skip
-        elif bad:
-            log.warning("outer step %d: replica(s) %s had non-finite pseudo-gradients: left out "
-                        "of the mean, restarted from the anchor", outer, bad)  # fmt: skip
 
 
 def outer_steps(cfg: config_lib.Config, step: int) -> int:
@@ -230,7 +223,8 @@ def _crossed(step: int, chunk: int, every: int) -> bool:
 
 def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float) -> None:
     cfg, n = s.cfg, s.cfg.train.log_every
-    _log_syncs(runlog, s, step - n, metrics_NxR)
+    if cfg.algorithm == "diloco":
+        reporting.log_syncs(runlog, s.algorithm.plan, step - n, metrics_NxR)
     loss_R = metrics_NxR["loss"][-1]
     tokens_per_s = s.layout.replicas * cfg.data.batch_size * s.tokens_per_row * n / seconds
     outer = outer_steps(cfg, step)
@@ -311,7 +305,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
         while step < total and not _agree_to_stop(stop):
             control = chunk_control(cfg, s, step)
             tick = time.time()
-            state, metrics_NxR = run(state, s.replicas_R, s.shards_RxS, control)
+            state, metrics_NxR = run(state, s.replicas_R, s.data(step), control)
             metrics_NxR = jax.device_get(metrics_NxR)
             call_seconds.append(time.time() - tick)
             step += t.log_every

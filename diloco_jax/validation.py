@@ -21,7 +21,7 @@ _POSITIVE = (
 )  # fmt: skip
 _NON_NEGATIVE = (
     "parallel.replica_devices", "parallel.data_devices", "parallel.cpu_devices",
-    "parallel.device_memory_gib", "inner.warmup_steps", "train.sample_chars",
+    "parallel.device_memory_gib", "data.max_memory_mib", "inner.warmup_steps", "train.sample_chars",
     "train.checkpoint_every", "data.image_size",
 )  # fmt: skip
 

@@ -52,14 +52,19 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
     """The fp32 rate of an ``n x n`` matmul: the median of ``repeats`` calls, each timed to its
     result (no call overlaps another)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
+    return 2 * n**3 / median_seconds(jax.jit(lambda x: x @ x), a, repeats=repeats)
+
+
+def median_seconds(fn, *args, repeats: int = 10) -> float:
+    """The median time of ``repeats`` calls of ``fn(*args)`` after a warm-up, each timed to its
+    result (no call overlaps another)."""
+    jax.block_until_ready(fn(*args))
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
-        f(a).block_until_ready()
+        jax.block_until_ready(fn(*args))
         seconds.append(time.perf_counter() - start)
-    return 2 * n**3 / float(np.median(seconds))
+    return float(np.median(seconds))
 
 
 def workload_matmul_rate(replicas: int, repeats: int = 10) -> float:
@@ -86,14 +91,8 @@ def workload_matmul_rate(replicas: int, repeats: int = 10) -> float:
             for x, w, dy in args
         ]  # fmt: skip
 
-    jax.block_until_ready(forward_and_grads(args))
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(forward_and_grads(args))
-        seconds.append(time.perf_counter() - start)
     flops = sum(3 * 2 * replicas * tokens * i * o for i, o in shapes)
-    return flops / float(np.median(seconds))
+    return flops / median_seconds(forward_and_grads, args, repeats=repeats)
 
 
 def cpu_peak_flops_per_s(fma_units: int = 2, clock_ghz: float | None = None) -> tuple[float, str]:

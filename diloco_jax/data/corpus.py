@@ -60,18 +60,31 @@ def _read_bytes(path: pathlib.Path) -> bytes:
 
 
 def load_corpus(
-    name_or_path: str, *, val_fraction: float, data_dir: str = "", **tfds_options
-) -> Corpus:
+    name_or_path: str, *, val_fraction: float, data_dir: str = "", max_bytes: int = 0,
+    **tfds_options,
+) -> Corpus:  # fmt: skip
     """Loads ``name_or_path``: ``"shakespeare"`` or a .txt/.txt.gz/.txt.xz file as byte tokens
     (the last ``val_fraction`` is the validation split), or ``tfds:NAME``, a TFDS dataset in
     array_record format under ``data_dir`` (:func:`diloco_jax.data.tfds_text.load`, whose
-    keywords ``tfds_options`` are: its own splits and tokenizer)."""
+    keywords ``tfds_options`` are: its own splits and tokenizer).
+
+    ``max_bytes`` (0: no limit): a text file larger than this is memory-mapped, not read
+    (:func:`diloco_jax.data.stream.map_text`; ``train_N`` is then a ``np.memmap`` view); a
+    compressed file or a TFDS dataset that would exceed it is a DataError."""
     if name_or_path.startswith("tfds:"):
         from diloco_jax.data import tfds_text
 
-        return tfds_text.load(name_or_path, data_dir, **tfds_options)
+        corpus = tfds_text.load(name_or_path, data_dir, **tfds_options)
+        _check_budget(corpus.train_N.nbytes, max_bytes, name_or_path, "a TFDS dataset")
+        return corpus
     path = _SHIPPED.get(name_or_path, pathlib.Path(name_or_path).expanduser())
-    tokens = np.frombuffer(_read_bytes(path), dtype=np.uint8)
+    if max_bytes and path.is_file() and path.stat().st_size > max_bytes:
+        from diloco_jax.data import stream
+
+        tokens = stream.map_text(path)
+    else:
+        tokens = np.frombuffer(_read_bytes(path), dtype=np.uint8)
+        _check_budget(tokens.nbytes, max_bytes, path, "a compressed file")
     num_val = int(round(len(tokens) * val_fraction))
     if len(tokens) < 2 or num_val < 2 or len(tokens) - num_val < 2:
         raise DataError(
@@ -79,6 +92,14 @@ def load_corpus(
             f"val_fraction={val_fraction}"
         )
     return Corpus(tokens[:-num_val], tokens[-num_val:], str(path))
+
+
+def _check_budget(size: int, max_bytes: int, source, kind: str) -> None:
+    if max_bytes and size > max_bytes:
+        raise DataError(
+            f"{source} holds {size:,} bytes of tokens, more than data.max_memory_mib allows "
+            f"({max_bytes:,} bytes), and {kind} cannot be streamed: use an uncompressed text file"
+        )
 
 
 def shard_bounds(num_train: int, replicas: int, seq_len: int) -> int:
@@ -104,6 +125,14 @@ def replica_shards(train_N: np.ndarray, replicas: int, seq_len: int) -> np.ndarr
     return train_N[: replicas * shard_len].reshape(replicas, shard_len)
 
 
+def window_starts(*, seed, replica, step, batch_size: int, shard_len: int, seq_len: int):
+    """int32 ``[batch_size]``: where the windows of ``replica`` at ``step`` start in its shard of
+    ``shard_len`` tokens, uniform, from ``fold_in(fold_in(key(seed), step), replica)``. The
+    same on every backend: the streamed loader computes them on the host."""
+    key = replica_key(seed, step, replica)
+    return jax.random.randint(key, (batch_size,), 0, shard_len - seq_len, dtype=jnp.int32)
+
+
 def sample_batch(
     shard_S: jax.Array,
     *,
@@ -119,10 +148,8 @@ def sample_batch(
     Window starts are uniform over the shard, drawn from ``fold_in(fold_in(key(seed), step),
     replica)``. Returns int32 ``tokens_BxL1`` (inputs are ``[:, :-1]``, targets ``[:, 1:]``).
     """
-    key = replica_key(seed, step, replica)
-    starts_B = jax.random.randint(
-        key, (batch_size,), 0, shard_S.shape[-1] - seq_len, dtype=jnp.int32
-    )
+    starts_B = window_starts(seed=seed, replica=replica, step=step, batch_size=batch_size,
+                             shard_len=shard_S.shape[-1], seq_len=seq_len)  # fmt: skip
     idx_BxL1 = starts_B[:, None] + jnp.arange(seq_len + 1, dtype=jnp.int32)[None, :]
     return shard_S[idx_BxL1].astype(jnp.int32)
 

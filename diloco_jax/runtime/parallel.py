@@ -147,16 +147,16 @@ def _shardings(mesh: Mesh, specs):
     )
 
 
-def simulator_steps(replica_step, kinds, num_steps: int):
+def simulator_steps(replica_step, kinds, num_steps: int, *, per_step_data: bool = False):
     """``run(state, replicas_R, shards_RxS, control_NxR) -> (state, metrics_NxR)``:
     ``num_steps`` vmapped steps in one compiled call; ``kinds``: the algorithm's declaration of
     its state's per-replica and shared fields."""
     axes = state_lib.vmap_axes(kinds)
     step_R = jax.vmap(replica_step, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0), axis_name=REPLICA)
-    return jax.jit(scan_steps(step_R, num_steps), donate_argnums=0)
+    return jax.jit(scan_steps(step_R, num_steps, per_step_data=per_step_data), donate_argnums=0)
 
 
-def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int):
+def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int, *, per_step_data: bool = False):
     """Like :func:`simulator_steps`, on ``mesh`` with ``shard_map``. The metrics come back
     replicated on every device, so every process can read them (an all-gather of ``[N, R]``
     scalars per call).
@@ -170,10 +170,11 @@ def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int):
         replica_step, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0), axis_name=LOCAL_REPLICA
     )
     specs = state_lib.specs(kinds)
+    data = P(None, REPLICA) if per_step_data else P(REPLICA)
     run = jax.shard_map(
-        scan_steps(step_R, num_steps),
+        scan_steps(step_R, num_steps, per_step_data=per_step_data),
         mesh=mesh,
-        in_specs=(specs, P(REPLICA), P(REPLICA), P(None, REPLICA)),
+        in_specs=(specs, P(REPLICA), data, P(None, REPLICA)),
         out_specs=(specs, P(None, REPLICA)),
         check_vma=False,
     )
@@ -191,7 +192,7 @@ def shapes(tree, mesh: Mesh | None, spec: P | None = None, *, specs=None):
     else:
         specs = jax.tree.map(lambda _: spec, tree) if specs is None else specs
         shardings = _shardings(mesh, specs)
-    return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+    return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                  sharding=sharding),
                         tree, shardings)  # fmt: skip
 

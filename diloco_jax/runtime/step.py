@@ -51,6 +51,7 @@ def make_replica_step(
     data_shards: int = 1,
     controlled: bool = True,
     dropout: bool = False,
+    streamed: bool = False,
 ):
     """One inner step of one replica: ``replica_step(state, replica, shard, control) ->
     (state, metrics)``, ``control`` a :class:`StepControl` for this replica. With
@@ -66,6 +67,9 @@ def make_replica_step(
     its key :func:`diloco_jax.randomness.replica_key` of ``(seed, step, replica)`` (and the
     data shard: masks then differ from an unsharded run's).
 
+    With ``streamed`` the ``shard`` argument is already this step's batch, read from disk by
+    the host (:mod:`diloco_jax.data.stream`: the same windows ``task.sample`` would draw).
+
     Metrics: ``loss`` and whatever ``algorithm.update`` returns (DiLoCo's sync statistics).
     """
     if batch_size % data_shards:
@@ -73,8 +77,13 @@ def make_replica_step(
     rows = batch_size // data_shards
 
     def replica_step(state, replica: jax.Array, shard, control: StepControl):
-        batch = task.sample(shard, seed=seed, replica=replica, step=state.step,
-                            batch_size=batch_size)  # fmt: skip
+        batch = (
+            shard
+            if streamed
+            else task.sample(
+                shard, seed=seed, replica=replica, step=state.step, batch_size=batch_size
+            )
+        )
         if data_axis is not None:
             start = lax.axis_index(data_axis) * rows
             batch = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, rows), batch)
@@ -94,15 +103,19 @@ def make_replica_step(
     return replica_step
 
 
-def scan_steps(step_fn, num_steps: int):
+def scan_steps(step_fn, num_steps: int, *, per_step_data: bool = False):
     """``run(state, replicas_R, shards_R, control_NxR)``: ``step_fn(state, replicas_R, shards_R,
     control_R) -> (state, metrics)`` ``num_steps`` times in one compiled loop (small models on
-    CPU are dispatch-bound); metrics come back stacked ``[num_steps, ...]``."""
+    CPU are dispatch-bound); metrics come back stacked ``[num_steps, ...]``. With
+    ``per_step_data`` the data argument is ``[num_steps, R, ...]`` (streamed batches), one slice
+    per step."""
 
     def run(state, replicas_R, shards_R, control_NxR):
-        def body(state, control_R):
-            return step_fn(state, replicas_R, shards_R, control_R)
+        def body(state, xs):
+            control_R, data_R = xs if per_step_data else (xs, shards_R)
+            return step_fn(state, replicas_R, data_R, control_R)
 
-        return lax.scan(body, state, control_NxR, length=num_steps)
+        xs = (control_NxR, shards_R) if per_step_data else control_NxR
+        return lax.scan(body, state, xs, length=num_steps)
 
     return run

@@ -1,0 +1,80 @@
+"""Training data read from disk call by call, for corpora larger than memory.
+
+A plain (uncompressed) text file is its own byte-token array, so it is memory-mapped, never read
+whole (:func:`map_text`). Each compiled call of ``N`` steps then gets its batches as an argument,
+``[N, R, B, L + 1]`` int32 tokens: the host draws the window starts with the very function the
+in-memory path runs on device (:func:`diloco_jax.data.corpus.window_starts`, a pure function of
+``(seed, replica, step)``) and reads only those windows from the file. Batches are therefore
+identical to the in-memory run's, and a resumed run reads what it would have read. Each process
+reads only the windows of the replicas its own devices hold.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from diloco_jax.data.corpus import DataError, window_starts
+
+_COMPRESSED = (".xz", ".gz")
+
+
+def map_text(path: str | pathlib.Path) -> np.ndarray:
+    """The bytes of an uncompressed text file as a read-only ``uint8`` memory map."""
+    path = pathlib.Path(path).expanduser()
+    if path.suffix in _COMPRESSED:
+        raise DataError(f"data file {path} is compressed and cannot be streamed: decompress it "
+                        "or raise data.max_memory_mib")  # fmt: skip
+    try:
+        return np.memmap(path, dtype=np.uint8, mode="r")
+    except FileNotFoundError:
+        raise DataError(f"data file not found: {path}") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot map data file {path}: {e}") from None
+
+
+class StreamedShards(NamedTuple):
+    """The replicas' shards ``[R, S]`` on disk (a view of a memory map) and how a call's batches
+    are drawn from them."""
+
+    shards_RxS: np.ndarray
+    seed: int
+    batch_size: int
+    seq_len: int
+    num_steps: int  # steps per compiled call
+
+    def starts(self, first_step: int, replicas: range) -> np.ndarray:
+        """int32 ``[N, len(replicas), B]``: window starts of ``num_steps`` steps from
+        ``first_step``, computed on the host CPU."""
+        draw = jax.vmap(jax.vmap(
+            lambda step, r: window_starts(seed=self.seed, replica=r, step=step,
+                                          batch_size=self.batch_size,
+                                          shard_len=self.shards_RxS.shape[1],
+                                          seq_len=self.seq_len),
+            in_axes=(None, 0)), in_axes=(0, None))  # fmt: skip
+        steps = np.arange(first_step, first_step + self.num_steps, dtype=np.int32)
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            return np.asarray(jax.jit(draw)(steps, np.asarray(replicas, dtype=np.int32)))
+
+    def batches(self, first_step: int, replicas: range) -> np.ndarray:
+        """int32 ``[N, len(replicas), B, L + 1]``: the tokens of those replicas' windows."""
+        starts = self.starts(first_step, replicas)
+        cols = starts[..., None] + np.arange(self.seq_len + 1, dtype=np.int64)
+        rows = np.asarray(replicas, dtype=np.int64)[None, :, None, None]
+        return np.asarray(self.shards_RxS[rows, cols], dtype=np.int32)
+
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_steps, self.shards_RxS.shape[0], self.batch_size, self.seq_len + 1)
+
+    def on_devices(self, first_step: int, sharding: jax.sharding.Sharding) -> jax.Array:
+        """A call's batches on the devices as ``sharding`` places them; each process reads only
+        the replicas its own devices hold."""
+
+        def read(index):
+            replicas = range(*index[1].indices(self.shards_RxS.shape[0]))
+            return self.batches(first_step, replicas)[index[0], :, index[2], index[3]]
+
+        return jax.make_array_from_callback(self.shape(), sharding, read)
