@@ -105,9 +105,12 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
     def init(params):
         return init_replicas(algorithm, params, replicas)
 
-    state = jax.eval_shape(init, params) if abstract else init(params)
     kinds = algorithm.kinds
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
+    state = parallel.place(jax.eval_shape(init, params), kinds, mesh, abstract=True)
+    if not abstract:  # made where it lives: no device ever holds more than its own share
+        params = jax.device_get(params)  # host values: replicated inputs for every process
+        state = jax.jit(init, out_shardings=jax.tree.map(lambda x: x.sharding, state))(params)
     replica_step = make_replica_step(
         algorithm,
         problem.task,
@@ -143,7 +146,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
         cfg=cfg,
         layout=layout,
         graphdef=graphdef,
-        state=parallel.place(state, kinds, mesh, abstract=abstract),
+        state=state,
         mesh=mesh,
         run_chunk=run_chunk,
         replicas_R=parallel.on_devices(

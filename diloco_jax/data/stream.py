@@ -11,6 +11,7 @@ reads only the windows of the replicas its own devices hold.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from typing import NamedTuple
 
@@ -36,6 +37,15 @@ def map_text(path: str | pathlib.Path) -> np.ndarray:
         raise DataError(f"cannot map data file {path}: {e}") from None
 
 
+@functools.partial(jax.jit, static_argnames=("batch_size", "shard_len", "seq_len"))
+def _starts_NxRxB(seed, steps_N, replicas_R, *, batch_size: int, shard_len: int, seq_len: int):
+    def one(step, replica):
+        return window_starts(seed=seed, replica=replica, step=step, batch_size=batch_size,
+                             shard_len=shard_len, seq_len=seq_len)  # fmt: skip
+
+    return jax.vmap(jax.vmap(one, in_axes=(None, 0)), in_axes=(0, None))(steps_N, replicas_R)
+
+
 class StreamedShards(NamedTuple):
     """The replicas' shards ``[R, S]`` on disk (a view of a memory map) and how a call's batches
     are drawn from them."""
@@ -48,16 +58,18 @@ class StreamedShards(NamedTuple):
 
     def starts(self, first_step: int, replicas: range) -> np.ndarray:
         """int32 ``[N, len(replicas), B]``: window starts of ``num_steps`` steps from
-        ``first_step``, computed on the host CPU."""
-        draw = jax.vmap(jax.vmap(
-            lambda step, r: window_starts(seed=self.seed, replica=r, step=step,
-                                          batch_size=self.batch_size,
-                                          shard_len=self.shards_RxS.shape[1],
-                                          seq_len=self.seq_len),
-            in_axes=(None, 0)), in_axes=(0, None))  # fmt: skip
+        ``first_step``, computed on the host CPU (compiled once per shape)."""
         steps = np.arange(first_step, first_step + self.num_steps, dtype=np.int32)
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            return np.asarray(jax.jit(draw)(steps, np.asarray(replicas, dtype=np.int32)))
+            starts = _starts_NxRxB(
+                np.int32(self.seed),
+                steps,
+                np.asarray(replicas, np.int32),
+                batch_size=self.batch_size,
+                shard_len=self.shards_RxS.shape[1],
+                seq_len=self.seq_len,
+            )
+        return np.asarray(starts)
 
     def batches(self, first_step: int, replicas: range) -> np.ndarray:
         """int32 ``[N, len(replicas), B, L + 1]``: the tokens of those replicas' windows."""
