@@ -3,7 +3,7 @@ replica-stacked state, of the data, and of XLA's own buffers for one compiled ca
 step (from the compiled program's memory analysis), against the device's memory.
 
 The parts add up to XLA's figure for the call (arguments + outputs - donated + temporaries) plus
-what stays on the devices between calls (evaluation windows). Everything is per device; for the
+what stays on the devices between calls (evaluation data). Everything is per device; for the
 simulator that is the one device holding all replicas.
 """
 
@@ -87,7 +87,7 @@ def plan(state: Any, data: dict[str, Any], compiled, limit: tuple[int | None, st
     """The plan of a compiled call of the step whose arguments are ``state`` (a NamedTuple: a row
     per field) and ``data`` (a row per entry); ``limit`` from :func:`device_limit`.
     ``resident``: more rows, for what stays on the devices without being an argument of the call
-    (evaluation windows)."""
+    (evaluation data)."""
     parts = [(name, bytes_per_device(getattr(state, name))) for name in state._fields]
     parts += [(name, bytes_per_device(tree)) for name, tree in data.items()]
     m = compiled.memory_analysis()

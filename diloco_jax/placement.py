@@ -57,7 +57,7 @@ def memory_plan(s, compiled) -> memory.MemoryPlan:
     limit = memory.device_limit(jax.local_devices()[0], s.cfg.parallel.device_memory_gib)
     data = {"training data": s.shards_RxS, "replica ids": s.replicas_R}
     return memory.plan(s.state, data, compiled, limit,
-                       resident={"evaluation windows": s.eval_windows})  # fmt: skip
+                       resident={"evaluation data": s.eval_windows})  # fmt: skip
 
 
 def check_fits(plan: memory.MemoryPlan) -> None:
