@@ -8,6 +8,7 @@ import jax
 
 from diloco_jax import config as config_lib
 from diloco_jax import memory
+from diloco_jax.reporting import log
 from diloco_jax.runtime import parallel
 
 
@@ -68,3 +69,14 @@ def check_fits(plan: memory.MemoryPlan) -> None:
             f"{memory.size(plan.limit)} of one device ({plan.limit_source}): fewer replicas per "
             "device, a smaller batch or model, or model.remat (the plan: --dry_run)"
         )
+
+
+def check_memory(s, compiled) -> None:
+    """Logs the memory plan's total; if the run does not fit, logs the whole plan and raises
+    ConfigError (one line)."""
+    plan = memory_plan(s, compiled)
+    if plan.fits:
+        log.info("%s", plan.summary())
+        return
+    log.error("%s", plan.table())
+    check_fits(plan)

@@ -85,6 +85,30 @@ class Setup:
         return self.task.unit
 
 
+def _initial_state(algorithm, params, replicas: int, mesh, abstract: bool):
+    """The replica-stacked initial state, made where it lives (no device ever holds more than
+    its own share), or its placed shapes (``abstract``)."""
+
+    def init(params):
+        return init_replicas(algorithm, params, replicas)
+
+    state = parallel.place(jax.eval_shape(init, params), algorithm.kinds, mesh, abstract=True)
+    if abstract:
+        return state
+    params = jax.device_get(params)  # host values: replicated inputs for every process
+    return jax.jit(init, out_shardings=jax.tree.map(lambda x: x.sharding, state))(params)
+
+
+def _training_data(shards_RxS, stream: StreamedShards | None, mesh, abstract: bool):
+    """The step's data argument: the shards on the devices (each process putting only its
+    replicas' rows), or, streamed, the first call's batches (which stand for every call's)."""
+    if stream is None:
+        return parallel.on_devices(shards_RxS, mesh, P(REPLICA), abstract=abstract)
+    batches = jax.ShapeDtypeStruct(stream.shape(), np.int32)
+    batches = parallel.shapes(batches, mesh, P(None, REPLICA))
+    return batches if abstract else stream.on_devices(0, batches.sharding)
+
+
 def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
     """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
     DataError before anything is compiled. ``abstract``: the state and the data as shapes with
@@ -101,16 +125,9 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
     algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names, diagnostics)
     if cfg.train.init_from:
         params = resume.warm_start(cfg.train.init_from, params)
-
-    def init(params):
-        return init_replicas(algorithm, params, replicas)
-
     kinds = algorithm.kinds
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
-    state = parallel.place(jax.eval_shape(init, params), kinds, mesh, abstract=True)
-    if not abstract:  # made where it lives: no device ever holds more than its own share
-        params = jax.device_get(params)  # host values: replicated inputs for every process
-        state = jax.jit(init, out_shardings=jax.tree.map(lambda x: x.sharding, state))(params)
+    state = _initial_state(algorithm, params, replicas, mesh, abstract)
     replica_step = make_replica_step(
         algorithm,
         problem.task,
@@ -125,9 +142,8 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
         streamed=problem.streamed,
     )
     steps, streamed = cfg.train.log_every, problem.streamed
-    stream = (
-        StreamedShards(shards_RxS, cfg.seed, d.batch_size, d.seq_len, steps) if streamed else None
-    )
+    stream = (StreamedShards(shards_RxS, cfg.seed, d.batch_size, d.seq_len, steps)
+              if streamed else None)  # fmt: skip
     if mesh is None:
         run_chunk = parallel.simulator_steps(replica_step, kinds, steps, per_step_data=streamed)
         outer_fn, fingerprints = algorithm.outer_params, None
@@ -136,12 +152,6 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
         outer_fn = jax.jit(algorithm.outer_params,
                            out_shardings=parallel.replicated_sharding(mesh))  # fmt: skip
         fingerprints = distributed.make_device_fingerprints(mesh)
-    if stream is None:  # each process puts only its local replicas' rows on its devices
-        data = parallel.on_devices(shards_RxS, mesh, P(REPLICA), abstract=abstract)
-    else:  # the first call's batches stand for the data (shapes, the memory plan)
-        data = parallel.shapes(jax.ShapeDtypeStruct(stream.shape(), np.int32), mesh,
-                               P(None, REPLICA))  # fmt: skip
-        data = data if abstract else stream.on_devices(0, data.sharding)
     return Setup(
         cfg=cfg,
         layout=layout,
@@ -151,8 +161,8 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
         run_chunk=run_chunk,
         replicas_R=parallel.on_devices(
             np.arange(replicas, dtype=np.int32), mesh, P(REPLICA), abstract=abstract
-        ),  # fmt: skip
-        shards_RxS=data,
+        ),
+        shards_RxS=_training_data(shards_RxS, stream, mesh, abstract),
         eval_windows=parallel.on_devices(problem.eval_data, mesh, P(), abstract=abstract),
         unigram_nats=problem.baseline_nats,
         algorithm=algorithm,
@@ -282,8 +292,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     log.info(
         "%s: %d replicas on %s (%d replica x %d data devices, %d processes), %d params, "
         "%d %ss per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
-        s.layout.replica_devices, s.layout.data_devices, jax.process_count(),
-        s.num_params,
+        s.layout.replica_devices, s.layout.data_devices, jax.process_count(), s.num_params,
         s.layout.replicas * cfg.data.batch_size * s.tokens_per_row, s.unit,
     )  # fmt: skip
     log.info("compiling %d steps per call ...", t.log_every)
@@ -291,12 +300,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS, chunk_control(cfg, s, 0)).compile()
     log.info("compiled in %.1fs; validation unigram entropy %.3f nats", time.time() - t0,
              s.unigram_nats)  # fmt: skip
-    plan = placement.memory_plan(s, run)
-    if plan.fits:
-        log.info("%s", plan.summary())
-    else:
-        log.error("%s", plan.table())
-        placement.check_fits(plan)
+    placement.check_memory(s, run)
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)
