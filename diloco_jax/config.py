@@ -115,6 +115,8 @@ class ParallelConfig:
                         "(vmap) | mesh")  # fmt: skip
     replica_devices: int = _key(0, "devices along the replica axis; 0: as many as divide")
     data_devices: int = _key(0, "devices per replica (data axis); 0: the rest that divide")
+    fsdp: bool = _key(False, "split each replica's parameters, inner and outer state over its "
+                      "data devices (FSDP; mesh runtime)")  # fmt: skip
     cpu_devices: int = _key(0, "XLA devices the CPU is split into before JAX starts; 0: one per "
                             "core dividing the replicas (README)")  # fmt: skip
     device_memory_gib: float = _key(0.0, "one device's memory for the memory plan; 0: the "

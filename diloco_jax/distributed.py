@@ -31,7 +31,9 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.state import PER_REPLICA
+from diloco_jax.axes import DATA
 from diloco_jax.config import ConfigError
+from diloco_jax.runtime import fsdp
 
 MODES = ("auto", "on", "off")
 # what jax._src.clusters.slurm_cluster.SlurmCluster.is_env_present requires; srun sets all of
@@ -191,15 +193,23 @@ def fingerprint(tree) -> jax.Array:
     return total
 
 
-def make_device_fingerprints(mesh: Mesh):
+def make_device_fingerprints(mesh: Mesh, *, split: bool = False):
     """``fn(tree) -> uint32 [num_devices]``: the :func:`fingerprint` of each device's own copy of
-    a replicated ``tree``, in ``mesh.devices.flat`` order, readable by every process."""
+    a replicated ``tree``, in ``mesh.devices.flat`` order, readable by every process. ``split``:
+    each leaf is split over ``DATA`` as FSDP keeps it (:mod:`diloco_jax.runtime.fsdp`), and
+    each device fingerprints its own part (equal only within a column of the mesh)."""
     axes = tuple(mesh.axis_names)
 
     def per_device(tree):
         return fingerprint(tree)[None]
 
-    fn = jax.shard_map(per_device, mesh=mesh, in_specs=P(), out_specs=P(axes), check_vma=False)
+    def fn(tree):
+        specs = P()
+        if split:
+            specs = jax.tree.map(lambda x: fsdp.leaf_spec(x.shape, mesh.shape[DATA]), tree)
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(specs,), out_specs=P(axes),
+                             check_vma=False)(tree)  # fmt: skip
+
     return jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
 
 
@@ -242,8 +252,12 @@ def check_replicated(s, state, step: int) -> None:
         if plan is None or kinds.anchor == PER_REPLICA or not plan.sync_steps(step - n + 1, step):
             return
         shared = {"anchor": shared["anchor"]}
-    devices = list(s.mesh.devices.flat)
+    devices = np.asarray(s.mesh.devices)
+    # with FSDP a device holds one part of each leaf: compare the devices holding the same part
+    columns = range(devices.shape[1]) if s.layout.fsdp else [slice(None)]
     for name, value in shared.items():
         if jax.tree.leaves(value):
-            check_same(jax.device_get(s.fingerprints(value)), devices,
-                                   f"the shared {name} after step {step}")  # fmt: skip
+            values = np.asarray(jax.device_get(s.fingerprints(value))).reshape(devices.shape)
+            for c in columns:
+                check_same(values[:, c], list(devices[:, c].flat),
+                           f"the shared {name} after step {step}")  # fmt: skip

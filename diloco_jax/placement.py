@@ -36,7 +36,7 @@ def layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
     try:
         layout = parallel.resolve_layout(
             replicas=replicas, batch_size=cfg.data.batch_size, runtime=p.runtime,
-            replica_devices=p.replica_devices, data_devices=p.data_devices,
+            replica_devices=p.replica_devices, data_devices=p.data_devices, fsdp=p.fsdp,
         )  # fmt: skip
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None

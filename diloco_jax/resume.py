@@ -32,7 +32,7 @@ MAY_CHANGE = (
     "parallel.replicas",  # an elastic restart (:func:`elastic`) says what it changes
     # every layout computes the same algorithm
     "parallel.runtime", "parallel.replica_devices", "parallel.data_devices", "parallel.cpu_devices",
-    "parallel.device_memory_gib",
+    "parallel.device_memory_gib", "parallel.fsdp",
     # steps per compiled call: the same steps cut into other calls (the run stops at the first
     # call boundary, counted from the resumed step, at or past train.total_steps rounded up to
     # whole calls)
@@ -197,4 +197,4 @@ def elastic(mngr, s, saved_replicas: int, step: int):
         "restarts from the saved anchor with a fresh inner state (outer state kept)",
         int(old.step), saved_replicas, s.layout.replicas,
     )  # fmt: skip
-    return parallel.place(state, kinds, s.mesh)
+    return parallel.place(state, kinds, s.mesh, fsdp_split=s.layout.fsdp)

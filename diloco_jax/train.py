@@ -85,14 +85,15 @@ class Setup:
         return self.task.unit
 
 
-def _initial_state(algorithm, params, replicas: int, mesh, abstract: bool):
+def _initial_state(algorithm, params, layout: parallel.Layout, mesh, abstract: bool):
     """The replica-stacked initial state, made where it lives (no device ever holds more than
     its own share), or its placed shapes (``abstract``)."""
 
     def init(params):
-        return init_replicas(algorithm, params, replicas)
+        return init_replicas(algorithm, params, layout.replicas)
 
-    state = parallel.place(jax.eval_shape(init, params), algorithm.kinds, mesh, abstract=True)
+    state = parallel.place(jax.eval_shape(init, params), algorithm.kinds, mesh, abstract=True,
+                           fsdp_split=layout.fsdp)  # fmt: skip
     if abstract:
         return state
     params = jax.device_get(params)  # host values: replicated inputs for every process
@@ -127,7 +128,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
         params = resume.warm_start(cfg.train.init_from, params)
     kinds = algorithm.kinds
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
-    state = _initial_state(algorithm, params, replicas, mesh, abstract)
+    state = _initial_state(algorithm, params, layout, mesh, abstract)
     replica_step = make_replica_step(
         algorithm,
         problem.task,
@@ -140,6 +141,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
             speeds=cfg.sim.speeds, dylu=cfg.sim.dylu, drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob
         ),
         streamed=problem.streamed,
+        auto_data=layout.fsdp,
     )
     steps, streamed = cfg.train.log_every, problem.streamed
     stream = (StreamedShards(shards_RxS, cfg.seed, d.batch_size, d.seq_len, steps)
@@ -148,10 +150,17 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
         run_chunk = parallel.simulator_steps(replica_step, kinds, steps, per_step_data=streamed)
         outer_fn, fingerprints = algorithm.outer_params, None
     else:
-        run_chunk = parallel.mesh_steps(replica_step, kinds, mesh, steps, per_step_data=streamed)
+        run_chunk = parallel.mesh_steps(
+            replica_step,
+            kinds,
+            mesh,
+            steps,
+            per_step_data=streamed,
+            fsdp_specs=parallel.state_specs(state, kinds, layout),
+        )
         outer_fn = jax.jit(algorithm.outer_params,
                            out_shardings=parallel.replicated_sharding(mesh))  # fmt: skip
-        fingerprints = distributed.make_device_fingerprints(mesh)
+        fingerprints = distributed.make_device_fingerprints(mesh, split=layout.fsdp)
     return Setup(
         cfg=cfg,
         layout=layout,

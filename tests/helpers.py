@@ -54,17 +54,19 @@ def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0
     step = make_replica_step(
         algorithm, task, seed=seed, batch_size=batch,
         data_axis=None if mesh is None else parallel.DATA, data_shards=layout.data_devices,
+        auto_data=layout.fsdp,
     )  # fmt: skip
     if mesh is None:
         fn = parallel.simulator_steps(step, algorithm.kinds, num_steps)
     else:
-        fn = parallel.mesh_steps(step, algorithm.kinds, mesh, num_steps)
+        specs = parallel.state_specs(state, algorithm.kinds, layout)
+        fn = parallel.mesh_steps(step, algorithm.kinds, mesh, num_steps, fsdp_specs=specs)
     ids = jnp.arange(layout.replicas) if replica_ids is None else jnp.asarray(replica_ids)
     if shards_RxS is None:
         shards_RxS = replica_shards(corpus_train(), shards or layout.replicas, SEQ_LEN)[ids]
     ctrl = full_control(num_steps, layout.replicas) if control is None else StepControl(**control)
     args = (
-        parallel.place(state, algorithm.kinds, mesh),
+        parallel.place(state, algorithm.kinds, mesh, fsdp_split=layout.fsdp),
         parallel.split_over_replicas(ids.astype(jnp.int32), mesh),
         parallel.split_over_replicas(shards_RxS, mesh),
         parallel.split_over_replicas(ctrl, mesh, axis=1),
@@ -157,3 +159,14 @@ def tb_hparams(events) -> list:
 
 def run_records(workdir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "run_record.jsonl").read_text().splitlines()]
+
+
+def skew_last_device(x):
+    """``x`` with the copy (or part) held by its last device off by one ulp in its first value."""
+    parts = []
+    for i, shard in enumerate(x.addressable_shards):
+        data = np.array(shard.data)
+        if i == len(x.addressable_shards) - 1:
+            data.reshape(-1)[0] = np.nextafter(data.reshape(-1)[0], np.float32(100))
+        parts.append(jax.device_put(data, shard.device))
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, parts)

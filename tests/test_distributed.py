@@ -17,6 +17,7 @@ from diloco_jax.config import ConfigError
 from diloco_jax.distributed import Cluster, ConsistencyError, resolve
 from diloco_jax.runtime import parallel
 from diloco_jax.train import main
+from tests import helpers
 
 ENV = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
        "JAX_PROCESS_ID": "2"}  # fmt: skip
@@ -158,17 +159,6 @@ def test_devices_holding_different_anchors_are_named():
         distributed.check_same(values, devices, "the anchor")
 
 
-def _skew_one_device(x, mesh):
-    """``x`` (replicated on ``mesh``) with the copy on the last device off by one ulp."""
-    devices = list(mesh.devices.flat)
-    good = np.asarray(x.addressable_data(0))
-    bad = good.copy()
-    bad.reshape(-1)[0] = np.nextafter(bad.reshape(-1)[0], np.float32(100))
-    copies = [jax.device_put(bad if i == len(devices) - 1 else good, d)
-              for i, d in enumerate(devices)]  # fmt: skip
-    return jax.make_array_from_single_device_arrays(good.shape, NamedSharding(mesh, P()), copies)
-
-
 def test_debug_check_compares_every_shared_field_and_names_it():
     from diloco_jax.config import apply_overrides, load_preset
     from diloco_jax.distributed import check_replicated
@@ -182,13 +172,13 @@ def test_debug_check_compares_every_shared_field_and_names_it():
     check_replicated(s, s.state, step)  # the initial state is the same everywhere
     leaves, treedef = jax.tree.flatten(s.state.outer_state)
     i = next(i for i, x in enumerate(leaves) if x.ndim)
-    leaves[i] = _skew_one_device(leaves[i], s.mesh)
+    leaves[i] = helpers.skew_last_device(leaves[i])
     skewed = s.state._replace(outer_state=jax.tree.unflatten(treedef, leaves))
     with pytest.raises(ConsistencyError, match="the shared outer_state after step"):
         check_replicated(s, skewed, step)
     # the default, cheap check compares only the anchor, after calls that contain a sync
     cheap = dataclasses.replace(s, cfg=apply_overrides(s.cfg, [("train.check_replicated", "0")]))
     check_replicated(cheap, skewed, step)
-    anchor = jax.tree.map(lambda x: _skew_one_device(x, s.mesh), s.state.anchor)
+    anchor = jax.tree.map(helpers.skew_last_device, s.state.anchor)
     with pytest.raises(ConsistencyError, match="the shared anchor after step"):
         check_replicated(cheap, s.state._replace(anchor=anchor), s.cfg.outer.sync_every)

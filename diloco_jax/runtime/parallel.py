@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.axes import DATA, LOCAL_REPLICA, REPLICA
+from diloco_jax.runtime import fsdp
 from diloco_jax.runtime.step import scan_steps
 
 
@@ -34,11 +35,18 @@ class Layout(NamedTuple):
     replicas: int
     replica_devices: int
     data_devices: int
+    fsdp: bool = False  # each replica's state split over its DATA devices (runtime/fsdp.py)
 
     @property
     def replica_axis_names(self) -> str | tuple[str, ...]:
         """The axis (or axes, reduced in this order) that the DiLoCo mean runs over."""
-        return REPLICA if self.runtime == "sim" else (LOCAL_REPLICA, REPLICA)
+        if self.runtime == "sim":
+            return REPLICA
+        if self.fsdp and self.replica_devices == 1:
+            # XLA (jax 0.10) refuses a collective over a manual axis of size 1 when the other
+            # axis is left to its partitioner; there is nothing to reduce over it anyway
+            return LOCAL_REPLICA
+        return (LOCAL_REPLICA, REPLICA)
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -53,6 +61,7 @@ def resolve_layout(
     replica_devices: int = 0,
     data_devices: int = 0,
     num_devices: int | None = None,
+    fsdp: bool = False,
 ) -> Layout:
     """Chooses how to place ``replicas`` on the devices; 0 means "choose for me".
 
@@ -64,6 +73,10 @@ def resolve_layout(
     if runtime == "auto":
         runtime = "mesh" if num_devices > 1 or replica_devices or data_devices else "sim"
     if runtime == "sim":
+        if fsdp:
+            raise ValueError("config key parallel.fsdp = True is invalid with the simulator: it "
+                             "splits replicas over the data devices of a mesh (parallel.runtime "
+                             "= mesh)")  # fmt: skip
         return Layout("sim", replicas, 1, 1)
     rdev = replica_devices or _largest_divisor(replicas, num_devices)
     if replicas % rdev:
@@ -82,7 +95,7 @@ def resolve_layout(
             f"config keys parallel.replica_devices x parallel.data_devices = {rdev} x {ddev} "
             f"need {rdev * ddev} devices, but only {num_devices} exist"
         )
-    return Layout("mesh", replicas, rdev, ddev)
+    return Layout("mesh", replicas, rdev, ddev, fsdp)
 
 
 def cpu_devices_for(*, replicas: int, runtime: str, replica_devices: int = 0,
@@ -156,7 +169,8 @@ def simulator_steps(replica_step, kinds, num_steps: int, *, per_step_data: bool 
     return jax.jit(scan_steps(step_R, num_steps, per_step_data=per_step_data), donate_argnums=0)
 
 
-def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int, *, per_step_data: bool = False):
+def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int, *, per_step_data: bool = False,
+               fsdp_specs=None):  # fmt: skip
     """Like :func:`simulator_steps`, on ``mesh`` with ``shard_map``. The metrics come back
     replicated on every device, so every process can read them (an all-gather of ``[N, R]``
     scalars per call).
@@ -164,22 +178,44 @@ def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int, *, per_step_data
     ``check_vma=False``: jax 0.10 cannot ``pmean`` over a ``vmap`` axis inside a ``shard_map``
     with vma checks on (an assertion in ``pvary``). The step therefore averages over ``DATA``
     explicitly and differentiates only its own replica's (replica-varying) parameters.
+
+    ``fsdp_specs`` (:func:`diloco_jax.runtime.fsdp.state_specs`): each replica's state split
+    over ``DATA``. The ``shard_map`` is then manual over ``REPLICA`` only and XLA partitions the
+    ``DATA`` axis, keeping every leaf where these specs say (the step must be made with
+    ``auto_data``).
     """
     axes = state_lib.vmap_axes(kinds)
     step_R = jax.vmap(
         replica_step, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0), axis_name=LOCAL_REPLICA
     )
-    specs = state_lib.specs(kinds)
+    state_specs, manual = state_lib.specs(kinds), {REPLICA, DATA}
+    if fsdp_specs is not None:
+        local, manual, inner_step = fsdp.local_specs(fsdp_specs), {REPLICA}, step_R
+
+        def step_R(state, *args):
+            state, metrics = inner_step(fsdp.constrain(state, local), *args)
+            return fsdp.constrain(state, local), metrics
+
     data = P(None, REPLICA) if per_step_data else P(REPLICA)
     run = jax.shard_map(
         scan_steps(step_R, num_steps, per_step_data=per_step_data),
         mesh=mesh,
-        in_specs=(specs, P(REPLICA), data, P(None, REPLICA)),
-        out_specs=(specs, P(None, REPLICA)),
+        in_specs=(state_specs, P(REPLICA), data, P(None, REPLICA)),
+        out_specs=(state_specs, P(None, REPLICA)),
+        axis_names=manual,
         check_vma=False,
     )
-    out_shardings = (_shardings(mesh, specs), NamedSharding(mesh, P()))
+    placed = state_specs if fsdp_specs is None else fsdp_specs
+    out_shardings = (_shardings(mesh, placed), NamedSharding(mesh, P()))
     return jax.jit(run, donate_argnums=0, out_shardings=out_shardings)
+
+
+def state_specs(state, kinds, layout: Layout):
+    """The per-leaf ``PartitionSpec`` of a replica-stacked state under ``layout`` with FSDP
+    (:func:`diloco_jax.runtime.fsdp.state_specs`); None without (the kinds' specs apply)."""
+    if layout.runtime != "mesh" or not layout.fsdp:
+        return None
+    return fsdp.state_specs(state, kinds, layout.data_devices)
 
 
 def shapes(tree, mesh: Mesh | None, spec: P | None = None, *, specs=None):
@@ -214,14 +250,17 @@ def put(tree, mesh: Mesh, spec: P | None = None, *, specs=None):
     return jax.tree.map(one, tree, _shardings(mesh, specs))
 
 
-def place(tree, kinds, mesh: Mesh | None, *, abstract: bool = False):
+def place(tree, kinds, mesh: Mesh | None, *, abstract: bool = False, fsdp_split: bool = False):
     """Puts a replica-stacked state on ``mesh`` (per-replica fields split over ``REPLICA``,
     shared ones replicated, as ``kinds`` declare); a no-op for the simulator (``mesh is None``).
-    ``abstract``: the placed shapes only (:func:`shapes`), for a state from ``jax.eval_shape``."""
+    ``abstract``: the placed shapes only (:func:`shapes`), for a state from ``jax.eval_shape``.
+    ``fsdp_split``: every leaf also split over ``DATA`` (:func:`state_specs`)."""
     if mesh is None and not abstract:
         return tree
     specs = None
-    if mesh is not None:
+    if mesh is not None and fsdp_split:
+        specs = fsdp.state_specs(tree, kinds, mesh.shape[DATA])
+    elif mesh is not None:
         specs = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub),
                              state_lib.specs(kinds), tree,
                              is_leaf=lambda x: isinstance(x, P))  # fmt: skip
@@ -260,6 +299,6 @@ def host_copy(tree):
 
 __all__ = [
     "Layout", "cpu_devices_for", "host_copy", "make_mesh", "mesh_steps", "on_devices", "place",
-    "put",
-    "replicated", "resolve_layout", "simulator_steps", "shapes", "split_cpu", "split_over_replicas",
+    "put", "replicated", "resolve_layout", "simulator_steps", "shapes", "split_cpu",
+    "split_over_replicas", "state_specs",
 ]  # fmt: skip

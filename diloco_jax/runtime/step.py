@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from diloco_jax import randomness
+from diloco_jax.runtime import fsdp
 from diloco_jax.tasks import Task
 
 
@@ -52,6 +53,7 @@ def make_replica_step(
     controlled: bool = True,
     dropout: bool = False,
     streamed: bool = False,
+    auto_data: bool = False,
 ):
     """One inner step of one replica: ``replica_step(state, replica, shard, control) ->
     (state, metrics)``, ``control`` a :class:`StepControl` for this replica. With
@@ -66,6 +68,10 @@ def make_replica_step(
     syncs the replicas when its plan says so. With ``dropout`` the model's dropout is active,
     its key :func:`diloco_jax.randomness.replica_key` of ``(seed, step, replica)`` (and the
     data shard: masks then differ from an unsharded run's).
+
+    With ``auto_data`` (FSDP, :mod:`diloco_jax.runtime.fsdp`) the ``data_axis`` belongs to XLA's
+    partitioner: the replica's whole batch is drawn, its rows constrained to ``data_axis``, and
+    nothing is sliced or averaged here (dropout masks are then those of an unsharded run).
 
     With ``streamed`` the ``shard`` argument is already this step's batch, read from disk by
     the host (:mod:`diloco_jax.data.stream`: the same windows ``task.sample`` would draw).
@@ -84,17 +90,19 @@ def make_replica_step(
                 shard, seed=seed, replica=replica, step=state.step, batch_size=batch_size
             )
         )
-        if data_axis is not None:
+        if auto_data:
+            batch = fsdp.rows(batch, data_axis)
+        elif data_axis is not None:
             start = lax.axis_index(data_axis) * rows
             batch = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, rows), batch)
         key = None
         if dropout:
             streams = (randomness.DROPOUT,)
-            if data_axis is not None:
+            if data_axis is not None and not auto_data:
                 streams += (lax.axis_index(data_axis),)
             key = randomness.replica_key(seed, state.step, replica, *streams)
         loss, grads = jax.value_and_grad(task.loss)(state.params, batch, key)
-        if data_axis is not None and data_shards > 1:
+        if data_axis is not None and data_shards > 1 and not auto_data:
             loss, grads = lax.pmean((loss, grads), data_axis)
         extra = control._asdict() if controlled else {}
         state, metrics = algorithm.update(state, grads, **extra)
