@@ -154,6 +154,10 @@ class SimConfig:
     topology: str = _key("ring", "ring | parameter_server")
     step_time_s: float = _key(0.0, "one replica's inner step on its own device; 0: measured")
     diagnostics: bool = _key(True, "mean pairwise cosine of pseudo-gradients at each sync")
+    chunk: int = _key(0, "inner steps of this many replicas at a time (more replicas than fit); "
+                      "0: all at once")  # fmt: skip
+    offload: bool = _key(False, "with sim.chunk: the replicas' state waits in host memory and "
+                         "syncs run on the host")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,15 @@ def effective_replicas(cfg: config_lib.Config) -> int:
     return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
 
 
+def runtime(cfg: config_lib.Config) -> str:
+    """``parallel.runtime``, where ``auto`` means the simulator for a chunked one (sim.chunk)."""
+    return "sim" if cfg.parallel.runtime == "auto" and cfg.sim.chunk else cfg.parallel.runtime
+
+
 def split_cpu(cfg: config_lib.Config) -> None:
     """Sets the CPU's XLA device count (``parallel.cpu_devices``); call before JAX starts."""
     p = cfg.parallel
-    auto = parallel.cpu_devices_for(replicas=effective_replicas(cfg), runtime=p.runtime,
+    auto = parallel.cpu_devices_for(replicas=effective_replicas(cfg), runtime=runtime(cfg),
                                     replica_devices=p.replica_devices,
                                     data_devices=p.data_devices)  # fmt: skip
     try:
@@ -35,7 +40,7 @@ def layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
     split_cpu(cfg)
     try:
         layout = parallel.resolve_layout(
-            replicas=replicas, batch_size=cfg.data.batch_size, runtime=p.runtime,
+            replicas=replicas, batch_size=cfg.data.batch_size, runtime=runtime(cfg),
             replica_devices=p.replica_devices, data_devices=p.data_devices, fsdp=p.fsdp,
         )  # fmt: skip
     except ValueError as e:

@@ -32,7 +32,7 @@ MAY_CHANGE = (
     "parallel.replicas",  # an elastic restart (:func:`elastic`) says what it changes
     # every layout computes the same algorithm
     "parallel.runtime", "parallel.replica_devices", "parallel.data_devices", "parallel.cpu_devices",
-    "parallel.device_memory_gib", "parallel.fsdp",
+    "parallel.device_memory_gib", "parallel.fsdp", "sim.chunk", "sim.offload",
     # steps per compiled call: the same steps cut into other calls (the run stops at the first
     # call boundary, counted from the resumed step, at or past train.total_steps rounded up to
     # whole calls)

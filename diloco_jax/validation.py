@@ -22,7 +22,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "parallel.replica_devices", "parallel.data_devices", "parallel.cpu_devices",
     "parallel.device_memory_gib", "data.max_memory_mib", "inner.warmup_steps", "train.sample_chars",
-    "train.checkpoint_every", "data.image_size",
+    "train.checkpoint_every", "data.image_size", "sim.chunk",
 )  # fmt: skip
 
 
@@ -131,5 +131,18 @@ def _validate_sim(cfg: Config) -> None:
         ("sim.topology", sim.topology in comms.TOPOLOGIES, f"must be one of {comms.TOPOLOGIES}"),
         ("sim.step_time_s", sim.step_time_s >= 0, "must be >= 0 (0: measured)"),
         ("sim.bandwidth_gbps", sim.bandwidth_gbps >= 0, "must be >= 0 (0: the network preset's)"),
+        ("sim.offload", not sim.offload or sim.chunk,
+         "needs sim.chunk > 0 (the replicas waiting for their chunk are what goes to the host)"),
     ]  # fmt: skip
+    if sim.chunk:
+        replicas = cfg.parallel.replicas
+        rules += [
+            ("sim.chunk", replicas % sim.chunk == 0, f"must divide parallel.replicas = {replicas}"),
+            ("sim.chunk", cfg.algorithm == "diloco",
+             f"chunks DiLoCo's replicas; algorithm is {cfg.algorithm!r}"),
+            ("sim.chunk", cfg.parallel.runtime in ("auto", "sim"),
+             f"runs in the simulator; parallel.runtime is {cfg.parallel.runtime!r}"),
+            ("sim.chunk", cfg.streaming.overlap == 0,
+             "does not combine with streaming.overlap > 0 (a fragment landing between syncs)"),
+        ]  # fmt: skip
     _enforce(rules, keys(cfg))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import time
 
 import jax
 import numpy as np
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from diloco_jax import memory, placement  # noqa: E402
 from diloco_jax.config import apply_overrides, load_preset  # noqa: E402
 from diloco_jax.train import build, chunk_control  # noqa: E402
+from scripts.alternate import time_calls  # noqa: E402
 
 
 def setup(fsdp: bool, args) -> list:
@@ -51,16 +51,7 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="config overrides KEY=VALUE")
     args = parser.parse_args()
     runs = {"whole replicas": setup(False, args), "fsdp": setup(True, args)}
-    calls = {name: [] for name in runs}
-    for _ in range(args.rounds):
-        for _ in range(args.calls):
-            for name, run in runs.items():
-                _, s, compiled, control, state, _ = run
-                tick = time.perf_counter()
-                state, metrics = compiled(state, s.replicas_R, s.shards_RxS, control)
-                jax.block_until_ready(metrics)
-                calls[name].append(time.perf_counter() - tick)
-                run[4] = state
+    calls = time_calls(runs, calls=args.calls, rounds=args.rounds)
     cfg, s = runs["fsdp"][0], runs["fsdp"][1]
     n, r = cfg.train.log_every, args.replicas
     tokens = n * r * cfg.data.batch_size * cfg.data.seq_len

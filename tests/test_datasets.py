@@ -141,3 +141,38 @@ def test_prepare_cli_errors(tmp_path):
     good = tmp_path / "t.txt"
     good.write_text("hello world\n" * 50)
     assert prepare.main(["--text", str(good), "--out", str(tmp_path), "--name", "Bad-Name"]) == 2
+
+
+def test_a_split_over_the_budget_streams_from_a_token_file(data_dir):
+    """Over data.max_memory_mib the training split is written once to an int32 token file and
+    memory-mapped: the same tokens in the same order; a second load reuses the file; a split
+    that fits stays in memory."""
+    loaded = load_corpus("tfds:plays", val_fraction=0.1, data_dir=str(data_dir))
+    streamed = load_corpus("tfds:plays", val_fraction=0.1, data_dir=str(data_dir),
+                           max_bytes=1000)  # fmt: skip
+    assert isinstance(streamed.train_N, np.memmap) and streamed.train_N.nbytes > 1000
+    np.testing.assert_array_equal(streamed.train_N, loaded.train_N)
+    np.testing.assert_array_equal(streamed.val_M, loaded.val_M)
+    [path] = (data_dir / "plays").glob("_tokens-train.int32")
+    written = path.stat().st_mtime_ns
+    again = load_corpus("tfds:plays", val_fraction=0.1, data_dir=str(data_dir), max_bytes=1000)
+    assert path.stat().st_mtime_ns == written  # reused, not rewritten
+    np.testing.assert_array_equal(again.train_N, loaded.train_N)
+    half = load_corpus("tfds:plays", val_fraction=0.1, data_dir=str(data_dir), max_bytes=1000,
+                       train_split="train[:50%]")  # fmt: skip
+    assert (data_dir / "plays" / "_tokens-train__50__.int32").is_file()  # its own file
+    assert 0 < len(half.train_N) < len(loaded.train_N)
+    fits = load_corpus("tfds:plays", val_fraction=0.1, data_dir=str(data_dir), max_bytes=10**9)
+    assert not isinstance(fits.train_N, np.memmap)
+    np.testing.assert_array_equal(fits.train_N, loaded.train_N)
+
+
+@pytest.mark.slow  # ~30 s: two tiny trainings
+def test_a_streamed_tfds_run_trains_exactly_the_loaded_run(data_dir, tmp_path):
+    from tests.test_checkpoint import assert_bitwise_equal
+
+    off = {"train.checkpoint": False, "train.total_steps": 10}
+    loaded = train(tiny(data_dir, **off), tmp_path / "loaded", show_progress=False)
+    streamed = train(tiny(data_dir, **off, **{"data.max_memory_mib": 0.001}),
+                     tmp_path / "streamed", show_progress=False)  # fmt: skip
+    assert_bitwise_equal(streamed["state"], loaded["state"])

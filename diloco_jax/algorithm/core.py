@@ -247,7 +247,8 @@ class Diloco(NamedTuple):
         return rnd._replace(params=params, inner_state=_where(reset, fresh, rnd.inner_state),
                             healthy=jnp.ones([], bool))  # fmt: skip
 
-    def update(self, state: DilocoState, grads, *, active=True, weight=1.0, take_anchor=True):
+    def update(self, state: DilocoState, grads, *, active=True, weight=1.0, take_anchor=True,
+               sync: bool = True):  # fmt: skip
         """One inner step of one replica, then the sync and landing the plan schedules.
 
         ``active=False`` skips this replica's inner step (a straggler idling); at a sync the
@@ -257,6 +258,9 @@ class Diloco(NamedTuple):
         restarts from the anchor with a fresh inner state. If every weight is 0 the outer step
         is discarded (anchor and outer state stay) and replicas restart from the anchor.
 
+        ``sync=False``: the inner step alone, whatever the plan says (the chunked simulator
+        runs the sync separately, over every replica: :mod:`diloco_jax.runtime.chunked`).
+
         Returns ``(state, metrics)``: the :class:`SyncStats` fields (zeros on steps that start
         no sync).
         """
@@ -264,6 +268,9 @@ class Diloco(NamedTuple):
                                                  active=active)  # fmt: skip
         params = optax.apply_updates(state.params, updates)
         step = state.step + 1
+        if not sync:
+            local = state._replace(step=step, params=params, inner_state=inner_state)
+            return local, zero_stats()._asdict()
         leaves, treedef = jax.tree.flatten(params)
         groups = self._groups(params)
         rnd = _Round(leaves, inner_state, jax.tree.leaves(state.anchor), state.outer_state,

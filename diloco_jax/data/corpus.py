@@ -69,14 +69,13 @@ def load_corpus(
     keywords ``tfds_options`` are: its own splits and tokenizer).
 
     ``max_bytes`` (0: no limit): a text file larger than this is memory-mapped, not read
-    (:func:`diloco_jax.data.stream.map_text`; ``train_N`` is then a ``np.memmap`` view); a
-    compressed file or a TFDS dataset that would exceed it is a DataError."""
+    (:func:`diloco_jax.data.stream.map_text`; ``train_N`` is then a ``np.memmap`` view), a TFDS
+    training split streams from a token file (:func:`diloco_jax.data.tfds_text.stream_tokens`);
+    a compressed file that would exceed it is a DataError."""
     if name_or_path.startswith("tfds:"):
         from diloco_jax.data import tfds_text
 
-        corpus = tfds_text.load(name_or_path, data_dir, **tfds_options)
-        _check_budget(corpus.train_N.nbytes, max_bytes, name_or_path, "a TFDS dataset")
-        return corpus
+        return tfds_text.load(name_or_path, data_dir, max_bytes=max_bytes, **tfds_options)
     path = _SHIPPED.get(name_or_path, pathlib.Path(name_or_path).expanduser())
     if max_bytes and path.is_file() and path.stat().st_size > max_bytes:
         from diloco_jax.data import stream

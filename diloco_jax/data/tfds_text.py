@@ -15,7 +15,11 @@ evaluation then work as for the shipped corpus.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import pathlib
+import re
 
 import numpy as np
 
@@ -96,32 +100,91 @@ def tokenizer_for(name: str, data_dir: str | pathlib.Path):
     return SentencePieceTokenizer(path) if path.is_file() else ByteTokenizer()
 
 
+def _record_tokens(record, tokenizer, text_feature: str) -> tuple[int, np.ndarray]:
+    """``(index, tokens)`` of one record: its ``tokens`` feature (and position), or its text."""
+    if "tokens" in record:
+        return int(record.get("index", 0)), np.asarray(record["tokens"])
+    if text_feature not in record:
+        raise DataError(f"records have no 'tokens' or {text_feature!r} feature "
+                        f"(features: {sorted(record)}); set data.text_feature")  # fmt: skip
+    value = record[text_feature]
+    text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return 0, tokenizer.encode(text + "\n")
+
+
 def _split_tokens(source, tokenizer, text_feature: str) -> np.ndarray:
     grain = extras.require("grain", "reading a TFDS text dataset")
-
-    def tokens(record):
-        if "tokens" in record:
-            return int(record.get("index", 0)), np.asarray(record["tokens"])
-        if text_feature not in record:
-            raise DataError(f"records have no 'tokens' or {text_feature!r} feature "
-                            f"(features: {sorted(record)}); set data.text_feature")  # fmt: skip
-        value = record[text_feature]
-        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-        return 0, tokenizer.encode(text + "\n")
-
+    tokens = functools.partial(_record_tokens, tokenizer=tokenizer, text_feature=text_feature)
     pieces = list(grain.MapDataset.source(source).map(tokens))
     pieces.sort(key=lambda p: p[0])  # stable: text records keep the source's order
     return np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0, np.int32)
 
 
+def _cache_key(splits: tfds_io.Splits, split: str, tokenizer, text_feature: str) -> dict:
+    """What the token file of ``split`` was written from: if any of it changes, it is rewritten."""
+    files = sorted([str(p.relative_to(splits.root)), p.stat().st_size, p.stat().st_mtime_ns]
+                   for p in (splits.root / splits.name).rglob("*array_record*"))  # fmt: skip
+    return {"split": split, "records": len(splits.train), "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size, "text_feature": text_feature,
+            "files": files}  # fmt: skip
+
+
+def stream_tokens(splits: tfds_io.Splits, split: str, tokenizer, text_feature: str) -> np.memmap:
+    """The training split's tokens as a read-only int32 memory map of a file written once next to
+    the dataset (``DATA_DIR/NAME/_tokens-SPLIT.int32``, with a ``.json`` of what it was written
+    from; a changed dataset or tokenizer rewrites it). Written in two passes over the records
+    (their lengths, then their tokens at their offsets), so memory holds one record at a time;
+    the order is :func:`load`'s. Written to a temporary name, then renamed: a crash leaves no
+    half file behind."""
+    stem = re.sub(r"[^A-Za-z0-9_.+-]", "_", split)
+    path = splits.root / splits.name / f"_tokens-{stem}.int32"
+    meta, key = path.with_suffix(".json"), _cache_key(splits, split, tokenizer, text_feature)
+    if path.is_file() and meta.is_file() and json.loads(meta.read_text()) == key:
+        return np.memmap(path, np.int32, "r")
+    source = splits.train
+    lengths = []  # (index, record, length)
+    for i in range(len(source)):
+        index, tokens = _record_tokens(source[i], tokenizer, text_feature)
+        lengths.append((index, i, len(tokens)))
+    lengths.sort()  # by index, then record: the order of _split_tokens
+    total = sum(n for _, _, n in lengths)
+    if total == 0:  # load() names the problem
+        return np.zeros(0, np.int32)
+    partial = path.with_suffix(".partial")
+    try:
+        out = np.memmap(partial, np.int32, "w+", shape=(total,))
+        start = 0
+        for _, i, n in lengths:
+            out[start : start + n] = _record_tokens(source[i], tokenizer, text_feature)[1]
+            start += n
+        out.flush()
+        del out
+        os.replace(partial, path)
+        meta.write_text(json.dumps(key))
+    except OSError as e:
+        raise DataError(
+            f"cannot write the token file {path} for streaming {splits.name!r}: {e} "
+            "(make the data dir writable, or raise data.max_memory_mib)"
+        ) from None
+    return np.memmap(path, np.int32, "r", shape=(total,))
+
+
 def load(
-    spec: str, data_dir: str = "", *, text_feature: str = "text", train_split="train", eval_split=""
-) -> Corpus:
+    spec: str, data_dir: str = "", *, text_feature: str = "text", train_split="train",
+    eval_split="", max_bytes: int = 0,
+) -> Corpus:  # fmt: skip
     """``spec`` is ``tfds:NAME``; reads ``train_split`` and ``eval_split`` (default
-    ``validation``, else ``test``)."""
+    ``validation``, else ``test``). ``max_bytes`` (0: no limit): a training split whose int32
+    tokens take more is streamed from a token file (:func:`stream_tokens`; ``train_N`` is then
+    a ``np.memmap``)."""
     splits = tfds_io.open_splits(spec, data_dir, train_split=train_split, eval_split=eval_split)
     tok = tokenizer_for(splits.name, splits.root)
-    train = _split_tokens(splits.train, tok, text_feature)
+    if max_bytes:
+        train = stream_tokens(splits, train_split, tok, text_feature)
+        if train.nbytes <= max_bytes:
+            train = np.array(train)  # fits: in memory, as without a budget
+    else:
+        train = _split_tokens(splits.train, tok, text_feature)
     val = _split_tokens(splits.val, tok, text_feature)
     if len(train) < 2 or len(val) < 2:
         raise DataError(f"TFDS dataset {splits.name!r} has too few tokens "
