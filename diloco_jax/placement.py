@@ -62,7 +62,9 @@ def memory_plan(s, compiled) -> memory.MemoryPlan:
     """The memory plan of ``s`` (a ``train.Setup``, abstract or not) for its ``compiled`` call."""
     limit = memory.device_limit(jax.local_devices()[0], s.cfg.parallel.device_memory_gib)
     data = {"training data": s.shards_RxS, "replica ids": s.replicas_R}
-    return memory.plan(s.state, data, compiled, limit,
+    # the chunked simulator with sim.offload holds one chunk's state on the device
+    state = getattr(s.run_chunk, "on_device", lambda state: state)(s.state)
+    return memory.plan(state, data, compiled, limit,
                        resident={"evaluation data": s.eval_windows})  # fmt: skip
 
 

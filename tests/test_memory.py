@@ -90,3 +90,17 @@ def test_a_run_that_does_not_fit_stops_before_its_first_step(tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoints").exists() or not any(
         (tmp_path / "run" / "checkpoints").iterdir()
     )
+
+
+def test_chunks_shrink_the_temporaries_and_offload_the_state():
+    """The chunked simulator's plan: one chunk's activations (the sync has none); with
+    sim.offload only one chunk's per-replica state is on the device."""
+    base = {"parallel.runtime": "sim", "parallel.replicas": 4}
+    _, _, whole = _plan(tiny(**base))
+    _, _, chunks = _plan(tiny(**base, **{"sim.chunk": 2}))
+    _, _, offload = _plan(tiny(**base, **{"sim.chunk": 1, "sim.offload": True}))
+    whole, chunks, offload = dict(whole.parts), dict(chunks.parts), dict(offload.parts)
+    temps = "XLA temporaries (activations, gradients)"
+    assert chunks[temps] < whole[temps]
+    assert chunks["params"] == whole["params"] == 4 * offload["params"]
+    assert offload["anchor"] == whole["anchor"] > 0  # shared: on the device whole

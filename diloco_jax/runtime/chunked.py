@@ -99,11 +99,22 @@ class ChunkedSteps:
         return self.algorithm.update(state, zeros, active=False, weight=control.weight,
                                      take_anchor=control.take_anchor)  # fmt: skip
 
+    def _cut(self, state, part: slice):
+        """The chunk ``part`` of ``state``: per-replica leaves sliced, shared ones whole."""
+        return self._by_kind(lambda sub: jax.tree.map(lambda x: x[part], sub), lambda sub: sub,
+                             state)  # fmt: skip
+
     def _take(self, state, part: slice):
-        """The chunk ``part`` of ``state`` (per-replica leaves sliced), on the device."""
-        cut = self._by_kind(lambda sub: jax.tree.map(lambda x: x[part], sub), lambda sub: sub,
-                            state)  # fmt: skip
+        """The chunk ``part`` of ``state``, on the device."""
+        cut = self._cut(state, part)
         return jax.device_put(cut, self.device) if self.offload else cut
+
+    def on_device(self, state):
+        """The shapes of what the device holds of ``state`` during a call: one chunk's part
+        with ``offload`` (the rest waits in host memory), else all of it (the memory plan)."""
+        if not self.offload:
+            return state
+        return jax.eval_shape(lambda st: self._cut(st, slice(0, self.chunk)), state)
 
     def _join(self, parts: list):
         """The chunks' states as one replica-stacked state (shared leaves: the last chunk's,
@@ -169,12 +180,17 @@ class ChunkedSteps:
         this runner, with ``memory_analysis()`` of one chunk's call (its temporaries or the
         sync's, whichever is larger)."""
         part = slice(0, self.chunk)
-        control = jax.tree.map(lambda x: x[:, part], control_NxR)
-        local = self._local(self.num_steps).lower(
-            self._take(state, part), replicas_R[part],
-            self._data(shards_R, 0, self.num_steps, part), control,
-        ).compile()  # fmt: skip
-        sync = self._sync.lower(state, _index(control_NxR, 0)).compile()
+
+        def chunk_args(state, replicas_R, shards_R, control_NxR):
+            return (self._cut(state, part), replicas_R[part],
+                    self._data(shards_R, 0, self.num_steps, part),
+                    _index(control_NxR, (slice(None), part)))  # fmt: skip
+
+        # from shapes: works for a built state and for --dry_run's abstract one alike
+        args = jax.eval_shape(chunk_args, state, replicas_R, shards_R, control_NxR)
+        local = self._local(self.num_steps).lower(*args).compile()
+        control = jax.eval_shape(lambda c: _index(c, 0), control_NxR)
+        sync = self._sync.lower(state, control).compile()
         m, s = local.memory_analysis(), sync.memory_analysis()
         self._memory = _Memory(m.argument_size_in_bytes, m.output_size_in_bytes,
                                m.alias_size_in_bytes,
