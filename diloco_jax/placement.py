@@ -1,15 +1,19 @@
-"""From a config to devices: how many XLA devices the CPU is split into, and how replicas map to
-the devices (``parallel.*`` keys). Read at the edge (``diloco_jax.train``); the library functions
-are in :mod:`diloco_jax.runtime.parallel`."""
+"""From a config to devices: how many XLA devices the CPU is split into, how replicas map to the
+devices (``parallel.*`` keys) and which runner takes the step there (simulator, chunked
+simulator, mesh). Read at the edge (``diloco_jax.train``); the library functions are in
+:mod:`diloco_jax.runtime`."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
 from diloco_jax import config as config_lib
-from diloco_jax import memory
+from diloco_jax import distributed, memory, schedule
 from diloco_jax.reporting import log
-from diloco_jax.runtime import parallel
+from diloco_jax.runtime import chunked, parallel
+from diloco_jax.runtime.step import make_replica_step
 
 
 def effective_replicas(cfg: config_lib.Config) -> int:
@@ -51,6 +55,38 @@ def layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
             f"{jax.process_count()} processes: the simulator runs in one process; use mesh"
         )
     return layout
+
+
+def steps(cfg: config_lib.Config, layout, algorithm, problem, mesh, state):
+    """The compiled call of ``train.log_every`` steps (simulator, chunked simulator or mesh),
+    the function giving the parameters to evaluate, and the devices' fingerprints (mesh)."""
+    make_step = functools.partial(
+        make_replica_step,
+        task=problem.task,
+        seed=cfg.seed,
+        batch_size=cfg.data.batch_size,
+        data_axis=None if mesh is None else parallel.DATA,
+        data_shards=layout.data_devices,
+        dropout=cfg.model.dropout > 0 and problem.task.unit == "token",
+        controlled=schedule.needs_control(speeds=cfg.sim.speeds, dylu=cfg.sim.dylu,
+                                          drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob),
+        streamed=problem.streamed,
+        auto_data=layout.fsdp,
+    )  # fmt: skip
+    steps, kinds, streamed = cfg.train.log_every, algorithm.kinds, problem.streamed
+    if mesh is None and cfg.sim.chunk:
+        run = chunked.ChunkedSteps(make_step(chunked.LocalOnly(algorithm)), algorithm, steps,
+                                   chunk=cfg.sim.chunk, offload=cfg.sim.offload,
+                                   per_step_data=streamed)  # fmt: skip
+        return run, algorithm.outer_params, None
+    if mesh is None:
+        run = parallel.simulator_steps(make_step(algorithm), kinds, steps, per_step_data=streamed)
+        return run, algorithm.outer_params, None
+    specs = parallel.state_specs(state, kinds, layout)
+    run = parallel.mesh_steps(make_step(algorithm), kinds, mesh, steps, per_step_data=streamed,
+                              fsdp_specs=specs)  # fmt: skip
+    outer_fn = jax.jit(algorithm.outer_params, out_shardings=parallel.replicated_sharding(mesh))
+    return run, outer_fn, distributed.make_device_fingerprints(mesh, split=layout.fsdp)
 
 
 def cpu_simulation() -> bool:

@@ -11,7 +11,6 @@ if there is one (a config that changes the training is refused: see ``diloco_jax
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pathlib
 import sys
 import time
@@ -40,8 +39,8 @@ from diloco_jax.data.stream import StreamedShards
 from diloco_jax.extras import MissingExtra
 from diloco_jax.preemption import Preemption, saving, stopped, watch_launcher
 from diloco_jax.reporting import log
-from diloco_jax.runtime import checkpoint, chunked, parallel
-from diloco_jax.runtime.step import StepControl, make_replica_step
+from diloco_jax.runtime import checkpoint, parallel
+from diloco_jax.runtime.step import StepControl
 from diloco_jax.tasks import Task
 from diloco_jax.tasks import model as model_lib
 from diloco_jax.tasks.sample import generate_text
@@ -111,38 +110,6 @@ def _training_data(shards_RxS, stream: StreamedShards | None, mesh, abstract: bo
     return batches if abstract else stream.on_devices(0, batches.sharding)
 
 
-def _steps(cfg: config_lib.Config, layout, algorithm, problem, mesh, state):
-    """The compiled call of ``train.log_every`` steps (simulator, chunked simulator or mesh),
-    the function giving the parameters to evaluate, and the devices' fingerprints (mesh)."""
-    make_step = functools.partial(
-        make_replica_step,
-        task=problem.task,
-        seed=cfg.seed,
-        batch_size=cfg.data.batch_size,
-        data_axis=None if mesh is None else parallel.DATA,
-        data_shards=layout.data_devices,
-        dropout=cfg.model.dropout > 0 and problem.task.unit == "token",
-        controlled=schedule.needs_control(speeds=cfg.sim.speeds, dylu=cfg.sim.dylu,
-                                          drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob),
-        streamed=problem.streamed,
-        auto_data=layout.fsdp,
-    )  # fmt: skip
-    steps, kinds, streamed = cfg.train.log_every, algorithm.kinds, problem.streamed
-    if mesh is None and cfg.sim.chunk:
-        run = chunked.ChunkedSteps(make_step(chunked.LocalOnly(algorithm)), algorithm, steps,
-                                   chunk=cfg.sim.chunk, offload=cfg.sim.offload,
-                                   per_step_data=streamed)  # fmt: skip
-        return run, algorithm.outer_params, None
-    if mesh is None:
-        run = parallel.simulator_steps(make_step(algorithm), kinds, steps, per_step_data=streamed)
-        return run, algorithm.outer_params, None
-    specs = parallel.state_specs(state, kinds, layout)
-    run = parallel.mesh_steps(make_step(algorithm), kinds, mesh, steps, per_step_data=streamed,
-                              fsdp_specs=specs)  # fmt: skip
-    outer_fn = jax.jit(algorithm.outer_params, out_shardings=parallel.replicated_sharding(mesh))
-    return run, outer_fn, distributed.make_device_fingerprints(mesh, split=layout.fsdp)
-
-
 def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
     """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
     DataError before anything is compiled. ``abstract``: the state and the data as shapes with
@@ -164,7 +131,9 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
     steps, streamed = cfg.train.log_every, problem.streamed
     stream = (StreamedShards(shards_RxS, cfg.seed, d.batch_size, d.seq_len, steps)
               if streamed else None)  # fmt: skip
-    run_chunk, outer_fn, fingerprints = _steps(cfg, layout, algorithm, problem, mesh, state)
+    run_chunk, outer_fn, fingerprints = placement.steps(
+        cfg, layout, algorithm, problem, mesh, state
+    )
     return Setup(
         cfg=cfg,
         layout=layout,

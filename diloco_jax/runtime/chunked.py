@@ -88,6 +88,7 @@ class ChunkedSteps:
         sync_R = jax.vmap(self._sync_one, in_axes=(self.axes, 0), out_axes=(self.axes, 0),
                           axis_name=REPLICA)  # fmt: skip
         self._sync = jax.jit(sync_R, donate_argnums=0)
+        self._ahead: dict = {}  # steps -> the chunk call compiled by lower()
         self.device = jax.local_devices()[0]
         self.host = jax.local_devices(backend="cpu")[0]
 
@@ -141,7 +142,8 @@ class ChunkedSteps:
         parts, metrics = [], []
         for c in range(0, int(replicas_R.shape[0]), self.chunk):
             part = slice(c, c + self.chunk)
-            sub, m = self._local(end - first)(
+            run = self._ahead.get(end - first) or self._local(end - first)
+            sub, m = run(
                 self._take(state, part), replicas_R[part], self._data(shards_R, first, end, part),
                 _index(control, (slice(None), part)),
             )  # fmt: skip
@@ -189,6 +191,7 @@ class ChunkedSteps:
         # from shapes: works for a built state and for --dry_run's abstract one alike
         args = jax.eval_shape(chunk_args, state, replicas_R, shards_R, control_NxR)
         local = self._local(self.num_steps).lower(*args).compile()
+        self._ahead[self.num_steps] = local  # a call of whole num_steps runs it, not a recompile
         control = jax.eval_shape(lambda c: _index(c, 0), control_NxR)
         sync = self._sync.lower(state, control).compile()
         m, s = local.memory_analysis(), sync.memory_analysis()
