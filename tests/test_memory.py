@@ -97,10 +97,9 @@ def test_chunks_shrink_the_temporaries_and_offload_the_state():
     sim.offload only one chunk's per-replica state is on the device."""
     base = {"parallel.runtime": "sim", "parallel.replicas": 4}
     _, _, whole = _plan(tiny(**base))
-    _, _, chunks = _plan(tiny(**base, **{"sim.chunk": 2}))
     _, _, offload = _plan(tiny(**base, **{"sim.chunk": 1, "sim.offload": True}))
-    whole, chunks, offload = dict(whole.parts), dict(chunks.parts), dict(offload.parts)
+    whole, offload = dict(whole.parts), dict(offload.parts)
     temps = "XLA temporaries (activations, gradients)"
-    assert chunks[temps] < whole[temps]
-    assert chunks["params"] == whole["params"] == 4 * offload["params"]
+    assert offload[temps] < whole[temps]
+    assert whole["params"] == 4 * offload["params"] > 0
     assert offload["anchor"] == whole["anchor"] > 0  # shared: on the device whole

@@ -6,6 +6,7 @@ import json
 import pathlib
 import struct
 import subprocess
+import time
 
 import pytest
 
@@ -59,8 +60,9 @@ def test_log_keys_are_validated(monkeypatch):
         config_lib.validate(tiny(**{"log.wandb": "true"}))
 
 
-def wandb_records(run: pathlib.Path) -> tuple[list[dict], dict]:
-    """The history rows and the config of an offline W&B run, read from its ``run-*.wandb``
+def wandb_records(run: pathlib.Path) -> tuple[list[dict], dict, bool]:
+    """The history rows, the config and whether the run's exit record is there, of an offline
+    W&B run, read from its ``run-*.wandb``
     file: wandb's LevelDB-style log (a 7-byte header, then records of crc32, length and type in
     32 KiB blocks; type 1 whole, 2-4 first, middle, last piece) of ``wandb_internal_pb2.Record``.
     """
@@ -70,7 +72,7 @@ def wandb_records(run: pathlib.Path) -> tuple[list[dict], dict]:
         return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
 
     [path] = run.glob("run-*.wandb")
-    data, i, piece, rows, config = path.read_bytes(), 7, b"", [], {}
+    data, i, piece, rows, config, done = path.read_bytes(), 7, b"", [], {}, False
     while i + 7 <= len(data):
         left = 32768 - i % 32768
         length, kind = struct.unpack("<HB", data[i + 4 : i + 7])
@@ -81,12 +83,30 @@ def wandb_records(run: pathlib.Path) -> tuple[list[dict], dict]:
         if kind in (1, 4):  # a whole record, or its last piece
             record = wandb_internal_pb2.Record.FromString(piece)
             what = record.WhichOneof("record_type")
+            done = done or what == "exit"
             if what == "history":
                 rows.append(plain(record.history.item))
             elif what in ("run", "config"):  # the config comes with the run, updates later
                 config.update(plain((record.run.config if what == "run" else record.config).update))
             piece = b""
-    return rows, config
+    return rows, config, done
+
+
+def _when_written(run: pathlib.Path, timeout_s: float = 60) -> tuple[list[dict], dict]:
+    """:func:`wandb_records`' rows and config once the run's exit record is in its file.
+    wandb's service process may still be writing it when ``finish()`` returns (seen in CI under
+    load: the file read back empty, and held every record moments later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            rows, config, done = wandb_records(run)
+        except Exception:  # noqa: BLE001 - not there yet, or a record half written
+            if time.monotonic() > deadline:
+                raise
+            rows, config, done = [], {}, False
+        if done or time.monotonic() > deadline:
+            return rows, config
+        time.sleep(0.5)
 
 
 @pytest.fixture
@@ -107,7 +127,7 @@ def test_wandb_writer_offline(tmp_path, offline_wandb):
         runlog.write(event, step, **values)
     runlog.close()
     [run] = (tmp_path / "wandb").glob("offline-run-*")
-    rows, config = wandb_records(run)
+    rows, config = _when_written(run)
     assert config["outer"] == {"sync_every": 5}
     by_step = {row["_step"]: row for row in rows}
     logged = {k: v for k, v in by_step[5].items() if not k.startswith("_") and "time" not in k}
@@ -124,7 +144,7 @@ def test_wandb_logs_a_training_run(tmp_path, offline_wandb):
                   "log.wandb": "true"})  # fmt: skip
     train(cfg, tmp_path, show_progress=False)
     [run] = (tmp_path / "wandb").glob("offline-run-*")
-    rows, config = wandb_records(run)
+    rows, config = _when_written(run)
     assert config["outer"]["sync_every"] == 5
     by_step = {row["_step"]: row for row in rows}
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
