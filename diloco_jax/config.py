@@ -78,8 +78,8 @@ class DataConfig:
     batch_size: int = _key(16, "windows per replica per inner step")
     val_fraction: float = _key(0.05, "text files and digits: held-out share; in (0, 1)")
     eval_windows: int = _key(256, "validation windows per eval; <= 0: the whole split")
-    max_memory_mib: float = _key(0.0, "a text file larger than this is streamed from disk, "
-                                 "never loaded; 0: no limit")  # fmt: skip
+    max_memory_mib: float = _key(0.0, "a training split (text or TFDS) larger than this "
+                                 "streams from disk, never loaded; 0: no limit")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

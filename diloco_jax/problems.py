@@ -67,13 +67,15 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
     where = dict(val_fraction=d.val_fraction, data_dir=d.data_dir, train_split=d.train_split,
                  eval_split=d.eval_split)  # fmt: skip
     if is_image_data(d):  # image classification with a ResNet
-        imgs = load_images(d.corpus, **where, image_feature=d.image_feature,
-                           label_feature=d.label_feature, image_size=d.image_size)  # fmt: skip
         budget = int(d.max_memory_mib * 2**20)
-        if budget and imgs.train_images.nbytes > budget:
+        tfds = d.corpus.startswith(tfds_io.TFDS_PREFIX)
+        imgs = load_images(d.corpus, **where, image_feature=d.image_feature,
+                           label_feature=d.label_feature, image_size=d.image_size,
+                           **({"max_bytes": budget} if tfds else {}))  # fmt: skip
+        if budget and not tfds and imgs.train_images.nbytes > budget:
             raise DataError(f"{d.corpus}'s training images take {imgs.train_images.nbytes:,} "
-                            f"bytes, more than data.max_memory_mib allows ({budget:,} bytes), "
-                            "and image datasets cannot be streamed yet")  # fmt: skip
+                            f"bytes, more than data.max_memory_mib allows ({budget:,} bytes); "
+                            "only tfds:NAME image datasets stream from disk")  # fmt: skip
         r = cfg.resnet
         graphdef, params = vision.init_model(
             cfg.seed, channels=imgs.train_images.shape[-1], num_classes=imgs.num_classes,
@@ -82,7 +84,8 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
         return Problem(image_shards(imgs.train_images, imgs.train_labels, replicas),
                        (imgs.val_images, imgs.val_labels), graphdef, params,
                        tasks.image_classification(graphdef),
-                       float(np.log(imgs.num_classes)))  # fmt: skip
+                       float(np.log(imgs.num_classes)),
+                       streamed=isinstance(imgs.train_images, np.memmap))  # fmt: skip
     corpus = load_corpus(d.corpus, **where, text_feature=d.text_feature,
                          max_bytes=int(d.max_memory_mib * 2**20))  # fmt: skip
     graphdef, params = model_lib.init_model(

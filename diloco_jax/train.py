@@ -35,7 +35,7 @@ from diloco_jax import config as config_lib
 from diloco_jax.algorithm import SyncPlan, init_replicas
 from diloco_jax.axes import REPLICA
 from diloco_jax.data import DataError
-from diloco_jax.data.stream import StreamedShards
+from diloco_jax.data.stream import make_stream
 from diloco_jax.extras import MissingExtra
 from diloco_jax.preemption import Preemption, saving, stopped, watch_launcher
 from diloco_jax.reporting import log
@@ -73,7 +73,8 @@ class Setup:
         the call's batches, read from disk now (``shards_RxS`` holds the first call's)."""
         if self.stream is None:
             return self.shards_RxS
-        return self.stream.on_devices(step, self.shards_RxS.sharding)
+        shardings = jax.tree.map(lambda x: x.sharding, self.shards_RxS)
+        return self.stream.on_devices(step, shardings)
 
     @property
     def tokens_per_row(self) -> int:
@@ -100,14 +101,14 @@ def _initial_state(algorithm, params, layout: parallel.Layout, mesh, abstract: b
     return jax.jit(init, out_shardings=jax.tree.map(lambda x: x.sharding, state))(params)
 
 
-def _training_data(shards_RxS, stream: StreamedShards | None, mesh, abstract: bool):
+def _training_data(shards_RxS, stream, mesh, abstract: bool):
     """The step's data argument: the shards on the devices (each process putting only its
     replicas' rows), or, streamed, the first call's batches (which stand for every call's)."""
     if stream is None:
         return parallel.on_devices(shards_RxS, mesh, P(REPLICA), abstract=abstract)
-    batches = jax.ShapeDtypeStruct(stream.shape(), np.int32)
-    batches = parallel.shapes(batches, mesh, P(None, REPLICA))
-    return batches if abstract else stream.on_devices(0, batches.sharding)
+    batches = parallel.shapes(stream.abstract(), mesh, P(None, REPLICA))
+    shardings = jax.tree.map(lambda x: x.sharding, batches)
+    return batches if abstract else stream.on_devices(0, shardings)
 
 
 def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
@@ -129,8 +130,8 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     state = _initial_state(algorithm, params, layout, mesh, abstract)
     steps, streamed = cfg.train.log_every, problem.streamed
-    stream = (StreamedShards(shards_RxS, cfg.seed, d.batch_size, d.seq_len, steps)
-              if streamed else None)  # fmt: skip
+    stream = (make_stream(shards_RxS, seed=cfg.seed, batch_size=d.batch_size,
+                          seq_len=d.seq_len, num_steps=steps) if streamed else None)  # fmt: skip
     run_chunk, outer_fn, fingerprints = placement.steps(
         cfg, layout, algorithm, problem, mesh, state
     )

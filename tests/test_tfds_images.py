@@ -277,3 +277,95 @@ def test_sixteen_bit_grayscale_keeps_its_top_byte():
     assert wide.mode.startswith("I")
     pixels = np.asarray(tfds_images._normalized(wide, 1, 0))
     np.testing.assert_array_equal(pixels, [[0, 1000 >> 8], [30000 >> 8, 255]])
+
+
+BUDGET_MIB = 0.05  # the digit PNGs' training images take 92 KB: more than this
+
+
+def test_training_images_over_the_budget_stream_from_an_image_file(data_dir):
+    """Over data.max_memory_mib the training split is decoded once into a uint8 image file in
+    the loaded run's (shuffled) order and memory-mapped; a second load reuses it; a split that
+    fits stays in memory."""
+    where = {"val_fraction": 0.1, "data_dir": str(data_dir)}
+    loaded = load_images("tfds:digit_pngs", **where)
+    streamed = load_images("tfds:digit_pngs", **where, max_bytes=int(BUDGET_MIB * 2**20))
+    assert isinstance(streamed.train_images, np.memmap)
+    assert not isinstance(loaded.train_images, np.memmap)
+    for got, want in zip(streamed, loaded, strict=True):
+        np.testing.assert_array_equal(got, want)
+    path = data_dir / "digit_pngs" / "_images-train.npy"
+    written = path.stat().st_mtime_ns
+    again = load_images("tfds:digit_pngs", **where, max_bytes=1000)
+    assert path.stat().st_mtime_ns == written  # reused, not rewritten
+    np.testing.assert_array_equal(again.train_labels, loaded.train_labels)
+    resized = load_images("tfds:digit_pngs", **where, max_bytes=1000, image_size=4)
+    assert resized.train_images.shape[1:] == (4, 4, 1)  # another size: written again
+    assert path.stat().st_mtime_ns != written
+    fits = load_images("tfds:digit_pngs", **where, max_bytes=10**9)
+    assert not isinstance(fits.train_images, np.memmap)
+    np.testing.assert_array_equal(fits.train_images, loaded.train_images)
+
+
+def test_host_image_batches_equal_the_device_sampler(data_dir):
+    from diloco_jax.data.images import image_shards
+    from diloco_jax.data.stream import StreamedImages
+
+    imgs = load_images("tfds:digit_pngs", val_fraction=0.1, data_dir=str(data_dir),
+                       max_bytes=1000)  # fmt: skip
+    images_RxS, labels_RxS = image_shards(imgs.train_images, imgs.train_labels, 4)
+    assert isinstance(images_RxS, np.memmap)  # the shards are a view: nothing was read
+    stream = StreamedImages(images_RxS, labels_RxS, seed=5, batch_size=6, num_steps=3)
+    images, labels = stream.batches(7, range(1, 4))  # steps 7..9, replicas 1..3
+    assert images.dtype == np.uint8 and images.shape == (3, 3, 6, 8, 8, 1)
+    for n in range(3):
+        for i, r in enumerate(range(1, 4)):
+            shard = (np.asarray(images_RxS[r]), labels_RxS[r])
+            want = sample_images(shard, seed=5, replica=np.int32(r), step=np.int32(7 + n),
+                                 batch_size=6)  # fmt: skip
+            np.testing.assert_array_equal(images[n, i] * np.float32(1 / 255), want[0])
+            np.testing.assert_array_equal(labels[n, i], want[1])
+
+
+def _digits_cfg(data_dir, budget, **overrides):
+    overrides = {"data.corpus": "tfds:digit_pngs", "data.data_dir": str(data_dir),
+                 "data.max_memory_mib": budget, "train.total_steps": 20, "train.eval_every": 10,
+                 "train.log_every": 10, "outer.sync_every": 5, "data.batch_size": 16,
+                 "resnet.width": 4, "resnet.stages": 1, "resnet.depth": 1, **overrides}  # fmt: skip
+    return apply_overrides(load_preset("configs/digits.py"),
+                           [(k, str(v)) for k, v in overrides.items()])  # fmt: skip
+
+
+def test_a_streamed_image_run_trains_exactly_the_loaded_run_and_resumes(data_dir, tmp_path):
+    import shutil
+
+    import jax
+
+    from diloco_jax.train import build
+
+    sim = {"parallel.runtime": "sim"}
+    setup = build(_digits_cfg(data_dir, BUDGET_MIB, **sim))
+    assert setup.stream is not None and setup.shards_RxS[0].dtype == np.uint8
+    loaded = train(_digits_cfg(data_dir, 0, **sim), tmp_path / "loaded", show_progress=False)
+    workdir = tmp_path / "streamed"
+    whole = train(_digits_cfg(data_dir, BUDGET_MIB, **sim), workdir, show_progress=False)
+    chex.assert_trees_all_equal(jax.device_get(whole["state"]), jax.device_get(loaded["state"]))
+    shutil.rmtree(workdir / "checkpoints" / "20")  # as if it had died after step 10
+    resumed = train(_digits_cfg(data_dir, BUDGET_MIB, **sim), workdir, show_progress=False)
+    assert resumed["steps"] == 20
+    chex.assert_trees_all_equal(jax.device_get(resumed["state"]),
+                                jax.device_get(loaded["state"]))  # fmt: skip
+
+
+@pytest.mark.slow  # ~40 s: the mesh and the chunked simulator, streamed images
+@pytest.mark.parametrize("where", [
+    {"parallel.runtime": "mesh", "parallel.replica_devices": 2, "parallel.data_devices": 2},
+    {"parallel.runtime": "sim", "sim.chunk": 2, "sim.offload": True},
+], ids=["mesh", "chunked"])  # fmt: skip
+def test_streamed_images_on_the_mesh_and_in_chunks_train_the_loaded_run(data_dir, tmp_path,
+                                                                        where):  # fmt: skip
+    import jax
+
+    off = {"train.checkpoint": False, **where}
+    runs = [train(_digits_cfg(data_dir, budget, **off), tmp_path / str(budget),
+                  show_progress=False)["state"] for budget in (0, BUDGET_MIB)]  # fmt: skip
+    chex.assert_trees_all_equal(*jax.device_get(runs))

@@ -88,11 +88,18 @@ def as_float(images):
     return images
 
 
-def sample_images(shard, *, seed, replica, step, batch_size: int):
-    """The ``batch_size`` examples (uniform, with replacement) ``replica`` trains on at ``step``
-    from its shard ``(images_Sx..., labels_S)``, drawn from ``fold_in(fold_in(key(seed), step),
-    replica)``."""
-    images_S, labels_S = shard
+def example_indices(*, seed, replica, step, batch_size: int, shard_len: int):
+    """int32 ``[batch_size]``: which examples of its shard of ``shard_len`` ``replica`` trains on
+    at ``step`` (uniform, with replacement), drawn from ``fold_in(fold_in(key(seed), step),
+    replica)``. The one function behind the device sampler and the host's streamed reads."""
     key = replica_key(seed, step, replica)
-    idx_B = jax.random.randint(key, (batch_size,), 0, labels_S.shape[0], dtype=jnp.int32)
+    return jax.random.randint(key, (batch_size,), 0, shard_len, dtype=jnp.int32)
+
+
+def sample_images(shard, *, seed, replica, step, batch_size: int):
+    """The ``batch_size`` examples ``replica`` trains on at ``step`` from its shard
+    ``(images_Sx..., labels_S)`` (:func:`example_indices`), pixels as floats."""
+    images_S, labels_S = shard
+    idx_B = example_indices(seed=seed, replica=replica, step=step, batch_size=batch_size,
+                            shard_len=labels_S.shape[0])  # fmt: skip
     return as_float(images_S[idx_B]), labels_S[idx_B]

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from diloco_jax.data.corpus import DataError, window_starts
+from diloco_jax.data.images import example_indices
 
 _COMPRESSED = (".xz", ".gz")
 
@@ -78,15 +79,89 @@ class StreamedShards(NamedTuple):
         rows = np.asarray(replicas, dtype=np.int64)[None, :, None, None]
         return np.asarray(self.shards_RxS[rows, cols], dtype=np.int32)
 
-    def shape(self) -> tuple[int, ...]:
-        return (self.num_steps, self.shards_RxS.shape[0], self.batch_size, self.seq_len + 1)
+    def abstract(self) -> jax.ShapeDtypeStruct:
+        """A call's batches as a shape."""
+        shape = (self.num_steps, self.shards_RxS.shape[0], self.batch_size, self.seq_len + 1)
+        return jax.ShapeDtypeStruct(shape, np.int32)
 
     def on_devices(self, first_step: int, sharding: jax.sharding.Sharding) -> jax.Array:
         """A call's batches on the devices as ``sharding`` places them; each process reads only
         the replicas its own devices hold."""
+        return _from_replicas(self.abstract(), sharding, lambda rs: self.batches(first_step, rs))
 
-        def read(index):
-            replicas = range(*index[1].indices(self.shards_RxS.shape[0]))
-            return self.batches(first_step, replicas)[index[0], :, index[2], index[3]]
 
-        return jax.make_array_from_callback(self.shape(), sharding, read)
+def _from_replicas(shape: jax.ShapeDtypeStruct, sharding, read) -> jax.Array:
+    """A ``[N, R, ...]`` array made by each device's ``read(its replicas)``."""
+
+    def part(index):
+        replicas = range(*index[1].indices(shape.shape[1]))
+        return read(replicas)[(index[0], slice(None), *index[2:])]
+
+    return jax.make_array_from_callback(shape.shape, sharding, part)
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size", "shard_len"))
+def _indices_NxRxB(seed, steps_N, replicas_R, *, batch_size: int, shard_len: int):
+    def one(step, replica):
+        return example_indices(seed=seed, replica=replica, step=step, batch_size=batch_size,
+                               shard_len=shard_len)  # fmt: skip
+
+    return jax.vmap(jax.vmap(one, in_axes=(None, 0)), in_axes=(0, None))(steps_N, replicas_R)
+
+
+class StreamedImages(NamedTuple):
+    """The replicas' image shards on disk (``images_RxS...``, a view of a memory map of uint8
+    pixels; ``labels_RxS`` in memory) and how a call's batches are drawn from them: the host
+    picks the examples with the device sampler's own function
+    (:func:`diloco_jax.data.images.example_indices`) and reads only those. Batches hold uint8
+    pixels (a quarter of float32's bytes to move); the task scales them on the device."""
+
+    images_RxS: np.ndarray  # [R, S, H, W, C] uint8
+    labels_RxS: np.ndarray  # [R, S] int32
+    seed: int
+    batch_size: int
+    num_steps: int
+
+    def indices(self, first_step: int, replicas: range) -> np.ndarray:
+        """int32 ``[N, len(replicas), B]``: the examples of ``num_steps`` steps."""
+        steps = np.arange(first_step, first_step + self.num_steps, dtype=np.int32)
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            idx = _indices_NxRxB(np.int32(self.seed), steps, np.asarray(replicas, np.int32),
+                                 batch_size=self.batch_size,
+                                 shard_len=self.labels_RxS.shape[1])  # fmt: skip
+        return np.asarray(idx)
+
+    def images(self, first_step: int, replicas: range) -> np.ndarray:
+        """uint8 ``[N, len(replicas), B, H, W, C]``: only these examples are read from disk."""
+        rows = np.asarray(replicas, dtype=np.int64)[None, :, None]
+        return np.asarray(self.images_RxS[rows, self.indices(first_step, replicas)])
+
+    def labels(self, first_step: int, replicas: range) -> np.ndarray:
+        """int32 ``[N, len(replicas), B]``."""
+        rows = np.asarray(replicas, dtype=np.int64)[None, :, None]
+        return self.labels_RxS[rows, self.indices(first_step, replicas)]
+
+    def batches(self, first_step: int, replicas: range):
+        return self.images(first_step, replicas), self.labels(first_step, replicas)
+
+    def abstract(self):
+        """A call's batches as shapes: ``(images, labels)``."""
+        n, (r, _, *pixels) = self.num_steps, self.images_RxS.shape
+        return (jax.ShapeDtypeStruct((n, r, self.batch_size, *pixels), np.uint8),
+                jax.ShapeDtypeStruct((n, r, self.batch_size), np.int32))  # fmt: skip
+
+    def on_devices(self, first_step: int, shardings):
+        """A call's batches placed by ``shardings`` (one per leaf), each process reading only
+        its own devices' replicas."""
+        reads = (self.images, self.labels)
+        return tuple(_from_replicas(shape, sharding, functools.partial(read, first_step))
+                     for shape, sharding, read in zip(self.abstract(), shardings, reads,
+                                                      strict=True))  # fmt: skip
+
+
+def make_stream(shards, *, seed: int, batch_size: int, seq_len: int, num_steps: int):
+    """The stream of a problem's memory-mapped shards: text windows (an ``[R, S]`` token array)
+    or images (an ``(images, labels)`` pair)."""
+    if isinstance(shards, tuple):
+        return StreamedImages(*shards, seed, batch_size, num_steps)
+    return StreamedShards(shards, seed, batch_size, seq_len, num_steps)

@@ -3,7 +3,8 @@
 :func:`load` reads any TFDS dataset prepared in array_record format whose records hold an image
 feature (``tfds.features.Image``, e.g. ``tfds build mnist --file_format array_record``) and an
 integer or ``ClassLabel`` label: the encoded images are decoded with Pillow (TensorFlow is never
-imported), optionally resized to ``image_size`` x ``image_size``, and kept as uint8 in memory.
+imported), optionally resized to ``image_size`` x ``image_size``, and kept as uint8 in memory
+(or, over a memory budget, in a uint8 image file on disk: :func:`stream_split`).
 The training split is shuffled once with a fixed seed, so contiguous per-replica shards are
 i.i.d. whatever order the records were written in.
 
@@ -14,7 +15,10 @@ into such a dataset: PNG-encoded images and a ``ClassLabel`` named after the fol
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import os
 import pathlib
 
 import numpy as np
@@ -62,32 +66,78 @@ def _decode(encoded: bytes, channels: int, size: int, where: str) -> np.ndarray:
     return pixels.reshape(*pixels.shape[:2], channels)
 
 
-def _read_split(source, split: str, spec, *, image_feature, label_feature, channels, size):
+def _decoded(source, order, split: str, spec, *, image_feature, label_feature, channels, size,
+             chunk: int = 1024):  # fmt: skip
+    """Yields ``(start, images_Kx..., labels_K)``: the records ``order`` names, in that order,
+    decoded ``chunk`` at a time (a progress bar on large splits); one size for every image."""
     from diloco_jax.reporting import progress_bar
 
-    n = len(source)
-    images, labels = [], np.zeros(n, np.int64)
-    chunk = 1024
-    bar = progress_bar(
-        total=n, desc=f"decoding {spec} {split}", unit="image", enabled=n >= 10_000
-    )  # small splits decode in a blink
+    n, first = len(order), None
+    bar = progress_bar(total=n, desc=f"decoding {spec} {split}", unit="image",
+                       enabled=n >= 10_000)  # small splits decode in a blink  # fmt: skip
     with bar:
         for start in range(0, n, chunk):
-            records = source.__getitems__(list(range(start, min(n, start + chunk))))
-            for i, record in enumerate(records, start):
+            ids = [int(i) for i in order[start : start + chunk]]
+            images, labels = [], np.zeros(len(ids), np.int64)
+            for k, (i, record) in enumerate(zip(ids, source.__getitems__(ids), strict=True)):
                 try:
-                    labels[i] = int(np.asarray(record[label_feature]))
+                    labels[k] = int(np.asarray(record[label_feature]))
                 except (TypeError, ValueError):
                     raise DataError(f"{spec} {split}[{i}]: label {label_feature!r} is not one "
                                     f"integer: {record[label_feature]!r}") from None  # fmt: skip
                 images.append(_decode(record[image_feature], channels, size, f"{split}[{i}]"))
-            bar.update(len(records))
-    shapes = {im.shape for im in images}
-    if len(shapes) > 1:
-        a, b = sorted(shapes)[:2]
-        raise DataError(f"the images of {spec} {split} have different sizes ({a}, {b}, ...): set "
-                        f"data.image_size to resize them all to one square size")  # fmt: skip
-    return np.stack(images), labels
+            shapes = {im.shape for im in images} | ({first} if first else set())
+            if len(shapes) > 1:
+                a, b = sorted(shapes)[:2]
+                raise DataError(f"the images of {spec} {split} have different sizes ({a}, {b}, "
+                                f"...): set data.image_size to resize them all to one square "
+                                f"size")  # fmt: skip
+            first = images[0].shape
+            yield start, np.stack(images), labels
+            bar.update(len(ids))
+
+
+def _read_split(source, split: str, spec, **read):
+    """A split's ``(images, labels)`` in its records' order, in memory."""
+    parts = list(_decoded(source, np.arange(len(source)), split, spec, **read))
+    return np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+
+
+def stream_split(splits: tfds_io.Splits, split: str, spec, order, **read):
+    """The training split's ``(images, labels)`` in the order ``order``: the images as a
+    read-only uint8 memory map of a file written once next to the dataset
+    (``DATA_DIR/NAME/_images-SPLIT.npy``, its labels in ``_labels-SPLIT.npy`` and a ``.json`` of
+    what both were written from: a changed dataset, feature, size or order rewrites them).
+    Decoded a chunk at a time, so memory holds one chunk of images; written under temporary
+    names, then renamed (the ``.json`` last): a crash leaves no half file in use."""
+    images_path = tfds_io.cache_path(splits, "images", split, ".npy")
+    labels_path = tfds_io.cache_path(splits, "labels", split, ".npy")
+    meta = images_path.with_suffix(".json")
+    key = {"split": split, "records": len(order), "order": hashlib.sha256(order).hexdigest(),
+           **read, "files": tfds_io.source_files(splits)}  # fmt: skip
+    if meta.is_file() and json.loads(meta.read_text()) == key:
+        return np.load(images_path, mmap_mode="r"), np.load(labels_path)
+    partial = images_path.with_suffix(".partial")
+    try:
+        meta.unlink(missing_ok=True)
+        out, labels = None, np.zeros(len(order), np.int64)
+        for start, images, part in _decoded(splits.train, order, split, spec, **read):
+            if out is None:
+                out = np.lib.format.open_memmap(partial, "w+", np.uint8,
+                                                (len(order), *images.shape[1:]))  # fmt: skip
+            out[start : start + len(part)] = images
+            labels[start : start + len(part)] = part
+        out.flush()
+        del out
+        with open(labels_path.with_suffix(".partial"), "wb") as f:
+            np.save(f, labels)
+        os.replace(labels_path.with_suffix(".partial"), labels_path)
+        os.replace(partial, images_path)
+        meta.write_text(json.dumps(key))
+    except OSError as e:
+        why = f"{e} (make the data dir writable, or raise data.max_memory_mib)"
+        raise DataError(f"cannot write the image file {images_path} for streaming: {why}") from None
+    return np.load(images_path, mmap_mode="r"), labels
 
 
 def load(
@@ -99,10 +149,12 @@ def load(
     image_size: int = 0,
     train_split: str = "train",
     eval_split: str = "",
+    max_bytes: int = 0,
 ):
     """Reads ``tfds:NAME``'s train and validation (or test) splits into
     :class:`~diloco_jax.data.images.Images` (uint8 ``[N, H, W, C]``; ``image_size`` > 0 resizes
-    to ``image_size`` x ``image_size``)."""
+    to ``image_size`` x ``image_size``). ``max_bytes`` (0: no limit): training images that take
+    more stay on disk (:func:`stream_split`; ``train_images`` is then a ``np.memmap``)."""
     from diloco_jax.data.images import Images
 
     tfds = extras.require("tensorflow_datasets", f"reading {spec}")
@@ -127,7 +179,14 @@ def load(
         raise DataError(f"{spec}: images with {channels} channels are not supported (1 or 3)")
     read = dict(image_feature=image_feature, label_feature=label_feature, channels=channels,
                 size=image_size)  # fmt: skip
-    train_images, train_labels = _read_split(splits.train, train_split, spec, **read)
+    order = np.random.default_rng(0).permutation(len(splits.train))  # i.i.d. contiguous shards
+    if max_bytes:
+        train_images, train_labels = stream_split(splits, train_split, spec, order, **read)
+        if train_images.nbytes <= max_bytes:
+            train_images = np.array(train_images)  # fits: in memory, as without a budget
+    else:
+        train_images, train_labels = _read_split(splits.train, train_split, spec, **read)
+        train_images, train_labels = train_images[order], train_labels[order]
     val_images, val_labels = _read_split(splits.val, splits.val_split, spec, **read)
     if train_images.shape[1:] != val_images.shape[1:]:
         raise DataError(f"{spec}: training images are {train_images.shape[1:]} but validation "
@@ -139,8 +198,7 @@ def load(
         if labels.min() < 0 or labels.max() >= num_classes:
             raise DataError(f"{spec} {split}: labels must lie in [0, {num_classes}), found "
                             f"[{labels.min()}, {labels.max()}]")  # fmt: skip
-    order = np.random.default_rng(0).permutation(len(train_labels))  # i.i.d. contiguous shards
-    return Images(train_images[order], train_labels[order].astype(np.int32), val_images,
+    return Images(train_images, train_labels.astype(np.int32), val_images,
                   val_labels.astype(np.int32), num_classes)  # fmt: skip
 
 

@@ -151,3 +151,18 @@ def write(
         download_config=again
     )
     return data_dir / name
+
+
+def cache_path(splits: Splits, kind: str, split: str, suffix: str) -> pathlib.Path:
+    """Where a file derived from ``split`` of the dataset lives, next to the dataset:
+    ``DATA_DIR/NAME/_KIND-SPLIT.SUFFIX`` (the split string made file-safe)."""
+    stem = re.sub(r"[^A-Za-z0-9_.+-]", "_", split)
+    return splits.root / splits.name / f"_{kind}-{stem}{suffix}"
+
+
+def source_files(splits: Splits) -> list:
+    """The dataset's record files with their sizes and mtimes: a derived file written from other
+    files than these is stale."""
+    files = (splits.root / splits.name).rglob("*array_record*")
+    return sorted([str(p.relative_to(splits.root)), p.stat().st_size, p.stat().st_mtime_ns]
+                  for p in files)  # fmt: skip

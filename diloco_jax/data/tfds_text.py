@@ -19,7 +19,6 @@ import functools
 import json
 import os
 import pathlib
-import re
 
 import numpy as np
 
@@ -122,11 +121,9 @@ def _split_tokens(source, tokenizer, text_feature: str) -> np.ndarray:
 
 def _cache_key(splits: tfds_io.Splits, split: str, tokenizer, text_feature: str) -> dict:
     """What the token file of ``split`` was written from: if any of it changes, it is rewritten."""
-    files = sorted([str(p.relative_to(splits.root)), p.stat().st_size, p.stat().st_mtime_ns]
-                   for p in (splits.root / splits.name).rglob("*array_record*"))  # fmt: skip
     return {"split": split, "records": len(splits.train), "tokenizer": tokenizer.name,
             "vocab_size": tokenizer.vocab_size, "text_feature": text_feature,
-            "files": files}  # fmt: skip
+            "files": tfds_io.source_files(splits)}  # fmt: skip
 
 
 def stream_tokens(splits: tfds_io.Splits, split: str, tokenizer, text_feature: str) -> np.memmap:
@@ -136,8 +133,7 @@ def stream_tokens(splits: tfds_io.Splits, split: str, tokenizer, text_feature: s
     (their lengths, then their tokens at their offsets), so memory holds one record at a time;
     the order is :func:`load`'s. Written to a temporary name, then renamed: a crash leaves no
     half file behind."""
-    stem = re.sub(r"[^A-Za-z0-9_.+-]", "_", split)
-    path = splits.root / splits.name / f"_tokens-{stem}.int32"
+    path = tfds_io.cache_path(splits, "tokens", split, ".int32")
     meta, key = path.with_suffix(".json"), _cache_key(splits, split, tokenizer, text_feature)
     if path.is_file() and meta.is_file() and json.loads(meta.read_text()) == key:
         return np.memmap(path, np.int32, "r")

@@ -175,7 +175,8 @@ class ChunkedSteps:
     def _data(self, data, first: int, end: int, part: slice):
         """The chunk's data: its shards, or (streamed, ``[N, R, ...]``) its batches of these
         steps."""
-        return data[first:end, part] if self.per_step_data else data[part]
+        where = (slice(first, end), part) if self.per_step_data else part
+        return jax.tree.map(lambda x: x[where], data)
 
     def lower(self, state, replicas_R, shards_R, control_NxR):
         """Compiles the chunk call and the sync ahead; returns an object whose ``compile()`` is

@@ -72,8 +72,8 @@ def image_classification(graphdef, *, chunk: int = 512) -> Task:
 
     def loss(params, batch, dropout_key):
         del dropout_key  # the ResNet has no dropout
-        images_BxHxWxC, labels_B = batch
-        return vision.cross_entropy(vision.apply(graphdef, params, images_BxHxWxC),
+        images_BxHxWxC, labels_B = batch  # streamed batches hold uint8 pixels
+        return vision.cross_entropy(vision.apply(graphdef, params, as_float(images_BxHxWxC)),
                                     labels_B).mean()  # fmt: skip
 
     @jax.jit
