@@ -27,7 +27,7 @@ RUNTIMES = ("auto", "sim", "mesh")
 WANDB_MODES = ("offline", "online")
 _CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()  # the library's defaults
 _ADAMW = inspect.signature(optim.inner_adamw).parameters
-_NESTEROV = inspect.signature(optim.outer_nesterov).parameters
+_OUTER = inspect.signature(optim.outer_optimizer).parameters
 
 
 class ConfigError(ValueError):
@@ -99,10 +99,22 @@ class InnerConfig:
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
     sync_every: int = _key(50, "inner steps between syncs (H)")
-    learning_rate: float = _key(_NESTEROV["learning_rate"].default,
+    optimizer: str = _key(_OUTER["name"].default, "sgd (with momentum: the paper's Nesterov) "
+                          "| adam | adamw, on the mean pseudo-gradient")  # fmt: skip
+    learning_rate: float = _key(_OUTER["learning_rate"].default,
                                 "outer learning rate (the paper: 0.7)")  # fmt: skip
-    momentum: float = _key(_NESTEROV["momentum"].default, "outer momentum (the paper: 0.9)")
-    nesterov: bool = _key(_NESTEROV["nesterov"].default, "Nesterov outer momentum")
+    momentum: float = _key(_OUTER["momentum"].default, "sgd's outer momentum (the paper: 0.9)")
+    nesterov: bool = _key(_OUTER["nesterov"].default, "Nesterov outer momentum (sgd)")
+    b1: float = _key(_OUTER["b1"].default, "adam(w): first-moment decay")
+    b2: float = _key(_OUTER["b2"].default, "adam(w): second-moment decay")
+    eps: float = _key(_OUTER["eps"].default, "adam(w): epsilon")
+    weight_decay: float = _key(_OUTER["weight_decay"].default, "adamw: decay of the anchor")
+    schedule: str = _key(_OUTER["schedule"].default, "outer lr over outer steps: constant | "
+                         "cosine | linear (to final_lr_fraction at the last sync)")  # fmt: skip
+    warmup: int = _key(_OUTER["warmup"].default, "outer steps of linear outer-lr warmup from 0")
+    final_lr_fraction: float = _key(
+        _OUTER["final_lr_fraction"].default, "cosine/linear: last outer lr / outer.learning_rate"
+    )
     reset_inner_state: bool = _key(False, "reset AdamW's state at every sync")
     mode: str = _key("sync", "sync (the paper) | delayed (the previous sync's mean) | eager "
                      "(previous mean + own fresh share)")  # fmt: skip

@@ -18,7 +18,9 @@ KEY_OF_OPTION = {
     **{f"inner.{k}": f"inner.{k}" for k in ("learning_rate", "warmup_steps", "final_lr_fraction",
                                             "weight_decay", "b1", "b2", "clip_norm")},
     "inner.total_steps": "train.total_steps", "outer.learning_rate": "outer.learning_rate",
-    "outer.momentum": "outer.momentum",
+    **{f"outer.{k}": f"outer.{k}" for k in ("momentum", "optimizer", "b1", "b2", "eps",
+                                            "weight_decay", "schedule", "warmup",
+                                            "final_lr_fraction")},
     "sync_every": "outer.sync_every", "outer_mode": "outer.mode",
     "reset_inner_state": "outer.reset_inner_state", "streaming.fragments": "streaming.fragments",
     "streaming.overlap": "streaming.overlap", "streaming.mix": "streaming.mix",
@@ -58,11 +60,13 @@ def _variants(cfg: Config) -> dict:
 def _optimizers(cfg: Config):
     """The inner and outer optimizers ``cfg`` asks for (building them checks their arguments)."""
     inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
-    outer = optim.outer_nesterov(
-        learning_rate=cfg.outer.learning_rate,
-        momentum=cfg.outer.momentum,
-        nesterov=cfg.outer.nesterov,
-    )
+    o = cfg.outer
+    outer = optim.outer_optimizer(
+        o.optimizer, learning_rate=o.learning_rate, momentum=o.momentum, nesterov=o.nesterov,
+        b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, schedule=o.schedule,
+        warmup=o.warmup, total=max(cfg.train.total_steps // max(o.sync_every, 1), 1),
+        final_lr_fraction=o.final_lr_fraction,
+    )  # fmt: skip
     return inner, outer
 
 

@@ -72,6 +72,81 @@ def outer_nesterov(
     return optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov and momentum > 0)
 
 
+OUTER_OPTIMIZERS = ("sgd", "adam", "adamw")
+OUTER_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def outer_schedule(
+    learning_rate: float, *, schedule: str = "constant", warmup: int = 0, total: int = 1,
+    final_lr_fraction: float = 0.0,
+) -> optax.Schedule | float:  # fmt: skip
+    """The outer learning rate per outer step (the outer optimizer counts its own steps, one
+    per sync of its fragment): ``constant``, or a linear ramp from 0 over ``warmup`` outer steps
+    then ``cosine`` or ``linear`` decay to ``final_lr_fraction * learning_rate`` at outer step
+    ``total``. ``constant`` with no warmup is the plain float (no schedule)."""
+    require(schedule in OUTER_SCHEDULES, "outer.schedule", schedule,
+            f"must be one of {OUTER_SCHEDULES}")  # fmt: skip
+    require(warmup >= 0, "outer.warmup", warmup, "must be an integer >= 0")
+    _finite(0 <= final_lr_fraction <= 1, "outer.final_lr_fraction", final_lr_fraction,
+            "must be in [0, 1]")  # fmt: skip
+    if schedule == "constant" and not warmup:
+        return learning_rate
+    end = learning_rate if schedule == "constant" else learning_rate * final_lr_fraction
+    decay_steps = max(total - warmup, 1)
+    decay = (optax.cosine_decay_schedule(learning_rate, decay_steps, end / learning_rate)
+             if schedule == "cosine"
+             else optax.linear_schedule(learning_rate, end, decay_steps))  # fmt: skip
+    ramp = optax.linear_schedule(0.0, learning_rate, warmup)
+    return optax.join_schedules([ramp, decay], [warmup]) if warmup else decay
+
+
+def outer_optimizer(
+    name: str = "sgd",
+    *,
+    learning_rate: float = 0.7,
+    momentum: float = 0.9,
+    nesterov: bool = True,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    schedule: str = "constant",
+    warmup: int = 0,
+    total: int = 1,
+    final_lr_fraction: float = 0.0,
+) -> optax.GradientTransformation:
+    """The outer optimizer, fed the replicas' mean pseudo-gradient ``anchor - mean(params)`` as
+    its gradient:
+
+    * ``sgd``: :func:`outer_nesterov` (the paper: lr 0.7, Nesterov momentum 0.9; ``momentum=0``
+      is plain SGD, and at lr 1 FedAvg; with one replica, Nesterov is SNOO, arXiv 2510.15830,
+      and momentum 0 is Lookahead);
+    * ``adam`` / ``adamw``: Adam on the pseudo-gradient (``b1``, ``b2``, ``eps``; ``adamw``
+      decays the anchor by ``weight_decay``). Adam normalises the step, so its learning rate
+      is a per-coordinate step size: about what the inner steps move a weight in one round.
+
+    The learning rate follows :func:`outer_schedule` over ``total`` outer steps. Raises
+    :class:`~diloco_jax.algorithm.options.OptionError` (``outer.<argument>``) for a value out of
+    range."""
+    require(name in OUTER_OPTIMIZERS, "outer.optimizer", name,
+            f"must be one of {OUTER_OPTIMIZERS}")  # fmt: skip
+    _finite(learning_rate > 0, "outer.learning_rate", learning_rate, "must be a finite number > 0")
+    lr = outer_schedule(learning_rate, schedule=schedule, warmup=warmup, total=total,
+                        final_lr_fraction=final_lr_fraction)  # fmt: skip
+    _finite(0 <= momentum < 1, "outer.momentum", momentum, "must be in [0, 1)")
+    _finite(0 <= b1 < 1, "outer.b1", b1, "must be in [0, 1)")
+    _finite(0 <= b2 < 1, "outer.b2", b2, "must be in [0, 1)")
+    _finite(eps > 0, "outer.eps", eps, "must be a finite number > 0")
+    _finite(weight_decay >= 0, "outer.weight_decay", weight_decay, "must be a finite number >= 0")
+    require(name == "adamw" or weight_decay == 0, "outer.weight_decay", weight_decay,
+            "needs outer.optimizer = 'adamw'")  # fmt: skip
+    if name == "sgd":
+        return optax.sgd(lr, momentum=momentum or None, nesterov=nesterov and momentum > 0)
+    if name == "adam":
+        return optax.adam(lr, b1=b1, b2=b2, eps=eps)
+    return optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+
+
 def make_algorithm(
     algorithm: str,
     inner: optax.GradientTransformation,

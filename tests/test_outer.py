@@ -1,0 +1,121 @@
+"""Outer optimizers (issue 15): Nesterov SGD, plain SGD, Adam and AdamW on the pseudo-gradient,
+with a schedule over outer steps; one replica is SNOO (and Lookahead at momentum 0). Each against
+a hand-computed numpy trajectory or optax's own transform; the simulator against the mesh."""
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+from diloco_jax.algorithm import OptionError, diloco, optim
+from diloco_jax.config import ConfigError, apply_overrides, load_preset, validate
+from diloco_jax.runtime import parallel
+from tests import helpers
+from tests.test_diloco import CENTERS_RxD, run_quadratic
+
+
+def _local_rounds(anchor, inner_lr, sync_every):
+    """Every replica's parameters after ``sync_every`` inner SGD steps on 0.5 |x - c_r|^2."""
+    local = np.tile(anchor, (len(CENTERS_RxD), 1))
+    for _ in range(sync_every):
+        local = local - inner_lr * (local - CENTERS_RxD)
+    return local
+
+
+def test_outer_adam_follows_a_hand_computed_adam_on_the_mean_pseudo_gradient():
+    lr, b1, b2, eps = 0.3, 0.8, 0.9, 1e-8
+    outer = optim.outer_optimizer("adam", learning_rate=lr, b1=b1, b2=b2, eps=eps)
+    traj, state = run_quadratic(diloco(optax.sgd(0.1), outer, sync_every=2), num_steps=6)
+    anchor, m, v = np.zeros(2), np.zeros(2), np.zeros(2)
+    for k in range(1, 4):  # three syncs, Adam with bias correction (Kingma & Ba)
+        g = (anchor - _local_rounds(anchor, 0.1, 2)).mean(axis=0)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g**2
+        anchor = anchor - lr * (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)
+        np.testing.assert_allclose(traj[2 * k - 1], np.tile(anchor, (2, 1)), rtol=2e-6)
+    np.testing.assert_allclose(state.anchor, anchor, rtol=2e-6)
+    assert int(state.outer_state[0][0].count) == 3  # Adam counted outer steps, not inner ones
+
+
+def test_outer_adamw_decays_the_anchor_and_plain_sgd_is_momentum_zero():
+    outer = optim.outer_optimizer("adamw", learning_rate=0.3, weight_decay=0.5)
+    tx = diloco(optax.sgd(0.1), outer, sync_every=2)
+    _, decayed = run_quadratic(tx, num_steps=4, x0_D=(1.0, 1.0))
+    _, plain = run_quadratic(diloco(optax.sgd(0.1), optim.outer_optimizer(
+        "adam", learning_rate=0.3), sync_every=2), num_steps=4, x0_D=(1.0, 1.0))  # fmt: skip
+    assert not np.allclose(decayed.anchor, plain.anchor)
+    sgd = optim.outer_optimizer("sgd", learning_rate=0.5, momentum=0.0)
+    _, got = run_quadratic(diloco(optax.sgd(0.1), sgd, sync_every=2), num_steps=2)
+    g = (np.zeros(2) - _local_rounds(np.zeros(2), 0.1, 2)).mean(axis=0)
+    np.testing.assert_allclose(got.anchor, -0.5 * g, rtol=1e-6)
+
+
+def test_the_outer_learning_rate_follows_its_schedule_over_outer_steps():
+    lr = optim.outer_schedule(0.8, schedule="cosine", warmup=2, total=6, final_lr_fraction=0.25)
+    want = [0.0, 0.4, 0.8] + [0.2 + 0.3 * (1 + np.cos(np.pi * k / 4)) for k in (1, 2, 3, 4)]
+    np.testing.assert_allclose([float(lr(k)) for k in range(7)], want, rtol=1e-6)
+    linear = optim.outer_schedule(1.0, schedule="linear", total=4, final_lr_fraction=0.0)
+    np.testing.assert_allclose([float(linear(k)) for k in range(5)], [1, 0.75, 0.5, 0.25, 0])
+    assert optim.outer_schedule(0.7) == 0.7  # constant: a plain float, nothing scheduled
+    # in DiLoCo, with plain SGD the k-th outer step moves the anchor by lr(k) * the mean
+    outer = optim.outer_optimizer("sgd", learning_rate=1.0, momentum=0.0, schedule="linear",
+                                  total=4)  # fmt: skip
+    traj, _ = run_quadratic(diloco(optax.sgd(0.1), outer, sync_every=1), num_steps=3)
+    anchor = np.zeros(2)
+    for k in range(3):
+        g = (anchor - _local_rounds(anchor, 0.1, 1)).mean(axis=0)
+        anchor = anchor - (1 - k / 4) * g
+        np.testing.assert_allclose(traj[k][0], anchor, rtol=1e-6)
+
+
+def test_one_replica_at_momentum_zero_is_optax_lookahead():
+    """SNOO's single-worker case with momentum 0 is Lookahead (Zhang et al., 2019): the slow
+    weights move ``alpha`` of the way to the fast ones every ``sync_every`` steps."""
+    inner, alpha, k = optax.adam(0.05), 0.5, 3
+    outer = optim.outer_optimizer("sgd", learning_rate=alpha, momentum=0.0)
+    traj, state = run_quadratic(diloco(inner, outer, sync_every=k), 9, CENTERS_RxD[:1])
+    look = optax.lookahead(inner, sync_period=k, slow_step_size=alpha)
+    params = optax.LookaheadParams.init_synced(np.zeros(2, np.float32))
+    opt_state = look.init(params)
+    for t in range(9):
+        updates, opt_state = look.update(params.fast - CENTERS_RxD[0], opt_state, params)
+        params = optax.apply_updates(params, updates)
+        np.testing.assert_allclose(traj[t][0], params.fast, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(state.anchor, params.slow, rtol=1e-6, atol=1e-7)
+
+
+def test_snoo_one_replica_with_nesterov_trains_through_the_cli_path(tmp_path):
+    from diloco_jax.train import train
+    from tests.test_train import tiny
+
+    done = train(tiny(**{"parallel.replicas": 1, "train.checkpoint": False}), tmp_path,
+                 show_progress=False)  # fmt: skip
+    assert done["final_eval_loss"] < np.log(256)  # it learns, from uniform (5.5 nats)
+
+
+def _adam_tx(axis):
+    outer = optim.outer_optimizer("adam", learning_rate=0.01, schedule="cosine", warmup=1, total=3)
+    return diloco(helpers.adamw(), outer, sync_every=3, axis_name=axis)
+
+
+def test_outer_adam_on_the_mesh_equals_the_simulator():
+    sim_state, sim_loss = helpers.run(_adam_tx, helpers.sim(4), 8)
+    mesh_state, mesh_loss = helpers.run(_adam_tx, parallel.Layout("mesh", 4, 2, 2), 8)
+    chex.assert_trees_all_close(mesh_state, sim_state, atol=1e-5, rtol=1e-5)  # as test_parallel
+    chex.assert_trees_all_close(mesh_loss, sim_loss, atol=1e-5, rtol=1e-5)
+    assert int(jax.tree.leaves(sim_state.outer_state)[0]) == 2  # two outer steps counted
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("outer.optimizer", "lamb", "outer.optimizer = 'lamb' is invalid: must be one of"),
+    ("outer.b2", "1.0", r"outer.b2 = 1.0 is invalid: must be in \[0, 1\)"),
+    ("outer.weight_decay", "0.1", "needs outer.optimizer = 'adamw'"),
+    ("outer.schedule", "step", "outer.schedule = 'step' is invalid"),
+    ("outer.final_lr_fraction", "2", "outer.final_lr_fraction = 2.0 is invalid"),
+])  # fmt: skip
+def test_bad_outer_options_are_one_line(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(apply_overrides(load_preset("configs/tiny.py"), [(key, value)]))
+    with pytest.raises(OptionError):
+        optim.outer_optimizer(**{"name" if key == "outer.optimizer" else key.split(".")[1]:
+                                 float(value) if value[0].isdigit() else value})  # fmt: skip
