@@ -26,7 +26,7 @@ DEFAULT_PRESET = presets.DEFAULT
 RUNTIMES = ("auto", "sim", "mesh")
 WANDB_MODES = ("offline", "online")
 _CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()  # the library's defaults
-_ADAMW = inspect.signature(optim.inner_adamw).parameters
+_INNER = inspect.signature(optim.inner_optimizer).parameters
 _OUTER = inspect.signature(optim.outer_optimizer).parameters
 
 
@@ -84,16 +84,20 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
-    """AdamW (``algorithm/optim.inner_adamw``); defaults past the schedule are the library's."""
+    """The inner optimizer (``algorithm/optim.inner_optimizer``); defaults past the schedule
+    are the library's."""
 
-    learning_rate: float = _key(3e-3, "inner AdamW peak learning rate")
+    optimizer: str = _key(_INNER["name"].default, "adamw (the paper) | muon (MuLoCo: Muon on "
+                          "weight matrices, AdamW on the rest)")  # fmt: skip
+    learning_rate: float = _key(3e-3, "inner peak learning rate (Muon's scaled to AdamW's RMS)")
     warmup_steps: int = _key(50, "linear warmup steps, then cosine decay")
-    final_lr_fraction: float = _key(_ADAMW["final_lr_fraction"].default,
+    final_lr_fraction: float = _key(_INNER["final_lr_fraction"].default,
                                     "learning rate at the end over the peak")  # fmt: skip
-    weight_decay: float = _key(_ADAMW["weight_decay"].default, "decoupled weight decay; >= 0")
-    b1: float = _key(_ADAMW["b1"].default, "Adam beta1; in [0, 1)")
-    b2: float = _key(_ADAMW["b2"].default, "Adam beta2; in [0, 1)")
-    clip_norm: float = _key(_ADAMW["clip_norm"].default, "global gradient norm clip; 0: none")
+    weight_decay: float = _key(_INNER["weight_decay"].default, "decoupled weight decay; >= 0")
+    b1: float = _key(_INNER["b1"].default, "Adam beta1; in [0, 1)")
+    b2: float = _key(_INNER["b2"].default, "Adam beta2; in [0, 1)")
+    clip_norm: float = _key(_INNER["clip_norm"].default, "global gradient norm clip; 0: none")
+    momentum: float = _key(_INNER["momentum"].default, "muon: Nesterov momentum; in [0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # config imports this module to check its values
 
 KEY_OF_OPTION = {
     **{f"inner.{k}": f"inner.{k}" for k in ("learning_rate", "warmup_steps", "final_lr_fraction",
-                                            "weight_decay", "b1", "b2", "clip_norm")},
+                                            "weight_decay", "b1", "b2", "clip_norm", "optimizer",
+                                            "momentum")},
     "inner.total_steps": "train.total_steps", "outer.learning_rate": "outer.learning_rate",
     **{f"outer.{k}": f"outer.{k}" for k in ("momentum", "optimizer", "b1", "b2", "eps",
                                             "weight_decay", "schedule", "warmup",
@@ -59,7 +60,9 @@ def _variants(cfg: Config) -> dict:
 
 def _optimizers(cfg: Config):
     """The inner and outer optimizers ``cfg`` asks for (building them checks their arguments)."""
-    inner = optim.inner_adamw(total_steps=cfg.train.total_steps, **dataclasses.asdict(cfg.inner))
+    inner_args = dataclasses.asdict(cfg.inner)
+    inner = optim.inner_optimizer(inner_args.pop("optimizer"), total_steps=cfg.train.total_steps,
+                                  **inner_args)  # fmt: skip
     o = cfg.outer
     outer = optim.outer_optimizer(
         o.optimizer, learning_rate=o.learning_rate, momentum=o.momentum, nesterov=o.nesterov,

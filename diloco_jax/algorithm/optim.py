@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import optax
 
 from diloco_jax.algorithm import Streaming, data_parallel, diloco, single
@@ -24,7 +25,11 @@ def _finite(ok: bool, option: str, value: float, allowed: str) -> None:
     require(math.isfinite(value) and ok, option, value, allowed)
 
 
-def inner_adamw(
+INNER_OPTIMIZERS = ("adamw", "muon")
+
+
+def inner_optimizer(
+    name: str = "adamw",
     *,
     learning_rate: float,
     total_steps: int,
@@ -34,11 +39,24 @@ def inner_adamw(
     b1: float = 0.9,
     b2: float = 0.95,
     clip_norm: float = 1.0,
+    momentum: float = 0.95,
 ) -> optax.GradientTransformation:
-    """AdamW with linear warmup then cosine decay to ``final_lr_fraction * learning_rate``, after
-    clipping gradients to global norm ``clip_norm`` (``clip_norm <= 0`` disables clipping).
+    """The inner optimizer, after clipping gradients to global norm ``clip_norm`` (``<= 0``: no
+    clipping), its learning rate warmed up linearly from 0 then decayed by a cosine to
+    ``final_lr_fraction * learning_rate`` at ``total_steps``:
+
+    * ``adamw``: AdamW (``b1``, ``b2``, ``weight_decay``), the paper's;
+    * ``muon``: MuLoCo's (Thérien et al., 2025, arXiv 2505.23725): optax's ``contrib.muon``
+      (Nesterov momentum ``momentum``, orthogonalised by Newton-Schulz) on the weight matrices
+      :func:`muon_dimensions` picks, AdamW on the rest (with Nesterov momentum, as optax's
+      muon runs it). Muon's updates are scaled to AdamW's
+      RMS (``consistent_rms=0.2``, Liu et al., 2025, arXiv 2502.16982), so both share the
+      learning rate, its schedule and the weight decay.
+
     Raises :class:`~diloco_jax.algorithm.options.OptionError` (``inner.<argument>``) for a value
     out of range."""
+    require(name in INNER_OPTIMIZERS, "inner.optimizer", name,
+            f"must be one of {INNER_OPTIMIZERS}")  # fmt: skip
     _finite(learning_rate > 0, "inner.learning_rate", learning_rate, "must be a finite number > 0")
     require(total_steps >= 1, "inner.total_steps", total_steps, "must be an integer >= 1")
     require(warmup_steps >= 0, "inner.warmup_steps", warmup_steps, "must be an integer >= 0")
@@ -48,6 +66,7 @@ def inner_adamw(
     _finite(0 <= b1 < 1, "inner.b1", b1, "must be in [0, 1)")
     _finite(0 <= b2 < 1, "inner.b2", b2, "must be in [0, 1)")
     _finite(True, "inner.clip_norm", clip_norm, "must be a finite number (<= 0: no clipping)")
+    _finite(0 <= momentum < 1, "inner.momentum", momentum, "must be in [0, 1)")
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=learning_rate,
@@ -55,10 +74,36 @@ def inner_adamw(
         decay_steps=max(total_steps, warmup_steps + 1),
         end_value=learning_rate * final_lr_fraction,
     )
-    adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
-    if clip_norm <= 0:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+    if name == "adamw":
+        tx = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
+    else:
+        from optax.contrib import muon
+
+        tx = muon(schedule, beta=momentum, weight_decay=weight_decay, adam_b1=b1, adam_b2=b2,
+                  adam_weight_decay=weight_decay, muon_weight_dimension_numbers=muon_dimensions,
+                  consistent_rms=0.2)  # fmt: skip
+    return tx if clip_norm <= 0 else optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+
+
+def inner_adamw(**kwargs) -> optax.GradientTransformation:
+    """:func:`inner_optimizer` ``("adamw", **kwargs)``: the paper's inner optimizer."""
+    return inner_optimizer("adamw", **kwargs)
+
+
+def muon_dimensions(params):
+    """Which leaves Muon orthogonalises, as optax's ``MuonDimensionNumbers`` (None: AdamW):
+    every weight matrix named ``kernel`` (a dense ``[in, out]``, or a convolution's ``[..., in,
+    out]`` with every axis but the last reduced), except the output ``head``; embeddings,
+    biases and norms stay with AdamW, as in MuLoCo and Muon's own recipe."""
+    from optax.contrib import MuonDimensionNumbers
+
+    def spec(path, x):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if names[-1] != "kernel" or "head" in names or x.ndim < 2:
+            return None
+        return MuonDimensionNumbers(tuple(range(x.ndim - 1)), x.ndim - 1)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def outer_nesterov(
