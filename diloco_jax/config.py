@@ -212,6 +212,16 @@ class StreamingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeslocConfig:
+    """DES-LOC (arXiv 2505.22549): the inner optimizer's moments averaged across replicas on
+    their own periods (``diloco_jax/algorithm/moments.py``)."""
+
+    first_moment_every: int = _key(0, "steps between averages of first moments (mu); a "
+                                   "multiple of outer.sync_every; 0: never")  # fmt: skip
+    second_moment_every: int = _key(0, "the same for the second moments (nu)")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     algorithm: str = _key("diloco", "diloco | ddp (data parallel) | single (one worker)")
     seed: int = _key(0, "seed of parameters, data order and simulated failures; in [0, 2**31)")
@@ -222,6 +232,7 @@ class Config:
     outer: OuterConfig = OuterConfig()
     compress: CompressConfig = CompressConfig()
     streaming: StreamingConfig = StreamingConfig()
+    desloc: DeslocConfig = DeslocConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     sim: SimConfig = SimConfig()

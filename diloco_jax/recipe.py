@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from diloco_jax.algorithm import Streaming, check_options, optim
+from diloco_jax.algorithm import MomentSync, Streaming, check_options, optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.dct import DctConfig
 
@@ -30,6 +30,9 @@ KEY_OF_OPTION = {
     "dct_config": "compress.codec", "dct.chunk": "compress.dct_chunk",
     "dct.topk": "compress.dct_topk", "dct.beta": "compress.dct_beta",
     "dct.min_size": "compress.min_size",
+    "moment_sync": "desloc.first_moment_every",
+    "moment_sync.first_every": "desloc.first_moment_every",
+    "moment_sync.second_every": "desloc.second_moment_every",
 }  # fmt: skip
 
 
@@ -55,14 +58,20 @@ def _variants(cfg: Config) -> dict:
         codec=codec_of(cfg),
         dct_config=dct_of(cfg),
         reset_inner_state=cfg.outer.reset_inner_state,
+        moment_sync=MomentSync(cfg.desloc.first_moment_every, cfg.desloc.second_moment_every),
     )
+
+
+def inner_of(cfg: Config):
+    """The inner optimizer ``cfg`` asks for."""
+    inner_args = dataclasses.asdict(cfg.inner)
+    return optim.inner_optimizer(inner_args.pop("optimizer"), total_steps=cfg.train.total_steps,
+                                 **inner_args)  # fmt: skip
 
 
 def _optimizers(cfg: Config):
     """The inner and outer optimizers ``cfg`` asks for (building them checks their arguments)."""
-    inner_args = dataclasses.asdict(cfg.inner)
-    inner = optim.inner_optimizer(inner_args.pop("optimizer"), total_steps=cfg.train.total_steps,
-                                  **inner_args)  # fmt: skip
+    inner = inner_of(cfg)
     o = cfg.outer
     outer = optim.outer_optimizer(
         o.optimizer, learning_rate=o.learning_rate, momentum=o.momentum, nesterov=o.nesterov,

@@ -44,6 +44,7 @@ def simulate(
     topology: str = "ring",
     fragments: int = 1,
     hidden_steps: int = 0,
+    extra_payloads: Sequence[tuple[int, int]] = (),
 ) -> Clock:
     """The wall-clock of ``steps`` inner steps per replica under the model above.
 
@@ -51,7 +52,9 @@ def simulate(
     fragment ``k mod F`` at the end of round ``k``, with the fragments' ``payload_bytes`` (a list)
     in turn. Overlapped communication: a reduce runs behind ``hidden_steps`` inner steps of compute
     (streaming's overlap tau; a whole round for delayed and eager outer steps) and only what
-    exceeds them stalls the replicas. ``comm_s`` is the stalled time.
+    exceeds them stalls the replicas. ``comm_s`` is the stalled time. ``extra_payloads``:
+    ``(every, P)`` reduces that join the sync after each inner step that ``every`` divides
+    (DES-LOC's moment averages).
     """
     payloads = [payload_bytes] if isinstance(payload_bytes, int) else list(payload_bytes)
     reduce_s = [comms.reduce_seconds(p, replicas, network, topology) for p in payloads]
@@ -62,8 +65,14 @@ def simulate(
     per_round = schedule.local_steps(speeds, round_steps, dylu and algorithm == "diloco")
     full_rounds, leftover = divmod(steps, round_steps)
     compute_R = per_round * step_time_s / speeds
-    stall = [max(0.0, r - hidden_steps * step_time_s) for r in reduce_s]
-    comm = sum(stall[k % len(stall)] for k in range(1, full_rounds + 1))
+    extra_s = [(every, comms.reduce_seconds(p, replicas, network, topology))
+               for every, p in extra_payloads]  # fmt: skip
+
+    def stall(k: int) -> float:  # after round k, at inner step k * round_steps
+        extra = sum(t for every, t in extra_s if (k * round_steps) % every == 0)
+        return max(0.0, reduce_s[k % len(reduce_s)] + extra - hidden_steps * step_time_s)
+
+    comm = sum(stall(k) for k in range(1, full_rounds + 1))
     wall = full_rounds * compute_R.max() + comm
     busy = full_rounds * compute_R.sum()
     if leftover:  # a last round that ends before its sync

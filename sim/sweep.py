@@ -16,10 +16,12 @@ import shutil
 import sys
 from collections import defaultdict
 
+import jax
 import numpy as np
 
 from diloco_jax import comms, extras, schedule
 from diloco_jax import config as config_lib
+from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.reporting import log
 
 from . import clock, plots
@@ -183,6 +185,21 @@ def _hidden_steps(cfg: config_lib.Config) -> int:
     return cfg.outer.sync_every if cfg.outer.mode != "sync" else cfg.streaming.overlap
 
 
+def _moment_payloads(cfg: config_lib.Config, params) -> list[tuple[int, int]]:
+    """``(every, P)`` of each moment kind DES-LOC averages (``cfg.desloc``): the float leaves
+    of the inner optimizer's state that one average sends."""
+    from diloco_jax.algorithm import moments
+    from diloco_jax.recipe import inner_of
+
+    d = cfg.desloc
+    periods = (("first", d.first_moment_every), ("second", d.second_moment_every))
+    if not any(every for _, every in periods):
+        return []
+    state = jax.eval_shape(inner_of(cfg).init, params)
+    return [(every, comms.payload_bytes(moments.payload_leaves(state, which)))
+            for which, every in periods if every]  # fmt: skip
+
+
 def account(done: dict, cfg: config_lib.Config, params) -> dict:
     """A results row: losses, exact bytes, and the network clock (``params``: the model's, whose
     size and dtypes give the bytes)."""
@@ -203,7 +220,12 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
         events = [0] * comms.reduces(cfg.algorithm, steps, cfg.outer.sync_every)
     syncs = len(events)
     per_sync = [comms.bytes_per_replica(p, replicas, sim.topology) for p in payloads]
-    sent = sum(per_sync[f] for f in events)
+    extra = _moment_payloads(cfg, params) if diloco else []
+    sync_bytes = [per_sync[f] + sum(comms.bytes_per_replica(p, replicas, sim.topology)
+                                    for every, p in extra if step % every == 0)
+                  for step, f in SyncPlan(cfg.outer.sync_every, num_fragments).sync_steps(1, steps)
+                  ] if diloco else [per_sync[f] for f in events]  # fmt: skip
+    sent = sum(sync_bytes)
     ddp_sent = steps * comms.bytes_per_replica(fp32_payload, cfg.parallel.replicas, sim.topology)
     preset = comms.NETWORKS[sim.network]
     network = comms.Network(
@@ -217,6 +239,7 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
         speeds=schedule.parse_speeds(sim.speeds, cfg.parallel.replicas)[:replicas],
         dylu=sim.dylu, step_time_s=step_time, payload_bytes=payloads, network=network,
         topology=sim.topology, fragments=num_fragments, hidden_steps=_hidden_steps(cfg),
+        extra_payloads=extra,
     )  # fmt: skip
     losses = [e["eval_loss"] for e in done["evals"]]
     return {
@@ -225,7 +248,8 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
         "outer_lr": cfg.outer.learning_rate, "outer_momentum": cfg.outer.momentum,
         "codec": codec_label(cfg), "seed": cfg.seed, "tokens": done["tokens"], "steps": steps,
         "final_eval_loss": done["final_eval_loss"], "best_eval_loss": min(losses),
-        "syncs": syncs, "bytes_per_replica": sent, "peak_sync_bytes": max(per_sync) if syncs else 0,
+        "syncs": syncs, "bytes_per_replica": sent,
+        "peak_sync_bytes": max(sync_bytes) if syncs else 0,
         "bytes_per_token": sent * replicas / done["tokens"],
         "bytes_vs_ddp": sent / ddp_sent if ddp_sent else 0.0,
         "sim_wallclock_s": c.wallclock_s, "utilization": c.utilization,

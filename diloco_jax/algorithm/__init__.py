@@ -11,6 +11,7 @@ from diloco_jax.algorithm.core import (
     maskable,
     vmap_axes,
 )
+from diloco_jax.algorithm.moments import MomentSync
 from diloco_jax.algorithm.options import OptionError
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.algorithm.state import PER_REPLICA, SHARED
@@ -18,6 +19,7 @@ from diloco_jax.algorithm.timing import OUTER_MODES
 
 __all__ = [
     "OUTER_MODES", "PER_REPLICA", "SHARED", "Diloco", "DilocoState", "Local", "LocalState",
+    "MomentSync",
     "OptionError", "Streaming", "SyncPlan", "check_options", "data_parallel", "diloco",
     "init_replicas", "maskable", "single", "vmap_axes",
 ]  # fmt: skip

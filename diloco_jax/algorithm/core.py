@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from diloco_jax.algorithm import compress, dct, exchange, fragments
+from diloco_jax.algorithm import compress, dct, exchange, fragments, moments
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.diagnostics import SyncStats, sync_stats, zero_stats
 from diloco_jax.algorithm.exchange import AxisName
@@ -166,6 +166,7 @@ class Diloco(NamedTuple):
     reset_inner_state: bool
     diagnostics: bool
     fragment_of: Callable
+    moment_sync: moments.MomentSync = moments.MomentSync()
 
     @property
     def kinds(self) -> DilocoState:
@@ -271,6 +272,9 @@ class Diloco(NamedTuple):
         if not sync:
             local = state._replace(step=step, params=params, inner_state=inner_state)
             return local, zero_stats()._asdict()
+        if self.moment_sync.active:  # DES-LOC: before the sync, which may reset a bad replica
+            inner_state = moments.apply(self.moment_sync, step, inner_state, weight,
+                                        self.axis_name)  # fmt: skip
         leaves, treedef = jax.tree.flatten(params)
         groups = self._groups(params)
         rnd = _Round(leaves, inner_state, jax.tree.leaves(state.anchor), state.outer_state,
@@ -313,6 +317,7 @@ def check_options(
     codec: compress.Codec | None = None,
     dct_config: dct.DctConfig | None = None,
     reset_inner_state: bool = False,
+    moment_sync: moments.MomentSync | None = None,
 ) -> None:
     """The one place where :func:`diloco`'s arguments are checked, each alone and together.
 
@@ -335,6 +340,8 @@ def check_options(
         require(not plan.streaming, "dct_config", dct_config,
                 f"DCT momentum does not combine with {_STREAMING}")  # fmt: skip
         dct.validate(dct_config)
+    if moment_sync is not None:
+        moments.validate(moments.MomentSync(*moment_sync), sync_every, reset_inner_state)
 
 
 def diloco(
@@ -350,6 +357,7 @@ def diloco(
     streaming: Streaming | None = None,
     outer_mode: str = "sync",
     fragment_of=fragments.strided,
+    moment_sync: moments.MomentSync | None = None,
 ) -> Diloco:
     """DiLoCo: ``sync_every`` local steps of ``inner``, then one ``outer`` step on the anchor.
 
@@ -371,12 +379,15 @@ def diloco(
       outer_mode: ``sync`` (the paper), ``delayed`` or ``eager``
         (:mod:`diloco_jax.algorithm.timing`).
       fragment_of: ``params -> fragment of each leaf`` (default :func:`fragments.strided`).
+      moment_sync: DES-LOC's periods of averaging the inner optimizer's first and second
+        moments across replicas (:mod:`.moments`; None: never).
 
     Raises :class:`~diloco_jax.algorithm.options.OptionError` (a ValueError) for an option out
     of range or a combination that is not supported (:func:`check_options`).
     """
     check_options(sync_every=sync_every, streaming=streaming, outer_mode=outer_mode, codec=codec,
-                  dct_config=dct_config, reset_inner_state=reset_inner_state)  # fmt: skip
+                  dct_config=dct_config, reset_inner_state=reset_inner_state,
+                  moment_sync=moment_sync)  # fmt: skip
     codec = None if codec is None or codec.name == "none" else codec
     streaming = Streaming() if streaming is None else Streaming(*streaming)
     plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
@@ -385,6 +396,7 @@ def diloco(
         exchange=_make_exchange(axis_name, codec, dct_config),
         timing=make_timing(outer_mode, axis_name), axis_name=axis_name, mix=streaming.mix,
         reset_inner_state=reset_inner_state, diagnostics=diagnostics, fragment_of=fragment_of,
+        moment_sync=moments.MomentSync(*(moment_sync or ())),
     )  # fmt: skip
 
 
