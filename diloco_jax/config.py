@@ -20,12 +20,13 @@ from diloco_jax import presets
 from diloco_jax.algorithm import optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.core import Streaming
-from diloco_jax.algorithm.dct import DctConfig
+from diloco_jax.algorithm.dct import SPARSELOCO, DctConfig
 
 DEFAULT_PRESET = presets.DEFAULT
 RUNTIMES = ("auto", "sim", "mesh")
 WANDB_MODES = ("offline", "online")
 _CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()  # the library's defaults
+_SPARSE = SPARSELOCO
 _INNER = inspect.signature(optim.inner_optimizer).parameters
 _OUTER = inspect.signature(optim.outer_optimizer).parameters
 
@@ -191,7 +192,8 @@ class CompressConfig:
     """How DiLoCo's pseudo-gradients travel; see ``diloco_jax/algorithm/compress.py``. The
     defaults are the library's own (Codec, DctConfig): one source."""
 
-    codec: str = _key(_CODEC.name, "none | bf16 | int8 | fp8 | int4 | topk | dct (DCT momentum)")
+    codec: str = _key(_CODEC.name, "none | bf16 | int8 | fp8 | int4 | topk | dct (DCT momentum) "
+                      "| sparseloco")  # fmt: skip
     block: int = _key(_CODEC.block, "values per scale (int8, fp8, int4)")
     topk_fraction: float = _key(_CODEC.topk_fraction, "share of values topk sends")
     min_size: int = _key(_CODEC.min_size, "leaves with fewer values travel in float32")
@@ -200,6 +202,10 @@ class CompressConfig:
     dct_chunk: int = _key(_DCT.chunk, "dct: values per DCT chunk")
     dct_topk: int = _key(_DCT.topk, "dct: coefficients each replica sends per chunk")
     dct_beta: float = _key(_DCT.beta, "dct: decay of the local momentum of pseudo-gradients")
+    sparse_chunk: int = _key(_SPARSE.chunk, "sparseloco: values per top-k chunk")
+    sparse_topk: int = _key(_SPARSE.topk, "sparseloco: values each replica sends per chunk")
+    sparse_beta: float = _key(_SPARSE.beta, "sparseloco: decay of the error-feedback accumulator")
+    sparse_bits: int = _key(_SPARSE.bits, "sparseloco: bits per sent value: 2 or 32 (float32)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,24 +29,42 @@ KEY_OF_OPTION = {
     "codec.topk_fraction": "compress.topk_fraction", "codec.min_size": "compress.min_size",
     "dct_config": "compress.codec", "dct.chunk": "compress.dct_chunk",
     "dct.topk": "compress.dct_topk", "dct.beta": "compress.dct_beta",
-    "dct.min_size": "compress.min_size",
+    "dct.min_size": "compress.min_size", "dct.bits": "compress.sparse_bits",
     "moment_sync": "desloc.first_moment_every",
     "moment_sync.first_every": "desloc.first_moment_every",
     "moment_sync.second_every": "desloc.second_moment_every",
 }  # fmt: skip
 
 
+def option_keys(cfg: Config) -> dict[str, str]:
+    """:data:`KEY_OF_OPTION` for ``cfg``: SparseLoCo's accumulator options are its own keys."""
+    if cfg.compress.codec != "sparseloco":
+        return KEY_OF_OPTION
+    own = {f"dct.{k}": f"compress.sparse_{k}" for k in ("chunk", "topk", "beta", "bits")}
+    return {**KEY_OF_OPTION, **own}
+
+
 def codec_of(cfg: Config) -> Codec | None:
-    """The codec ``cfg`` asks for (None for ``dct``, which is not a codec but an exchange)."""
+    """The codec ``cfg`` asks for (None for ``dct`` and ``sparseloco``, which are not codecs
+    but exchanges)."""
     c = cfg.compress
-    if c.codec == "dct":
+    if c.codec in ACCUMULATORS:
         return None
     return Codec(c.codec, c.block, c.topk_fraction, c.min_size, c.error_feedback)
 
 
+ACCUMULATORS = ("dct", "sparseloco")  # codec key values that choose dct_momentum's exchange
+
+
 def dct_of(cfg: Config) -> DctConfig | None:
+    """DCT momentum's or SparseLoCo's accumulator, as ``compress.codec`` chooses."""
     c = cfg.compress
-    return DctConfig(c.dct_chunk, c.dct_topk, c.dct_beta, c.min_size) if c.codec == "dct" else None
+    if c.codec == "dct":
+        return DctConfig(c.dct_chunk, c.dct_topk, c.dct_beta, c.min_size)
+    if c.codec == "sparseloco":
+        return DctConfig(c.sparse_chunk, c.sparse_topk, c.sparse_beta, c.min_size, dct=False,
+                         bits=c.sparse_bits)  # fmt: skip
+    return None
 
 
 def _variants(cfg: Config) -> dict:

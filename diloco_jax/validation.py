@@ -81,14 +81,15 @@ def _validate_library_options(cfg: Config) -> None:
     from diloco_jax import recipe
     from diloco_jax.algorithm import OptionError
 
-    codecs = (*CODECS, "dct")  # the config's codec key also chooses DCT momentum
+    codecs = (*CODECS, "dct", "sparseloco")  # the codec key also chooses these accumulators
     _enforce([("compress.codec", cfg.compress.codec in codecs, f"must be one of {codecs}")],
              keys(cfg))  # fmt: skip
     try:
         recipe.check(cfg)
     except OptionError as e:
-        key = recipe.KEY_OF_OPTION[e.option]
-        allowed = e.render(recipe.KEY_OF_OPTION)
+        names = recipe.option_keys(cfg)
+        key = names[e.option]
+        allowed = e.render(names)
         raise ConfigError(f"config key {key} = {keys(cfg)[key]!r} is invalid: {allowed}") from None
 
 
@@ -110,8 +111,8 @@ def _validate_variants(cfg: Config) -> None:
          f"averages DiLoCo's replicas' moments; algorithm is {cfg.algorithm!r}"),
         ("streaming.fragments", st.fragments <= cfg.model.num_layers,
          f"must be <= model.num_layers = {cfg.model.num_layers} (fragments are strided layers)"),
-        ("compress.error_feedback", c.codec != "dct" or not c.error_feedback,
-         "dct keeps what it does not send in its momentum already; set it to false"),
+        ("compress.error_feedback", c.codec not in ("dct", "sparseloco") or not c.error_feedback,
+         f"{c.codec} keeps what it does not send in its accumulator already; set it to false"),
         ("streaming.fragments", plain or not (sim.speeds or sim.dylu or sim.drop or sim.drop_prob),
          "streaming does not combine with simulated stragglers or failures (sim.speeds, "
          "sim.dylu, sim.drop, sim.drop_prob)"),

@@ -21,6 +21,7 @@ import numpy as np
 
 from diloco_jax import comms, extras, schedule
 from diloco_jax import config as config_lib
+from diloco_jax.algorithm.compress import CODECS
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.reporting import log
 
@@ -168,9 +169,11 @@ def codec_label(cfg: config_lib.Config) -> str:
     """How the run's pseudo-gradients travel, and its other communication variants, e.g.
     ``int4+ef``, ``none,F=4,tau=2,alpha=0.5`` or ``none,eager``."""
     c, st = cfg.compress, cfg.streaming
-    label = c.codec + ("+ef" if c.error_feedback and c.codec not in ("none", "dct") else "")
+    label = c.codec + ("+ef" if c.error_feedback and c.codec in CODECS[1:] else "")
     if c.codec == "dct":
         label += f"(k={c.dct_topk}/{c.dct_chunk},beta={c.dct_beta:g})"
+    if c.codec == "sparseloco":
+        label += f"(k={c.sparse_topk}/{c.sparse_chunk},beta={c.sparse_beta:g},{c.sparse_bits}b)"
     if st.fragments > 1 or st.overlap:
         label += f",F={st.fragments},tau={st.overlap},alpha={st.mix:g}"
     if cfg.outer.mode != "sync":

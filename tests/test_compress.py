@@ -275,9 +275,12 @@ def test_decoders_add_replicas_in_order_like_numpy():
     c_NxS = np.zeros((5, chunk), np.float32)
     for vals_NxK, idx_NxK in zip(vals_RxNxK, idx_RxNxK, strict=True):
         c_NxS[np.arange(5)[:, None], idx_NxK] += vals_NxK
-    decoded = dct.decode_sum(vals_RxNxK, idx_RxNxK.astype(np.uint8), chunk)
+    config = dct.DctConfig(chunk=chunk, topk=3)
+    no_scale_Rx5 = np.zeros((4, 5), np.float32)
+    decoded = dct.decode_sum((vals_RxNxK, idx_RxNxK.astype(np.uint8), no_scale_Rx5), config)
     every_NxS = np.broadcast_to(np.arange(chunk, dtype=np.uint8), (5, chunk))
-    np.testing.assert_array_equal(decoded, dct.decode(c_NxS, every_NxS, chunk))
+    whole = dct.DctConfig(chunk=chunk, topk=chunk)
+    np.testing.assert_array_equal(decoded, dct.decode((c_NxS, every_NxS, no_scale_Rx5[0]), whole))
     reference = c_NxS.astype(np.float64) @ dct.matrix(chunk).astype(np.float64)
     np.testing.assert_allclose(decoded, reference.reshape(-1), rtol=1e-5, atol=1e-6)
 

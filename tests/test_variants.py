@@ -166,15 +166,17 @@ def test_dct_matrix_is_orthonormal_and_extract_splits_exactly():
     d = dct.matrix(16)
     np.testing.assert_allclose(d @ d.T, np.eye(16), atol=1e-6)
     flat = jax.random.normal(jax.random.key(0), (8 * 16,))
-    vals, idx, kept = dct.extract(flat, 16, 3)
+    config = dct.DctConfig(chunk=16, topk=3)
+    message, kept = dct.extract(flat, config)
+    vals, idx, _ = message
     assert vals.shape == (8, 3) and idx.dtype == jnp.uint8
-    sent = dct.decode(vals, idx, 16)
+    sent = dct.decode(message, config)
     np.testing.assert_allclose(sent + kept, flat, atol=1e-5)  # nothing is lost: sent + kept
     coefficients = np.asarray(flat).reshape(8, 16) @ d.T
     for row in range(8):  # the 3 largest coefficients of each chunk, by magnitude
         top = set(np.argsort(-np.abs(coefficients[row]))[:3])
         assert set(np.asarray(idx[row]).tolist()) == top
-    _, _, nothing_left = dct.extract(flat, 16, 16)
+    _, nothing_left = dct.extract(flat, dct.DctConfig(chunk=16, topk=16))
     np.testing.assert_allclose(nothing_left, 0.0, atol=1e-5)
     assert dct.message_bytes(1000, dct.DctConfig(chunk=64, topk=4)) == 16 * 4 * (4 + 1)
 
@@ -190,8 +192,8 @@ def test_dct_momentum_keeps_the_rest_and_averages_what_was_sent():
         return mean[0], m_new, total_w
 
     mean, m_new, total_w = jax.vmap(one, axis_name="r")(delta_Rx40, m_Rx40)
-    sent = [np.asarray(dct.decode(*dct.extract(0.5 * m_Rx40[r] + delta_Rx40[r], 8, 2)[:2], 8))
-            for r in range(3)]  # fmt: skip
+    sent = [np.asarray(dct.decode(dct.extract(0.5 * m_Rx40[r] + delta_Rx40[r], config)[0],
+                                  config)) for r in range(3)]  # fmt: skip
     for r in range(3):
         np.testing.assert_allclose(m_new[r], 0.5 * m_Rx40[r] + delta_Rx40[r] - sent[r],
                                    atol=1e-5)  # fmt: skip
@@ -334,7 +336,7 @@ def test_dct_momentum_sends_values_and_uint8_positions_on_the_mesh():
          r"compress.codec = 'dct' .*DCT momentum does not combine with streaming \(streaming"),
         ({"outer.reset_inner_state": "true", "streaming.fragments": "2"},
          "outer.reset_inner_state = True .*does not combine with streaming.fragments > 1"),
-        ({"compress.codec": "dct", "compress.error_feedback": "true"}, "momentum already"),
+        ({"compress.codec": "dct", "compress.error_feedback": "true"}, "accumulator already"),
         ({"streaming.fragments": "2", "sim.dylu": "true"}, "stragglers or failures"),
     ],
 )  # fmt: skip

@@ -169,12 +169,13 @@ def dct_momentum(axis_name: AxisName, config: dct.DctConfig) -> Exchange:
             flat = _concat(delta, big)
             flat = jnp.pad(flat, (0, momentum.shape[0] - flat.shape[0]))
             update = config.beta * momentum + jnp.where(w > 0, w * flat, 0.0)
-            vals_NxK, idx_NxK, kept = dct.extract(update, config.chunk, config.topk)
+            message, kept = dct.extract(update, config)
             # a replica left out sends zeros and keeps its momentum (dropped if non-finite)
-            vals_NxK = jnp.where(w > 0, vals_NxK, 0.0)
+            values, idx, scale = message  # zero values and scale: a 2-bit code 0 is -scale
+            message = (jnp.where(w > 0, values, 0), idx, jnp.where(w > 0, scale, 0.0))
             momentum = jnp.where(w > 0, kept, jnp.where(finite, momentum, 0.0))
-            vals_RxNxK, idx_RxNxK = compress.gather_in_order((vals_NxK, idx_NxK), axis_name)
-            _scatter(out, delta, big, dct.decode_sum(vals_RxNxK, idx_RxNxK, config.chunk))
+            messages_R = compress.gather_in_order(message, axis_name)
+            _scatter(out, delta, big, dct.decode_sum(messages_R, config))
         total_w = compress.ordered_sum(w, axis_name)
         return _divide(out, total_w), momentum, total_w
 
