@@ -6,7 +6,9 @@ Bytes come from each leaf's size and wire dtype. Per replica and per reduce of `
   replica sends ``2 (R - 1) / R * P`` bytes (and receives as many); time
   ``2 (R - 1) * (latency + P / (R * bandwidth))``;
 * parameter server: every replica sends ``P`` and receives ``P`` (``2 P``); the server's link
-  carries ``R * P`` each way, so the time is ``2 * (latency + R * P / bandwidth)``.
+  carries ``R * P`` each way, so the time is ``2 * (latency + R * P / bandwidth)``;
+* pairwise (NoLoCo's exchange with one partner): every replica sends ``P`` to its partner and
+  receives as much, at once: ``latency + P / bandwidth``.
 
 DiLoCo reduces its pseudo-gradient once per sync; ``ddp`` reduces its gradient every step;
 ``single`` never communicates. With a codec
@@ -25,6 +27,7 @@ from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.algorithm.plan import SyncPlan
 
 TOPOLOGIES = ("ring", "parameter_server")
+PAIRWISE = "pairwise"  # NoLoCo's exchange with one partner (not a config topology)
 
 
 class Network(NamedTuple):
@@ -83,6 +86,8 @@ def bytes_per_replica(payload: int, replicas: int, topology: str = "ring") -> fl
         return 2 * (replicas - 1) / replicas * payload
     if topology == "parameter_server":
         return 2.0 * payload
+    if topology == PAIRWISE:
+        return float(payload)
     raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
 
 
@@ -96,6 +101,8 @@ def reduce_seconds(payload: int, replicas: int, network: Network, topology: str 
         return 2 * (replicas - 1) * (latency + payload / replicas / bytes_per_s)
     if topology == "parameter_server":
         return 2 * (latency + replicas * payload / bytes_per_s)
+    if topology == PAIRWISE:  # both partners send at once over their own link
+        return latency + payload / bytes_per_s
     raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
 
 

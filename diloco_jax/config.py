@@ -21,12 +21,14 @@ from diloco_jax.algorithm import optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.core import Streaming
 from diloco_jax.algorithm.dct import SPARSELOCO, DctConfig
+from diloco_jax.algorithm.gossip import Gossip
 
 DEFAULT_PRESET = presets.DEFAULT
 RUNTIMES = ("auto", "sim", "mesh")
 WANDB_MODES = ("offline", "online")
 _CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()  # the library's defaults
 _SPARSE = SPARSELOCO
+_GOSSIP = Gossip(replicas=2)
 _INNER = inspect.signature(optim.inner_optimizer).parameters
 _OUTER = inspect.signature(optim.outer_optimizer).parameters
 
@@ -228,6 +230,17 @@ class DeslocConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class NolocoConfig:
+    """NoLoCo (arXiv 2506.10911): pairwise averaging, no all-reduce
+    (``diloco_jax/algorithm/gossip.py``)."""
+
+    enabled: bool = _key(False, "each replica averages with one seeded partner per sync, keeping "
+                         "its own anchor")  # fmt: skip
+    pull: float = _key(_GOSSIP.pull, "gamma / outer lr: pull of a replica's anchor to its pair's")
+    pairings: int = _key(_GOSSIP.pairings, "seeded pairings compiled; sync n uses n mod this")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     algorithm: str = _key("diloco", "diloco | ddp (data parallel) | single (one worker)")
     seed: int = _key(0, "seed of parameters, data order and simulated failures; in [0, 2**31)")
@@ -239,6 +252,7 @@ class Config:
     compress: CompressConfig = CompressConfig()
     streaming: StreamingConfig = StreamingConfig()
     desloc: DeslocConfig = DeslocConfig()
+    noloco: NolocoConfig = NolocoConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     sim: SimConfig = SimConfig()

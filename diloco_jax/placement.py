@@ -22,8 +22,10 @@ def effective_replicas(cfg: config_lib.Config) -> int:
 
 
 def runtime(cfg: config_lib.Config) -> str:
-    """``parallel.runtime``, where ``auto`` means the simulator for a chunked one (sim.chunk)."""
-    return "sim" if cfg.parallel.runtime == "auto" and cfg.sim.chunk else cfg.parallel.runtime
+    """``parallel.runtime``, where ``auto`` means the simulator for a chunked one (sim.chunk)
+    and for NoLoCo (a mesh gives it one device per replica only when asked)."""
+    sim = cfg.sim.chunk or (cfg.noloco.enabled and cfg.algorithm == "diloco")
+    return "sim" if cfg.parallel.runtime == "auto" and sim else cfg.parallel.runtime
 
 
 def split_cpu(cfg: config_lib.Config) -> None:
@@ -49,6 +51,13 @@ def layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
         )  # fmt: skip
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
+    noloco = cfg.noloco.enabled and cfg.algorithm == "diloco"
+    if noloco and layout.runtime == "mesh" and layout.replica_devices != replicas:
+        raise config_lib.ConfigError(
+            f"config key parallel.replica_devices = {layout.replica_devices} is invalid with "
+            f"noloco.enabled: NoLoCo pairs replicas over the device axis, so each of the "
+            f"{replicas} replicas needs its own device (or parallel.runtime = sim)"
+        )
     if layout.runtime == "sim" and jax.process_count() > 1:
         raise config_lib.ConfigError(
             f"config key parallel.runtime = {p.runtime!r} is invalid with "

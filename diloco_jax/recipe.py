@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from diloco_jax.algorithm import MomentSync, Streaming, check_options, optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.dct import DctConfig
+from diloco_jax.algorithm.gossip import Gossip
 
 if TYPE_CHECKING:  # config imports this module to check its values
     from diloco_jax.config import Config
@@ -30,7 +31,9 @@ KEY_OF_OPTION = {
     "dct_config": "compress.codec", "dct.chunk": "compress.dct_chunk",
     "dct.topk": "compress.dct_topk", "dct.beta": "compress.dct_beta",
     "dct.min_size": "compress.min_size", "dct.bits": "compress.sparse_bits",
-    "moment_sync": "desloc.first_moment_every",
+    "moment_sync": "desloc.first_moment_every", "gossip": "noloco.enabled",
+    "gossip.replicas": "parallel.replicas", "gossip.pull": "noloco.pull",
+    "gossip.pairings": "noloco.pairings",
     "moment_sync.first_every": "desloc.first_moment_every",
     "moment_sync.second_every": "desloc.second_moment_every",
 }  # fmt: skip
@@ -77,7 +80,14 @@ def _variants(cfg: Config) -> dict:
         dct_config=dct_of(cfg),
         reset_inner_state=cfg.outer.reset_inner_state,
         moment_sync=MomentSync(cfg.desloc.first_moment_every, cfg.desloc.second_moment_every),
+        gossip_config=gossip_of(cfg),
     )
+
+
+def gossip_of(cfg: Config) -> Gossip | None:
+    """NoLoCo's pairing, as ``cfg.noloco`` asks (None: the all-replica mean)."""
+    n = cfg.noloco
+    return Gossip(cfg.parallel.replicas, cfg.seed, n.pull, n.pairings) if n.enabled else None
 
 
 def inner_of(cfg: Config):

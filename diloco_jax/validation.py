@@ -106,6 +106,8 @@ def _validate_variants(cfg: Config) -> None:
          f"overlaps DiLoCo's outer step; algorithm is {cfg.algorithm!r}"),
         ("streaming.fragments", st.fragments == 1 or diloco,
          f"streams DiLoCo's syncs; algorithm is {cfg.algorithm!r}"),
+        ("noloco.enabled", diloco or not cfg.noloco.enabled,
+         f"pairs DiLoCo's replicas; algorithm is {cfg.algorithm!r}"),
         ("desloc.first_moment_every",
          diloco or not (cfg.desloc.first_moment_every or cfg.desloc.second_moment_every),
          f"averages DiLoCo's replicas' moments; algorithm is {cfg.algorithm!r}"),

@@ -21,6 +21,7 @@ import numpy as np
 
 from diloco_jax import comms, extras, schedule
 from diloco_jax import config as config_lib
+from diloco_jax.algorithm import gossip
 from diloco_jax.algorithm.compress import CODECS
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.reporting import log
@@ -178,6 +179,8 @@ def codec_label(cfg: config_lib.Config) -> str:
         label += f",F={st.fragments},tau={st.overlap},alpha={st.mix:g}"
     if cfg.outer.mode != "sync":
         label += f",{cfg.outer.mode}"
+    if cfg.noloco.enabled:
+        label += f",noloco(pull={cfg.noloco.pull:g})"
     return label
 
 
@@ -221,8 +224,11 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
         events = comms.diloco_sync_events(steps, cfg.outer.sync_every, num_fragments)
     else:
         events = [0] * comms.reduces(cfg.algorithm, steps, cfg.outer.sync_every)
+    topology = sim.topology
+    if diloco and cfg.noloco.enabled:  # pseudo-gradient and anchor to one partner
+        payloads, topology = [gossip.pair_payload(params)], comms.PAIRWISE
     syncs = len(events)
-    per_sync = [comms.bytes_per_replica(p, replicas, sim.topology) for p in payloads]
+    per_sync = [comms.bytes_per_replica(p, replicas, topology) for p in payloads]
     extra = _moment_payloads(cfg, params) if diloco else []
     sync_bytes = [per_sync[f] + sum(comms.bytes_per_replica(p, replicas, sim.topology)
                                     for every, p in extra if step % every == 0)
@@ -241,7 +247,7 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
         algorithm=cfg.algorithm, steps=steps, sync_every=cfg.outer.sync_every, replicas=replicas,
         speeds=schedule.parse_speeds(sim.speeds, cfg.parallel.replicas)[:replicas],
         dylu=sim.dylu, step_time_s=step_time, payload_bytes=payloads, network=network,
-        topology=sim.topology, fragments=num_fragments, hidden_steps=_hidden_steps(cfg),
+        topology=topology, fragments=num_fragments, hidden_steps=_hidden_steps(cfg),
         extra_payloads=extra,
     )  # fmt: skip
     losses = [e["eval_loss"] for e in done["evals"]]

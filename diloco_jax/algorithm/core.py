@@ -39,24 +39,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from diloco_jax.algorithm import compress, dct, exchange, fragments, moments
+from diloco_jax.algorithm import compress, dct, exchange, fragments, gossip, moments
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.diagnostics import SyncStats, sync_stats, zero_stats
 from diloco_jax.algorithm.exchange import AxisName
-from diloco_jax.algorithm.options import require
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.algorithm.state import PER_REPLICA, SHARED
-from diloco_jax.algorithm.timing import OUTER_MODES, Timing, make_timing
-
-
-class Streaming(NamedTuple):
-    """Streaming DiLoCo: ``fragments`` (F), ``overlap`` (tau, inner steps between a fragment's
-    sync and its landing, ``< sync_every / F``) and ``mix`` (alpha, the local parameters' weight
-    when the merged fragment lands). ``Streaming()`` is plain DiLoCo."""
-
-    fragments: int = 1
-    overlap: int = 0
-    mix: float = 0.0
+from diloco_jax.algorithm.timing import Timing, make_timing
+from diloco_jax.algorithm.variants import Streaming, check_options
 
 
 class DilocoState(NamedTuple):
@@ -172,7 +162,8 @@ class Diloco(NamedTuple):
     def kinds(self) -> DilocoState:
         """Which fields are per replica and which shared: the one declaration every layout
         (vmap axes, shard_map specs, checkpoints, elastic restarts) derives from."""
-        anchor = self.timing.anchor_kind
+        own = PER_REPLICA in (self.timing.anchor_kind, self.exchange.anchor_kind)
+        anchor = PER_REPLICA if own else SHARED
         return DilocoState(step=SHARED, params=PER_REPLICA, inner_state=PER_REPLICA,
                            anchor=anchor, outer_state=anchor, exchange_state=PER_REPLICA,
                            timing_state=self.timing.kinds, healthy=PER_REPLICA)  # fmt: skip
@@ -196,8 +187,9 @@ class Diloco(NamedTuple):
         )
 
     def outer_params(self, stacked: DilocoState) -> Any:
-        """The parameters to evaluate: the anchor (with eager updates, the replicas' mean)."""
-        if self.timing.anchor_kind == PER_REPLICA:
+        """The parameters to evaluate: the anchor (with eager updates and gossip, where every
+        replica keeps its own, their mean)."""
+        if self.kinds.anchor == PER_REPLICA:
             return jax.tree.map(lambda x: x.mean(axis=0).astype(x.dtype), stacked.anchor)
         return stacked.anchor
 
@@ -209,7 +201,8 @@ class Diloco(NamedTuple):
         delta = [a - rnd.params[i] for a, i in zip(anchor, idx, strict=True)]
         finite = jnp.isfinite(optax.tree.norm(delta))  # NaN/Inf anywhere: leave it out
         w = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
-        mean, ex_f, total_w = self.exchange.mean(delta, w, finite, rnd.exchange_state[f])
+        mean, ex_f, total_w = self.exchange.mean(delta, w, finite, rnd.exchange_state[f],
+                                                 anchor=anchor)  # fmt: skip
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
         applied, timing_state = self.timing.apply(mean, delta, w, rnd.timing_state)
         outer_updates, outer_f = self.outer.update(applied, rnd.outer_state[f], anchor)
@@ -298,50 +291,14 @@ class Diloco(NamedTuple):
         return new_state, rnd.stats._asdict()
 
 
-def _make_exchange(axis_name, codec, dct_config) -> exchange.Exchange:
+def _make_exchange(axis_name, codec, dct_config, gossip_config) -> exchange.Exchange:
+    if gossip_config is not None:
+        return gossip.gossip(axis_name, gossip_config)
     if dct_config is not None:
         return exchange.dct_momentum(axis_name, dct_config)
     if codec is not None:
         return exchange.encoded(axis_name, codec)
     return exchange.plain(axis_name)
-
-
-_STREAMING = "streaming ({streaming.fragments} > 1 or {streaming.overlap} > 0)"
-
-
-def check_options(
-    *,
-    sync_every: int,
-    streaming: Streaming | None = None,
-    outer_mode: str = "sync",
-    codec: compress.Codec | None = None,
-    dct_config: dct.DctConfig | None = None,
-    reset_inner_state: bool = False,
-    moment_sync: moments.MomentSync | None = None,
-) -> None:
-    """The one place where :func:`diloco`'s arguments are checked, each alone and together.
-
-    Raises :class:`~diloco_jax.algorithm.options.OptionError` naming the first bad argument (the
-    config layer maps the name to its key)."""
-    streaming = Streaming() if streaming is None else Streaming(*streaming)
-    plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
-    plan.validate()
-    require(0 <= streaming.mix < 1, "streaming.mix", streaming.mix, "must be in [0, 1)")
-    require(outer_mode in OUTER_MODES, "outer_mode", outer_mode, f"must be one of {OUTER_MODES}")
-    require(outer_mode == "sync" or not plan.streaming, "outer_mode", outer_mode,
-            f"must be 'sync' with {_STREAMING}")  # fmt: skip
-    require(not reset_inner_state or plan.fragments == 1, "reset_inner_state", reset_inner_state,
-            "does not combine with {streaming.fragments} > 1")  # fmt: skip
-    if codec is not None:
-        compress.validate(codec)
-    if dct_config is not None:
-        require(codec is None or codec.name == "none", "dct_config", dct_config,
-                "choose a codec or DCT momentum, not both")  # fmt: skip
-        require(not plan.streaming, "dct_config", dct_config,
-                f"DCT momentum does not combine with {_STREAMING}")  # fmt: skip
-        dct.validate(dct_config)
-    if moment_sync is not None:
-        moments.validate(moments.MomentSync(*moment_sync), sync_every, reset_inner_state)
 
 
 def diloco(
@@ -358,6 +315,7 @@ def diloco(
     outer_mode: str = "sync",
     fragment_of=fragments.strided,
     moment_sync: moments.MomentSync | None = None,
+    gossip_config: gossip.Gossip | None = None,
 ) -> Diloco:
     """DiLoCo: ``sync_every`` local steps of ``inner``, then one ``outer`` step on the anchor.
 
@@ -381,19 +339,21 @@ def diloco(
       fragment_of: ``params -> fragment of each leaf`` (default :func:`fragments.strided`).
       moment_sync: DES-LOC's periods of averaging the inner optimizer's first and second
         moments across replicas (:mod:`.moments`; None: never).
+      gossip_config: NoLoCo: every replica averages with one partner, keeping its own anchor
+        (:mod:`.gossip`; None: the all-replica mean).
 
     Raises :class:`~diloco_jax.algorithm.options.OptionError` (a ValueError) for an option out
     of range or a combination that is not supported (:func:`check_options`).
     """
     check_options(sync_every=sync_every, streaming=streaming, outer_mode=outer_mode, codec=codec,
                   dct_config=dct_config, reset_inner_state=reset_inner_state,
-                  moment_sync=moment_sync)  # fmt: skip
+                  moment_sync=moment_sync, gossip_config=gossip_config)  # fmt: skip
     codec = None if codec is None or codec.name == "none" else codec
     streaming = Streaming() if streaming is None else Streaming(*streaming)
     plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
     return Diloco(
         inner=maskable(inner), outer=outer, plan=plan,
-        exchange=_make_exchange(axis_name, codec, dct_config),
+        exchange=_make_exchange(axis_name, codec, dct_config, gossip_config),
         timing=make_timing(outer_mode, axis_name), axis_name=axis_name, mix=streaming.mix,
         reset_inner_state=reset_inner_state, diagnostics=diagnostics, fragment_of=fragment_of,
         moment_sync=moments.MomentSync(*(moment_sync or ())),

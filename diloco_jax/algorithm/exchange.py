@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from diloco_jax.algorithm import compress, dct
+from diloco_jax.algorithm.state import SHARED
 
 AxisName = compress.AxisName
 names = compress.names
@@ -56,14 +57,16 @@ def replica_sum(tree: Any, axis_name: AxisName) -> Any:
 
 
 class Exchange(NamedTuple):
-    """``init(leaves) -> state`` (per replica); ``mean(delta, w, finite, state) -> (mean,
-    state, total_w)`` where ``delta`` is this replica's list of pseudo-gradient leaves, ``w`` its
+    """``init(leaves) -> state`` (per replica); ``mean(delta, w, finite, state, anchor) ->
+    (mean, state, total_w)`` where ``delta`` is this replica's list of pseudo-gradient leaves
+    (``anchor``: its anchor's; only :mod:`.gossip` reads it), ``w`` its
     weight (0 when left out), ``finite`` whether its pseudo-gradient is finite, ``mean`` the
     weighted replica mean (zeros when every weight is 0) and ``total_w`` the sum (or, for
     :func:`plain`, the mean) of the weights: > 0 when anybody contributed."""
 
     init: Callable[[list], Any]
     mean: Callable[..., tuple[list, Any]]
+    anchor_kind: str = SHARED  # PER_REPLICA: every replica keeps its own anchor (gossip)
 
 
 def _weighted(delta: list, w: jax.Array) -> list:
@@ -81,7 +84,7 @@ def _divide(total: list, total_w: jax.Array) -> list:
 def plain(axis_name: AxisName) -> Exchange:
     """The float32 weighted mean (two ``pmean``: the weights and the weighted values)."""
 
-    def mean(delta, w, finite, state):
+    def mean(delta, w, finite, state, anchor=None):
         total_w = replica_mean(w, axis_name)
         return _divide(replica_mean(_weighted(delta, w), axis_name), total_w), state, total_w
 
@@ -131,7 +134,7 @@ def encoded(axis_name: AxisName, codec: compress.Codec) -> Exchange:
     def init(leaves):
         return [jnp.zeros_like(x) for x in leaves] if feedback else ()
 
-    def mean(delta, w, finite, residual):
+    def mean(delta, w, finite, residual, anchor=None):
         sent = _weighted(delta, w)
         if feedback:  # a replica left out sends nothing and keeps its residual
             sent = [jnp.where(w > 0, s + e, 0.0) for s, e in zip(sent, residual, strict=True)]
@@ -158,7 +161,7 @@ def dct_momentum(axis_name: AxisName, config: dct.DctConfig) -> Exchange:
         size = sum(leaves[i].size for i in big)
         return jnp.zeros(dct.padded(size, config.chunk), jnp.float32) if big else ()
 
-    def mean(delta, w, finite, momentum):
+    def mean(delta, w, finite, momentum, anchor=None):
         big, small = _split_big(delta, config.min_size)
         out = list(delta)
         if small:

@@ -1,0 +1,70 @@
+"""DiLoCo's variant arguments and the one place where they are checked, alone and together:
+:class:`Streaming` (fragments, overlap, mix) and :func:`check_options` (every argument of
+:func:`~diloco_jax.algorithm.core.diloco` that selects a piece)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from diloco_jax.algorithm import compress, dct, gossip, moments
+from diloco_jax.algorithm.options import require
+from diloco_jax.algorithm.plan import SyncPlan
+from diloco_jax.algorithm.timing import OUTER_MODES
+
+
+class Streaming(NamedTuple):
+    """Streaming DiLoCo: ``fragments`` (F), ``overlap`` (tau, inner steps between a fragment's
+    sync and its landing, ``< sync_every / F``) and ``mix`` (alpha, the local parameters' weight
+    when the merged fragment lands). ``Streaming()`` is plain DiLoCo."""
+
+    fragments: int = 1
+    overlap: int = 0
+    mix: float = 0.0
+
+
+_STREAMING = "streaming ({streaming.fragments} > 1 or {streaming.overlap} > 0)"
+
+
+def check_options(
+    *,
+    sync_every: int,
+    streaming: Streaming | None = None,
+    outer_mode: str = "sync",
+    codec: compress.Codec | None = None,
+    dct_config: dct.DctConfig | None = None,
+    reset_inner_state: bool = False,
+    moment_sync: moments.MomentSync | None = None,
+    gossip_config: gossip.Gossip | None = None,
+) -> None:
+    """The one place where :func:`diloco`'s arguments are checked, each alone and together.
+
+    Raises :class:`~diloco_jax.algorithm.options.OptionError` naming the first bad argument (the
+    config layer maps the name to its key)."""
+    streaming = Streaming() if streaming is None else Streaming(*streaming)
+    plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
+    plan.validate()
+    require(0 <= streaming.mix < 1, "streaming.mix", streaming.mix, "must be in [0, 1)")
+    require(outer_mode in OUTER_MODES, "outer_mode", outer_mode, f"must be one of {OUTER_MODES}")
+    require(outer_mode == "sync" or not plan.streaming, "outer_mode", outer_mode,
+            f"must be 'sync' with {_STREAMING}")  # fmt: skip
+    require(not reset_inner_state or plan.fragments == 1, "reset_inner_state", reset_inner_state,
+            "does not combine with {streaming.fragments} > 1")  # fmt: skip
+    if codec is not None:
+        compress.validate(codec)
+    if dct_config is not None:
+        require(codec is None or codec.name == "none", "dct_config", dct_config,
+                "choose a codec or DCT momentum, not both")  # fmt: skip
+        require(not plan.streaming, "dct_config", dct_config,
+                f"DCT momentum does not combine with {_STREAMING}")  # fmt: skip
+        dct.validate(dct_config)
+    if moment_sync is not None:
+        moments.validate(moments.MomentSync(*moment_sync), sync_every, reset_inner_state)
+    if gossip_config is not None:
+        gossip.validate(gossip_config)
+        alone = (codec is None or codec.name == "none") and dct_config is None
+        require(alone and not plan.streaming and outer_mode == "sync", "gossip", "noloco",
+                "sends float32 to one partner at every sync: it does not combine with codecs, "
+                f"DCT momentum, SparseLoCo, {_STREAMING} or {{outer_mode}} != 'sync'")  # fmt: skip
+        require(moment_sync is None or not moments.MomentSync(*moment_sync).active, "gossip",
+                "noloco", "has no all-reduce: it does not combine with DES-LOC's moment "
+                "averages")  # fmt: skip
