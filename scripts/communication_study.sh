@@ -10,16 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/study}
 preset=configs/study.py
-if [[ ! -d "$out/pretrain/params" ]]; then  # the warm start of scripts/convergence_study.sh
-  uv run python -m diloco_jax.train --config "$preset" --workdir "$out/pretrain" \
-      --config.algorithm=single --config.train.total_steps=300 --config.train.eval_every=300 \
-      --config.inner.final_lr_fraction=1.0
-fi
+source scripts/study_lib.sh
+warm_start
 comm="$out/communication"
-sweep() {
-  uv run python -m sim --config "$preset" --config.train.init_from="$out/pretrain" \
-      --config.sim.network=wan_1gbit "$@"
-}
 sweep --workdir "$comm/baselines" --baselines single,ddp
 sweep --workdir "$comm/codecs" --sweep compress.codec=none,bf16,int8,fp8,int4,topk
 sweep --workdir "$comm/error-feedback" --sweep compress.codec=int4,topk \

@@ -167,8 +167,9 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
 
 
 def codec_label(cfg: config_lib.Config) -> str:
-    """How the run's pseudo-gradients travel, and its other communication variants, e.g.
-    ``int4+ef``, ``none,F=4,tau=2,alpha=0.5`` or ``none,eager``."""
+    """How the run's pseudo-gradients travel, its other communication variants and the
+    optimizers when they are not the paper's, e.g. ``int4+ef``, ``none,F=4,tau=2,alpha=0.5``,
+    ``none,eager``, ``none,desloc(150/300)``, ``none,inner=muon`` or ``none,outer=adam``."""
     c, st = cfg.compress, cfg.streaming
     label = c.codec + ("+ef" if c.error_feedback and c.codec in CODECS[1:] else "")
     if c.codec == "dct":
@@ -181,6 +182,13 @@ def codec_label(cfg: config_lib.Config) -> str:
         label += f",{cfg.outer.mode}"
     if cfg.noloco.enabled:
         label += f",noloco(pull={cfg.noloco.pull:g})"
+    d = cfg.desloc
+    if d.first_moment_every or d.second_moment_every:
+        label += f",desloc({d.first_moment_every}/{d.second_moment_every})"
+    if cfg.inner.optimizer != "adamw":
+        label += f",inner={cfg.inner.optimizer}"
+    if cfg.outer.optimizer != "sgd":
+        label += f",outer={cfg.outer.optimizer}"
     return label
 
 

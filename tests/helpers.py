@@ -170,3 +170,26 @@ def skew_last_device(x):
             data.reshape(-1)[0] = np.nextafter(data.reshape(-1)[0], np.float32(100))
         parts.append(jax.device_put(data, shard.device))
     return jax.make_array_from_single_device_arrays(x.shape, x.sharding, parts)
+
+
+def assert_streamed_equals_loaded(cfg_for_budget, budget_mib: float, tmp_path: pathlib.Path):
+    """A run streaming its training data (``data.max_memory_mib = budget_mib``) trains the
+    loaded run's state bitwise, and resumes bitwise after losing its last checkpoint (step 20).
+    ``cfg_for_budget(budget)`` is the run's config; returns the streamed run's first Setup."""
+    import shutil
+
+    import chex
+
+    from diloco_jax.train import build, train
+
+    setup = build(cfg_for_budget(budget_mib))
+    assert setup.stream is not None
+    loaded = train(cfg_for_budget(0), tmp_path / "loaded", show_progress=False)
+    workdir = tmp_path / "streamed"
+    whole = train(cfg_for_budget(budget_mib), workdir, show_progress=False)
+    chex.assert_trees_all_equal(jax.device_get(whole["state"]), jax.device_get(loaded["state"]))
+    shutil.rmtree(workdir / "checkpoints" / "20")  # as if it had died after step 10
+    resumed = train(cfg_for_budget(budget_mib), workdir, show_progress=False)
+    assert resumed["steps"] == 20
+    chex.assert_trees_all_equal(jax.device_get(resumed["state"]), jax.device_get(loaded["state"]))
+    return setup

@@ -183,3 +183,4 @@ def test_moment_averages_are_counted_in_bytes_peak_and_clock():
     assert rows[(20, 40)]["bytes_per_replica"] == 4200
     assert rows[(20, 40)]["peak_sync_bytes"] == 1800
     assert rows[(20, 40)]["sim_wallclock_s"] > rows[(0, 0)]["sim_wallclock_s"]
+    assert rows[(20, 40)]["codec"] == "none,desloc(20/40)" and rows[(0, 0)]["codec"] == "none"

@@ -4,7 +4,6 @@ trains, on the simulator and on the mesh, resumed or not."""
 
 import lzma
 import pathlib
-import shutil
 
 import chex
 import jax
@@ -17,7 +16,8 @@ from diloco_jax.axes import DATA, REPLICA
 from diloco_jax.data import DataError
 from diloco_jax.data.corpus import load_corpus, sample_batch
 from diloco_jax.data.stream import StreamedShards, map_text
-from diloco_jax.train import build, train
+from diloco_jax.train import train
+from tests import helpers
 from tests.test_train import tiny
 
 SHAKESPEARE = pathlib.Path(__file__).parent.parent / "diloco_jax/data/shakespeare.txt.xz"
@@ -71,17 +71,11 @@ def test_on_devices_reads_each_devices_replicas(text_file):
 
 
 def test_streamed_run_trains_exactly_the_loaded_run_and_resumes_exactly(text_file, tmp_path):
-    sim = {"parallel.runtime": "sim"}
-    streamed = build(_cfg(text_file, BUDGET_MIB, **sim))
-    assert streamed.stream is not None and isinstance(streamed.stream.shards_RxS, np.memmap)
-    loaded = train(_cfg(text_file, 0, **sim), tmp_path / "loaded", show_progress=False)
-    workdir = tmp_path / "streamed"
-    whole = train(_cfg(text_file, BUDGET_MIB, **sim), workdir, show_progress=False)
-    chex.assert_trees_all_equal(jax.device_get(whole["state"]), jax.device_get(loaded["state"]))
-    shutil.rmtree(workdir / "checkpoints" / "20")  # as if it had died after step 10
-    resumed = train(_cfg(text_file, BUDGET_MIB, **sim), workdir, show_progress=False)
-    assert resumed["steps"] == 20
-    chex.assert_trees_all_equal(jax.device_get(resumed["state"]), jax.device_get(loaded["state"]))
+    def cfg(budget):
+        return _cfg(text_file, budget, **{"parallel.runtime": "sim"})
+
+    setup = helpers.assert_streamed_equals_loaded(cfg, BUDGET_MIB, tmp_path)
+    assert isinstance(setup.stream.shards_RxS, np.memmap)
 
 
 @pytest.mark.slow  # ~40 s; the mesh's per-device reads: test_on_devices_reads_each_devices_replicas

@@ -336,24 +336,13 @@ def _digits_cfg(data_dir, budget, **overrides):
 
 
 def test_a_streamed_image_run_trains_exactly_the_loaded_run_and_resumes(data_dir, tmp_path):
-    import shutil
+    from tests import helpers
 
-    import jax
+    def cfg(budget):
+        return _digits_cfg(data_dir, budget, **{"parallel.runtime": "sim"})
 
-    from diloco_jax.train import build
-
-    sim = {"parallel.runtime": "sim"}
-    setup = build(_digits_cfg(data_dir, BUDGET_MIB, **sim))
-    assert setup.stream is not None and setup.shards_RxS[0].dtype == np.uint8
-    loaded = train(_digits_cfg(data_dir, 0, **sim), tmp_path / "loaded", show_progress=False)
-    workdir = tmp_path / "streamed"
-    whole = train(_digits_cfg(data_dir, BUDGET_MIB, **sim), workdir, show_progress=False)
-    chex.assert_trees_all_equal(jax.device_get(whole["state"]), jax.device_get(loaded["state"]))
-    shutil.rmtree(workdir / "checkpoints" / "20")  # as if it had died after step 10
-    resumed = train(_digits_cfg(data_dir, BUDGET_MIB, **sim), workdir, show_progress=False)
-    assert resumed["steps"] == 20
-    chex.assert_trees_all_equal(jax.device_get(resumed["state"]),
-                                jax.device_get(loaded["state"]))  # fmt: skip
+    setup = helpers.assert_streamed_equals_loaded(cfg, BUDGET_MIB, tmp_path)
+    assert setup.shards_RxS[0].dtype == np.uint8  # uint8 pixels travel
 
 
 @pytest.mark.slow  # ~40 s: the mesh and the chunked simulator, streamed images
