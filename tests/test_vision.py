@@ -95,9 +95,12 @@ def test_image_task_mesh_equals_simulator(tmp_path):
 
     sim = anchor("sim", **{"parallel.runtime": "sim"})
     mesh = {"parallel.runtime": "mesh", "parallel.replica_devices": 4}
-    # one replica per device: the same programs per replica (observed max difference 1.2e-7)
+    # one replica per device against four vmapped on one: a vmapped convolution is a batched
+    # one whose float32 gradient sums are not ordered as a single replica's, and Adam's
+    # m / sqrt(v) magnifies that on near-zero gradients (observed 1.2e-7 once; 4.3e-5 on
+    # 2026-11-25, at dda8f7c as since: the same bound as the split batch below)
     chex.assert_trees_all_close(anchor("4x1", **mesh, **{"parallel.data_devices": 1}), sim,
-                                atol=1e-6)  # fmt: skip
+                                atol=2e-4)  # fmt: skip
     # each batch split over 2 devices: the mean of two half-batch means reassociates float32 sums
     # and Adam's m / sqrt(v) magnifies that on near-zero gradients (observed 4.3e-5 in 20 steps)
     chex.assert_trees_all_close(anchor("4x2", **mesh, **{"parallel.data_devices": 2}), sim,
