@@ -21,10 +21,14 @@ def effective_replicas(cfg: config_lib.Config) -> int:
     return 1 if cfg.algorithm == "single" else cfg.parallel.replicas
 
 
+def _noloco(cfg: config_lib.Config) -> bool:
+    return cfg.noloco.enabled and cfg.algorithm == "diloco"
+
+
 def runtime(cfg: config_lib.Config) -> str:
     """``parallel.runtime``, where ``auto`` means the simulator for a chunked one (sim.chunk)
     and for NoLoCo (a mesh gives it one device per replica only when asked)."""
-    sim = cfg.sim.chunk or (cfg.noloco.enabled and cfg.algorithm == "diloco")
+    sim = cfg.sim.chunk or _noloco(cfg)
     return "sim" if cfg.parallel.runtime == "auto" and sim else cfg.parallel.runtime
 
 
@@ -51,8 +55,7 @@ def layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:
         )  # fmt: skip
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
-    noloco = cfg.noloco.enabled and cfg.algorithm == "diloco"
-    if noloco and layout.runtime == "mesh" and layout.replica_devices != replicas:
+    if _noloco(cfg) and layout.runtime == "mesh" and layout.replica_devices != replicas:
         raise config_lib.ConfigError(
             f"config key parallel.replica_devices = {layout.replica_devices} is invalid with "
             f"noloco.enabled: NoLoCo pairs replicas over the device axis, so each of the "

@@ -68,11 +68,11 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
                  eval_split=d.eval_split)  # fmt: skip
     if is_image_data(d):  # image classification with a ResNet
         budget = int(d.max_memory_mib * 2**20)
-        tfds = d.corpus.startswith(tfds_io.TFDS_PREFIX)
         imgs = load_images(d.corpus, **where, image_feature=d.image_feature,
                            label_feature=d.label_feature, image_size=d.image_size,
-                           **({"max_bytes": budget} if tfds else {}))  # fmt: skip
-        if budget and not tfds and imgs.train_images.nbytes > budget:
+                           max_bytes=budget)  # fmt: skip  # the shipped digits ignore it
+        streamed = isinstance(imgs.train_images, np.memmap)
+        if budget and not streamed and imgs.train_images.nbytes > budget:
             raise DataError(f"{d.corpus}'s training images take {imgs.train_images.nbytes:,} "
                             f"bytes, more than data.max_memory_mib allows ({budget:,} bytes); "
                             "only tfds:NAME image datasets stream from disk")  # fmt: skip
@@ -84,8 +84,7 @@ def load(cfg: config_lib.Config, replicas: int) -> Problem:
         return Problem(image_shards(imgs.train_images, imgs.train_labels, replicas),
                        (imgs.val_images, imgs.val_labels), graphdef, params,
                        tasks.image_classification(graphdef),
-                       float(np.log(imgs.num_classes)),
-                       streamed=isinstance(imgs.train_images, np.memmap))  # fmt: skip
+                       float(np.log(imgs.num_classes)), streamed=streamed)  # fmt: skip
     corpus = load_corpus(d.corpus, **where, text_feature=d.text_feature,
                          max_bytes=int(d.max_memory_mib * 2**20))  # fmt: skip
     graphdef, params = model_lib.init_model(

@@ -6,12 +6,7 @@
 # Accounted for a 1 Gbit/s, 50 ms WAN (sim.network=wan_1gbit), where communication shows.
 # About 30 minutes on 2 CPU cores (22 runs of ~75 s). Finished runs are reused on a rerun.
 #   bash scripts/communication_study.sh [WORKDIR]     (default runs/study)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=${1:-runs/study}
-preset=configs/study.py
-source scripts/study_lib.sh
-warm_start
+source "$(dirname "$0")/study_lib.sh"  # strict mode, cd, $out, $preset, the warm start, sweep
 comm="$out/communication"
 sweep --workdir "$comm/baselines" --baselines single,ddp
 sweep --workdir "$comm/codecs" --sweep compress.codec=none,bf16,int8,fp8,int4,topk

@@ -5,12 +5,7 @@
 # 1 Gbit/s, 50 ms WAN (sim.network=wan_1gbit). About 30 minutes on 2 CPU cores (24 runs).
 # Finished runs are reused on a rerun.
 #   bash scripts/methods_study.sh [WORKDIR]     (default runs/study)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=${1:-runs/study}
-preset=configs/study.py
-source scripts/study_lib.sh
-warm_start
+source "$(dirname "$0")/study_lib.sh"  # strict mode, cd, $out, $preset, the warm start, sweep
 methods="$out/methods"
 seeds=(--seeds 0,1,2)
 sweep --workdir "$methods/baselines" --baselines single,ddp

@@ -1,5 +1,10 @@
-# Shared by the study scripts (sourced, not run): the convergence study's warm start and a
-# sweep from it. Needs $out (the work directory) and $preset set by the caller.
+# Shared by the study scripts (sourced, not run, with the script's arguments): strict mode, the
+# repository as the working directory, $out (the first argument, default runs/study), the
+# study preset, the convergence study's warm start, and a sweep from it.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${1:-runs/study}
+preset=configs/study.py
 
 # warm_start: a short single-worker run whose final parameters every study run starts from
 warm_start() {
@@ -15,3 +20,5 @@ sweep() {
   uv run python -m sim --config "$preset" --config.train.init_from="$out/pretrain" \
       --config.sim.network=wan_1gbit "$@"
 }
+
+warm_start
