@@ -167,6 +167,9 @@ class SimConfig:
     dylu: bool = _key(False, "Dynamic Local Updates: slow replicas take fewer inner steps")
     drop_prob: float = _key(0.0, "chance each replica is dropped at each sync; in [0, 1)")
     drop: str = _key("", "r:a-b;...: replica r dropped for outer steps [a, b) (0-based)")
+    quorum: int = _key(0, "a sync waits for this many replicas, then sim.grace; late ones join "
+                       "the next; 0: all")  # fmt: skip
+    grace: float = _key(0.0, "with sim.quorum: the wait for more replicas, in rounds at speed 1")
     network: str = _key("datacenter", "datacenter | wan_1gbit")
     bandwidth_gbps: float = _key(0.0, "link bandwidth; 0: the network preset's")
     latency_ms: float = _key(-1.0, "link latency; < 0: the network preset's")

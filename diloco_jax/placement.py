@@ -81,7 +81,8 @@ def steps(cfg: config_lib.Config, layout, algorithm, problem, mesh, state):
         data_shards=layout.data_devices,
         dropout=cfg.model.dropout > 0 and problem.task.unit == "token",
         controlled=schedule.needs_control(speeds=cfg.sim.speeds, dylu=cfg.sim.dylu,
-                                          drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob),
+                                          drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob,
+                                          quorum=cfg.sim.quorum),
         streamed=problem.streamed,
         auto_data=layout.fsdp,
     )  # fmt: skip

@@ -33,7 +33,7 @@ KEY_OF_OPTION = {
     "dct.min_size": "compress.min_size", "dct.bits": "compress.sparse_bits",
     "moment_sync": "desloc.first_moment_every", "gossip": "noloco.enabled",
     "gossip.replicas": "parallel.replicas", "gossip.pull": "noloco.pull",
-    "gossip.pairings": "noloco.pairings",
+    "gossip.pairings": "noloco.pairings", "late_merge": "sim.quorum",
     "moment_sync.first_every": "desloc.first_moment_every",
     "moment_sync.second_every": "desloc.second_moment_every",
 }  # fmt: skip
@@ -81,6 +81,7 @@ def _variants(cfg: Config) -> dict:
         reset_inner_state=cfg.outer.reset_inner_state,
         moment_sync=MomentSync(cfg.desloc.first_moment_every, cfg.desloc.second_moment_every),
         gossip_config=gossip_of(cfg),
+        late_merge=cfg.sim.quorum > 0,
     )
 
 

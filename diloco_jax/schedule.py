@@ -14,9 +14,17 @@ the compiled step stays one function and a resumed run sees the same schedule. T
   (drawn from ``(seed, k)``). A dropped replica is left out of the mean and keeps its own
   parameters (DiLoCo paper, Fig. 8). At the next sync where it is connected its parameters are
   relative to an old anchor, so it is still left out of the mean but restarts from the anchor.
+* Quorum and grace (after Decoupled DiLoCo, Douillard et al., 2026, arXiv 2604.21428): a sync
+  does not wait for every replica (:func:`quorum_rounds`). It proceeds once ``quorum`` replicas
+  have finished their round, after a grace window for more; a late replica keeps training on its
+  own parameters and merges at the next sync, its pseudo-gradient measured from the anchor it
+  started from (DiLoCo's ``late_merge``) and weighted by its tokens since.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,9 +69,65 @@ def parse_drops(text: str, replicas: int) -> list[tuple[int, int, int]]:
     return drops
 
 
-def needs_control(*, speeds: str, dylu: bool, drop: str, drop_prob: float) -> bool:
+def needs_control(*, speeds: str, dylu: bool, drop: str, drop_prob: float,
+                  quorum: int = 0) -> bool:  # fmt: skip
     """Whether any mask can differ from plain DiLoCo (else the step skips the masking work)."""
-    return bool(speeds.strip() or dylu or drop.strip() or drop_prob > 0)
+    return bool(speeds.strip() or dylu or drop.strip() or drop_prob > 0 or quorum > 0)
+
+
+class QuorumRounds(NamedTuple):
+    """What each round ``k`` of :func:`quorum_rounds` does (arrays ``[K, R]`` and ``[K]``)."""
+
+    steps: np.ndarray  # int: inner steps replica r takes in round k (<= sync_every)
+    weight: np.ndarray  # float32: its weight at sync k (tokens since its base / a round's; 0: late)
+    merged: np.ndarray  # bool: it joins sync k and restarts from the new anchor
+    wall: np.ndarray  # float64: round k's length in step times of a speed-1 replica
+
+
+@functools.lru_cache(maxsize=16)
+def _quorum_rounds(speeds: tuple, sync_every: int, quorum: int, grace: float, rounds: int):
+    speeds_R, H = np.asarray(speeds), sync_every
+    carried_R = np.zeros(len(speeds_R))  # steps since the replica's base anchor
+    late_R = np.zeros(len(speeds_R), bool)
+    out = QuorumRounds(*(np.zeros((rounds, len(speeds_R)), t) for t in (int, np.float32, bool)),
+                       np.zeros(rounds))  # fmt: skip
+    for k in range(rounds):
+        arrive_R = np.maximum(0.0, H - carried_R) / speeds_R  # its own round of H steps done
+        ready = np.sort(arrive_R)[quorum - 1]
+        wall = min(arrive_R.max(), ready + grace * H)
+        steps_R = np.minimum(H, np.floor(speeds_R * wall + 1e-9)).astype(int)
+        merged_R = (arrive_R <= wall + 1e-9) | late_R
+        done_R = carried_R + steps_R
+        out.steps[k], out.merged[k], out.wall[k] = steps_R, merged_R, wall
+        out.weight[k] = np.where(merged_R, done_R / H, 0.0)
+        carried_R, late_R = np.where(merged_R, 0.0, done_R), ~merged_R
+    return out
+
+
+def quorum_rounds(speeds: np.ndarray, sync_every: int, quorum: int, grace: float,
+                  rounds: int) -> QuorumRounds:  # fmt: skip
+    """The first ``rounds`` rounds of DiLoCo with a quorum and a grace window.
+
+    Time counts in step times of a speed-1 replica; replica ``r`` takes a step every
+    ``1 / speeds[r]``. Each replica owes ``sync_every`` (H) steps since it last restarted from
+    the anchor; it *arrives* when it has taken them. In round ``k``:
+
+    * ``ready`` = when the ``quorum``-th replica arrives; the sync happens at
+      ``wall = min(last arrival, ready + grace * H)``;
+    * every replica computes until the sync (``min(H, floor(speeds[r] * wall))`` steps; one that
+      arrives early waits at the barrier), so a round is at most H steps of the sync plan;
+    * those that arrived join the sync, and so does every replica that was late at the last one:
+      a late replica merges at the next sync whatever it has done. Each joins with weight = its
+      steps since its base anchor / H (its tokens, as a share of a round's) and restarts from
+      the new anchor;
+    * the others are late: they keep training on their own parameters into the next round.
+
+    ``quorum`` >= R is plain DiLoCo waiting for everyone (every weight 1). Pure function of its
+    arguments (a resumed run sees the same rounds).
+    """
+    quorum = min(max(quorum, 1), len(speeds))
+    return _quorum_rounds(tuple(float(s) for s in speeds), sync_every, quorum, float(grace),
+                          rounds)  # fmt: skip
 
 
 def local_steps(speeds: np.ndarray, sync_every: int, dylu: bool) -> np.ndarray:
@@ -96,11 +160,14 @@ def control(
     drops,
     drop_prob: float,
     seed: int,
+    quorum: int = 0,
+    grace: float = 0.0,
 ) -> dict[str, np.ndarray]:
     """The ``StepControl`` fields for steps ``start .. start + num_steps - 1`` (0-based: index
     ``t`` is inner step ``t + 1`` of ``plan``) as ``[N, R]``. DyLU and failures act on whole
     rounds, so they need a ``plan`` that does not stream (the config refuses the combination);
-    without them every replica takes every step with weight 1."""
+    without them every replica takes every step with weight 1. ``quorum > 0``: the rounds of
+    :func:`quorum_rounds` (which excludes DyLU and failures: the config refuses them together)."""
     sync_every = plan.sync_every
     steps_R = local_steps(speeds, sync_every, dylu)
     # weights proportional to steps taken, 1.0 for a full round (so equal speeds give plain DiLoCo)
@@ -109,6 +176,15 @@ def control(
     weight = np.ones((num_steps, replicas), np.float32)
     take_anchor = np.ones((num_steps, replicas), bool)
     kw = dict(replicas=replicas, drops=drops, drop_prob=drop_prob, seed=seed)
+    if quorum > 0:
+        last = (start + num_steps - 1) // sync_every  # the round of the call's last step
+        rounds = quorum_rounds(speeds, sync_every, quorum, grace, last + 1)
+        for i, t in enumerate(range(start, start + num_steps)):
+            k = t // sync_every
+            active[i] = t % sync_every < rounds.steps[k]
+            if plan.starting(t + 1)[0]:
+                weight[i], take_anchor[i] = rounds.weight[k], rounds.merged[k]
+        return {"active": active, "weight": weight, "take_anchor": take_anchor}
     if not (dylu or drops or drop_prob > 0):
         return {"active": active, "weight": weight, "take_anchor": take_anchor}
     if plan.streaming:

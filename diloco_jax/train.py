@@ -170,7 +170,7 @@ def chunk_control(cfg: config_lib.Config, s: Setup, start: int) -> StepControl:
         start, cfg.train.log_every, replicas=replicas, plan=_plan(cfg, s),
         speeds=schedule.parse_speeds(cfg.sim.speeds, replicas), dylu=cfg.sim.dylu,
         drops=schedule.parse_drops(cfg.sim.drop, replicas), drop_prob=cfg.sim.drop_prob,
-        seed=cfg.seed,
+        seed=cfg.seed, quorum=cfg.sim.quorum, grace=cfg.sim.grace,
     )  # fmt: skip
     return parallel.split_over_replicas(StepControl(**masks), s.mesh, axis=1)
 

@@ -7,6 +7,7 @@ config keys.
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any
 
 from diloco_jax.algorithm.compress import CODECS
@@ -137,6 +138,14 @@ def _validate_sim(cfg: Config) -> None:
         ("sim.topology", sim.topology in comms.TOPOLOGIES, f"must be one of {comms.TOPOLOGIES}"),
         ("sim.step_time_s", sim.step_time_s >= 0, "must be >= 0 (0: measured)"),
         ("sim.bandwidth_gbps", sim.bandwidth_gbps >= 0, "must be >= 0 (0: the network preset's)"),
+        ("sim.quorum", 0 <= sim.quorum <= cfg.parallel.replicas,
+         f"must be in [0, parallel.replicas = {cfg.parallel.replicas}] (0: wait for all)"),
+        ("sim.quorum", not sim.quorum or cfg.algorithm == "diloco",
+         f"lets DiLoCo's syncs go without late replicas; algorithm is {cfg.algorithm!r}"),
+        ("sim.quorum", not sim.quorum or not (sim.dylu or sim.drop or sim.drop_prob),
+         "does not combine with sim.dylu, sim.drop or sim.drop_prob (late replicas are its own "
+         "straggler policy)"),
+        ("sim.grace", sim.grace >= 0 and math.isfinite(sim.grace), "must be a finite number >= 0"),
         ("sim.offload", not sim.offload or sim.chunk,
          "needs sim.chunk > 0 (the replicas waiting for their chunk are what goes to the host)"),
     ]  # fmt: skip

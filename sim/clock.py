@@ -9,7 +9,9 @@ work in rounds that end at a sync, and everyone waits for the slowest:
 
 With fixed ``sync_every`` every replica takes ``sync_every`` steps per round (fast ones idle at
 the barrier); with Dynamic Local Updates slow replicas take fewer (``schedule.local_steps``).
-``ddp`` is the same with a round of one step; ``single`` never waits.
+``ddp`` is the same with a round of one step; ``single`` never waits. With a quorum (Decoupled
+DiLoCo) a round ends when ``schedule.quorum_rounds`` says, and only the replicas that join a sync
+take part in its reduce.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def simulate(
     fragments: int = 1,
     hidden_steps: int = 0,
     extra_payloads: Sequence[tuple[int, int]] = (),
+    quorum: tuple[int, float] | None = None,
 ) -> Clock:
     """The wall-clock of ``steps`` inner steps per replica under the model above.
 
@@ -54,13 +57,16 @@ def simulate(
     (streaming's overlap tau; a whole round for delayed and eager outer steps) and only what
     exceeds them stalls the replicas. ``comm_s`` is the stalled time. ``extra_payloads``:
     ``(every, P)`` reduces that join the sync after each inner step that ``every`` divides
-    (DES-LOC's moment averages).
+    (DES-LOC's moment averages). ``quorum``: DiLoCo's ``(quorum, grace)`` (:func:`_quorum`).
     """
     payloads = [payload_bytes] if isinstance(payload_bytes, int) else list(payload_bytes)
     reduce_s = [comms.reduce_seconds(p, replicas, network, topology) for p in payloads]
     if algorithm == "single":
         compute = steps * step_time_s / speeds[0]
         return Clock(compute, compute, 0.0, 1.0)
+    if quorum is not None and algorithm == "diloco":
+        return _quorum(steps, sync_every, speeds, step_time_s, payloads[0], network, topology,
+                       *quorum)  # fmt: skip
     round_steps = 1 if algorithm == "ddp" else SyncPlan(sync_every, fragments).period
     per_round = schedule.local_steps(speeds, round_steps, dylu and algorithm == "diloco")
     full_rounds, leftover = divmod(steps, round_steps)
@@ -80,3 +86,20 @@ def simulate(
         wall += left_R.max()
         busy += left_R.sum()
     return Clock(float(wall), float(busy), float(comm), float(busy / (replicas * wall)))
+
+
+def _quorum(steps, sync_every, speeds, step_time_s, payload, network, topology, quorum, grace):
+    """The clock of rounds that end at a quorum (``schedule.quorum_rounds``): round ``k`` lasts
+    its ``wall`` step times, then the replicas that join its sync reduce among themselves; the
+    last round, if unfinished, ends with the slowest of its steps."""
+    full, leftover = divmod(steps, sync_every)
+    rounds = schedule.quorum_rounds(speeds, sync_every, quorum, grace, full + bool(leftover))
+    comm = sum(comms.reduce_seconds(payload, int(m.sum()), network, topology)
+               for m in rounds.merged[:full])  # fmt: skip
+    busy_KxR = rounds.steps / speeds * step_time_s
+    wall = rounds.wall[:full].sum() * step_time_s + comm
+    if leftover:
+        busy_KxR[-1] = np.minimum(rounds.steps[-1], leftover) / speeds * step_time_s
+        wall += busy_KxR[-1].max()
+    busy = busy_KxR.sum()
+    return Clock(float(wall), float(busy), float(comm), float(busy / (len(speeds) * wall)))

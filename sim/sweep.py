@@ -189,6 +189,8 @@ def codec_label(cfg: config_lib.Config) -> str:
         label += f",inner={cfg.inner.optimizer}"
     if cfg.outer.optimizer != "sgd":
         label += f",outer={cfg.outer.optimizer}"
+    if cfg.sim.quorum and cfg.algorithm == "diloco":
+        label += f",quorum={cfg.sim.quorum}(grace={cfg.sim.grace:g})"
     return label
 
 
@@ -212,6 +214,19 @@ def _moment_payloads(cfg: config_lib.Config, params) -> list[tuple[int, int]]:
     state = jax.eval_shape(inner_of(cfg).init, params)
     return [(every, comms.payload_bytes(moments.payload_leaves(state, which)))
             for which, every in periods if every]  # fmt: skip
+
+
+def _quorum_bytes(cfg: config_lib.Config, steps: int, payload: int, replicas: int):
+    """``(bytes per replica of each sync, the most one replica sends at one)`` with a quorum:
+    only the replicas that join a sync reduce, among themselves
+    (:func:`diloco_jax.schedule.quorum_rounds`); a late replica sends nothing."""
+    sim = cfg.sim
+    rounds = schedule.quorum_rounds(schedule.parse_speeds(sim.speeds, replicas),
+                                    cfg.outer.sync_every, sim.quorum, sim.grace,
+                                    steps // cfg.outer.sync_every)  # fmt: skip
+    each = [comms.bytes_per_replica(payload, int(m.sum()), sim.topology) for m in rounds.merged]
+    sync_bytes = [b * int(m.sum()) / replicas for b, m in zip(each, rounds.merged, strict=True)]
+    return sync_bytes, max(each, default=0)
 
 
 def account(done: dict, cfg: config_lib.Config, params) -> dict:
@@ -242,6 +257,9 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
                                     for every, p in extra if step % every == 0)
                   for step, f in SyncPlan(cfg.outer.sync_every, num_fragments).sync_steps(1, steps)
                   ] if diloco else [per_sync[f] for f in events]  # fmt: skip
+    peak = max(sync_bytes) if syncs else 0
+    if diloco and sim.quorum:
+        sync_bytes, peak = _quorum_bytes(cfg, steps, payloads[0], replicas)
     sent = sum(sync_bytes)
     ddp_sent = steps * comms.bytes_per_replica(fp32_payload, cfg.parallel.replicas, sim.topology)
     preset = comms.NETWORKS[sim.network]
@@ -256,7 +274,7 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
         speeds=schedule.parse_speeds(sim.speeds, cfg.parallel.replicas)[:replicas],
         dylu=sim.dylu, step_time_s=step_time, payload_bytes=payloads, network=network,
         topology=topology, fragments=num_fragments, hidden_steps=_hidden_steps(cfg),
-        extra_payloads=extra,
+        extra_payloads=extra, quorum=(sim.quorum, sim.grace) if diloco and sim.quorum else None,
     )  # fmt: skip
     losses = [e["eval_loss"] for e in done["evals"]]
     return {
@@ -266,7 +284,7 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
         "codec": codec_label(cfg), "seed": cfg.seed, "tokens": done["tokens"], "steps": steps,
         "final_eval_loss": done["final_eval_loss"], "best_eval_loss": min(losses),
         "syncs": syncs, "bytes_per_replica": sent,
-        "peak_sync_bytes": max(sync_bytes) if syncs else 0,
+        "peak_sync_bytes": peak,
         "bytes_per_token": sent * replicas / done["tokens"],
         "bytes_vs_ddp": sent / ddp_sent if ddp_sent else 0.0,
         "sim_wallclock_s": c.wallclock_s, "utilization": c.utilization,

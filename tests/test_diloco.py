@@ -184,6 +184,7 @@ def test_kinds_declare_each_field_once_and_every_layout_follows():
     assert tx.kinds == DilocoState(
         step=SHARED, params=PER_REPLICA, inner_state=PER_REPLICA, anchor=SHARED,
         outer_state=SHARED, exchange_state=PER_REPLICA, timing_state=(), healthy=PER_REPLICA,
+        base=PER_REPLICA,
     )  # fmt: skip
     stacked = state_lib.stack(tx.init({"w": jnp.zeros(3)}), tx.kinds, 4)
     assert stacked.params["w"].shape == (4, 3) and stacked.anchor["w"].shape == (3,)

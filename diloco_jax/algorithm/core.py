@@ -66,6 +66,9 @@ class DilocoState(NamedTuple):
       timing_state: the outer timing piece's state (``()`` for ``sync``), with its own kinds.
       healthy: per replica, bool scalar: the replica's last pseudo-gradient was finite (else it
         restarts from the anchor with a fresh inner state when its fragment lands).
+      base: per replica, with ``late_merge`` (else ``()``): the anchor this replica last
+        restarted from (parameters' dtype); its pseudo-gradient is measured from it, so a
+        replica that missed syncs merges the work of all its rounds since.
     """
 
     step: jax.Array
@@ -76,6 +79,7 @@ class DilocoState(NamedTuple):
     exchange_state: tuple
     timing_state: Any
     healthy: jax.Array
+    base: Any
 
 
 def _where(cond: jax.Array, a: Any, b: Any) -> Any:
@@ -108,6 +112,7 @@ class _Round(NamedTuple):
     timing_state: Any
     healthy: jax.Array
     stats: SyncStats
+    base: list
 
 
 def _set(values, idx: list[int], new: list) -> list:
@@ -157,6 +162,7 @@ class Diloco(NamedTuple):
     diagnostics: bool
     fragment_of: Callable
     moment_sync: moments.MomentSync = moments.MomentSync()
+    late_merge: bool = False
 
     @property
     def kinds(self) -> DilocoState:
@@ -166,7 +172,8 @@ class Diloco(NamedTuple):
         anchor = PER_REPLICA if own else SHARED
         return DilocoState(step=SHARED, params=PER_REPLICA, inner_state=PER_REPLICA,
                            anchor=anchor, outer_state=anchor, exchange_state=PER_REPLICA,
-                           timing_state=self.timing.kinds, healthy=PER_REPLICA)  # fmt: skip
+                           timing_state=self.timing.kinds, healthy=PER_REPLICA,
+                           base=PER_REPLICA)  # fmt: skip
 
     def _groups(self, params) -> list[list[int]]:
         return fragments.groups(self.fragment_of(params, self.plan.fragments), self.plan.fragments)
@@ -184,6 +191,7 @@ class Diloco(NamedTuple):
             exchange_state=tuple(self.exchange.init(p) for p in parts),
             timing_state=self.timing.init(leaves),
             healthy=jnp.ones([], bool),
+            base=params if self.late_merge else (),
         )
 
     def outer_params(self, stacked: DilocoState) -> Any:
@@ -198,7 +206,8 @@ class Diloco(NamedTuple):
         anchor (by this mean or, with delayed/eager timing, as the timing piece says)."""
         idx = groups[f]
         anchor = [rnd.anchor[i] for i in idx]
-        delta = [a - rnd.params[i] for a, i in zip(anchor, idx, strict=True)]
+        start = [rnd.base[i] for i in idx] if self.late_merge else anchor
+        delta = [a - rnd.params[i] for a, i in zip(start, idx, strict=True)]
         finite = jnp.isfinite(optax.tree.norm(delta))  # NaN/Inf anywhere: leave it out
         w = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
         mean, ex_f, total_w = self.exchange.mean(delta, w, finite, rnd.exchange_state[f],
@@ -238,8 +247,9 @@ class Diloco(NamedTuple):
             params.append(jnp.where(restart, target, p))
         reset = restart if self.reset_inner_state else bad
         fresh = self.inner.init(jax.tree.unflatten(treedef, rnd.anchor))
+        base = _where(restart, rnd.anchor, rnd.base) if self.late_merge else rnd.base
         return rnd._replace(params=params, inner_state=_where(reset, fresh, rnd.inner_state),
-                            healthy=jnp.ones([], bool))  # fmt: skip
+                            healthy=jnp.ones([], bool), base=base)  # fmt: skip
 
     def update(self, state: DilocoState, grads, *, active=True, weight=1.0, take_anchor=True,
                sync: bool = True):  # fmt: skip
@@ -271,8 +281,8 @@ class Diloco(NamedTuple):
         leaves, treedef = jax.tree.flatten(params)
         groups = self._groups(params)
         rnd = _Round(leaves, inner_state, jax.tree.leaves(state.anchor), state.outer_state,
-                     state.exchange_state, state.timing_state, state.healthy,
-                     zero_stats())  # fmt: skip
+                     state.exchange_state, state.timing_state, state.healthy, zero_stats(),
+                     jax.tree.leaves(state.base))  # fmt: skip
         start = functools.partial(self._start, groups=groups, weight=weight)
         land = functools.partial(self._land, groups=groups, take_anchor=take_anchor,
                                  treedef=treedef)  # fmt: skip
@@ -287,7 +297,9 @@ class Diloco(NamedTuple):
             rnd = _maybe(on, which, [functools.partial(land, f) for f in range(count)], rnd)
         new_state = DilocoState(step, jax.tree.unflatten(treedef, rnd.params), rnd.inner_state,
                                 jax.tree.unflatten(treedef, rnd.anchor), rnd.outer_state,
-                                rnd.exchange_state, rnd.timing_state, rnd.healthy)  # fmt: skip
+                                rnd.exchange_state, rnd.timing_state, rnd.healthy,
+                                jax.tree.unflatten(treedef, rnd.base) if self.late_merge
+                                else ())  # fmt: skip
         return new_state, rnd.stats._asdict()
 
 
@@ -316,6 +328,7 @@ def diloco(
     fragment_of=fragments.strided,
     moment_sync: moments.MomentSync | None = None,
     gossip_config: gossip.Gossip | None = None,
+    late_merge: bool = False,
 ) -> Diloco:
     """DiLoCo: ``sync_every`` local steps of ``inner``, then one ``outer`` step on the anchor.
 
@@ -341,13 +354,19 @@ def diloco(
         moments across replicas (:mod:`.moments`; None: never).
       gossip_config: NoLoCo: every replica averages with one partner, keeping its own anchor
         (:mod:`.gossip`; None: the all-replica mean).
+      late_merge: replicas may miss syncs (quorum and grace, after Decoupled DiLoCo, arXiv
+        2604.21428): each keeps the anchor it restarted from (``base``) and its pseudo-gradient
+        is ``base - params``, so a replica left out of a sync (``weight=0``,
+        ``take_anchor=False``) merges all its work since at a later one, weighted by its tokens
+        (the caller's ``weight``: :func:`diloco_jax.schedule.quorum_rounds`).
 
     Raises :class:`~diloco_jax.algorithm.options.OptionError` (a ValueError) for an option out
     of range or a combination that is not supported (:func:`check_options`).
     """
     check_options(sync_every=sync_every, streaming=streaming, outer_mode=outer_mode, codec=codec,
                   dct_config=dct_config, reset_inner_state=reset_inner_state,
-                  moment_sync=moment_sync, gossip_config=gossip_config)  # fmt: skip
+                  moment_sync=moment_sync, gossip_config=gossip_config,
+                  late_merge=late_merge)  # fmt: skip
     codec = None if codec is None or codec.name == "none" else codec
     streaming = Streaming() if streaming is None else Streaming(*streaming)
     plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
@@ -356,7 +375,7 @@ def diloco(
         exchange=_make_exchange(axis_name, codec, dct_config, gossip_config),
         timing=make_timing(outer_mode, axis_name), axis_name=axis_name, mix=streaming.mix,
         reset_inner_state=reset_inner_state, diagnostics=diagnostics, fragment_of=fragment_of,
-        moment_sync=moments.MomentSync(*(moment_sync or ())),
+        moment_sync=moments.MomentSync(*(moment_sync or ())), late_merge=late_merge,
     )  # fmt: skip
 
 

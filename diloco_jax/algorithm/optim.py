@@ -205,19 +205,18 @@ def make_algorithm(
     dct_config: DctConfig | None = None,
     streaming: Streaming | None = None,
     outer_mode: str = "sync",
-    moment_sync=None,
-    gossip_config=None,
+    **variants,
 ):
     """The algorithm named ``algorithm`` (one of :data:`ALGORITHMS`). Every one has
     ``kinds``, ``init``, ``update(state, grads, **control)`` and ``outer_params``; ``codec``,
-    ``dct_config``, ``streaming``, ``outer_mode``, ``moment_sync`` and ``gossip_config`` are
-    DiLoCo's variants."""
+    ``dct_config``, ``streaming``, ``outer_mode`` and ``variants`` (``moment_sync``,
+    ``gossip_config``, ``late_merge``) are DiLoCo's variants."""
     if algorithm == "diloco":
         return diloco(
             inner, outer, sync_every=sync_every, axis_name=axis_name,
             reset_inner_state=reset_inner_state, diagnostics=diagnostics, codec=codec,
             dct_config=dct_config, streaming=streaming, outer_mode=outer_mode,
-            moment_sync=moment_sync, gossip_config=gossip_config,
+            **variants,
         )  # fmt: skip
     if algorithm == "ddp":
         return data_parallel(inner, axis_name=axis_name)

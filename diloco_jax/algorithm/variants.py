@@ -35,6 +35,7 @@ def check_options(
     reset_inner_state: bool = False,
     moment_sync: moments.MomentSync | None = None,
     gossip_config: gossip.Gossip | None = None,
+    late_merge: bool = False,
 ) -> None:
     """The one place where :func:`diloco`'s arguments are checked, each alone and together.
 
@@ -68,3 +69,11 @@ def check_options(
         require(moment_sync is None or not moments.MomentSync(*moment_sync).active, "gossip",
                 "noloco", "has no all-reduce: it does not combine with DES-LOC's moment "
                 "averages")  # fmt: skip
+    if late_merge:
+        require(not plan.streaming and outer_mode == "sync" and gossip_config is None,
+                "late_merge", late_merge, "late replicas merge whole rounds into the all-"
+                f"replica mean: it does not combine with {_STREAMING}, {{outer_mode}} != "
+                "'sync' or NoLoCo")  # fmt: skip
+        require(moment_sync is None or not moments.MomentSync(*moment_sync).active,
+                "late_merge", late_merge, "leaves late replicas out of syncs: it does not "
+                "combine with DES-LOC's moment averages")  # fmt: skip
