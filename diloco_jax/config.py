@@ -193,6 +193,16 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """The run's HTTP status, metrics, dashboard and control (``diloco_jax/serve.py``)."""
+
+    port: int = _key(0, "serve /status, /metrics, the dashboard and /control on this port; 0: off")
+    host: str = _key("127.0.0.1", "the address to bind; any but loopback needs a token")
+    token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else a new "
+                           "one in WORKDIR/serve_token")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
 class CompressConfig:
     """How DiLoCo's pseudo-gradients travel; see ``diloco_jax/algorithm/compress.py``. The
     defaults are the library's own (Codec, DctConfig): one source."""
@@ -260,6 +270,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     sim: SimConfig = SimConfig()
     log: LogConfig = LogConfig()
+    serve: ServeConfig = ServeConfig()
 
 
 def load_preset(preset: str | pathlib.Path) -> Config:

@@ -176,6 +176,17 @@ def any_process(flag: bool) -> list[int]:
     return [int(i) for i in np.flatnonzero(flags.reshape(-1))]
 
 
+def from_lead(values: list[int]) -> list[int]:
+    """Process 0's ``values`` on every process (every process must call this, with a list of
+    the same length)."""
+    if jax.process_count() == 1:
+        return list(values)
+    from jax.experimental import multihost_utils
+
+    out = multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))
+    return [int(v) for v in np.asarray(out).reshape(-1)]
+
+
 def fingerprint(tree) -> jax.Array:
     """A uint32 checksum of every bit of ``tree``: ``sum_i bits_i * (2i + 1) mod 2**32`` per leaf,
     combined over leaves. Any single flipped bit, and any swap of two different values, changes

@@ -64,6 +64,7 @@ class RunLog:
         self.enabled = enabled
         self._start = time.time()
         self._sinks = sinks
+        self._watchers: list = []
         if not enabled:
             return
         from tensorboardX import SummaryWriter
@@ -90,6 +91,13 @@ class RunLog:
             self._tb.add_scalar(tag, value, int(step))
         for sink in self._sinks:
             sink.write(int(step), series)
+        for watcher in self._watchers:
+            watcher(record)
+
+    def watch(self, fn) -> None:
+        """``fn(record)`` for every new event from now on (the record as ``metrics.jsonl``
+        holds it: plain JSON values)."""
+        self._watchers.append(fn)
 
     def close(self) -> None:
         if self.enabled:

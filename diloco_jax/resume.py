@@ -49,6 +49,7 @@ MAY_CHANGE = (
     "train.check_replicated",  # a debug check of the same computation
     # where the same numbers are shown: the progress bar, Weights & Biases
     "log.progress_bar", "log.wandb", "log.wandb_project", "log.wandb_mode",
+    "serve.port", "serve.host", "serve.token_file",  # the run's HTTP view of itself
 )  # fmt: skip
 
 
@@ -62,12 +63,14 @@ ABSENT = _Absent()  # a key one of two configs does not have
 
 class Start(NamedTuple):
     """Where a run starts: its state, the step, the checkpoint directory (None: from scratch)
-    and the config keys that differ from the checkpoint's, ``{key: (saved, now)}``."""
+    and the config keys that differ from the checkpoint's, ``{key: (saved, now)}``, and what was
+    changed while it ran (``controls``, e.g. ``{"outer_lr": 0.35}``: :mod:`diloco_jax.serve`)."""
 
     state: Any
     step: int
     checkpoint: pathlib.Path | None = None
     changes: dict[str, tuple] = {}
+    controls: dict = {}
 
 
 def warm_start(workdir: str, params):
@@ -137,16 +140,16 @@ def resume(mngr, s, workdir: pathlib.Path, *, allow_config_change: bool = False)
         saved = checkpoint.saved_replicas(mngr, e.step)
         if s.cfg.algorithm != "diloco" or saved in (None, s.layout.replicas):
             raise
-        path = mngr.directory / str(e.step)
-        changes = check_config(s.cfg, checkpoint.saved_config(mngr, e.step), path,
-                               allow_change=allow_config_change)  # fmt: skip
-        return Start(elastic(mngr, s, saved, e.step), e.step, path, changes)
+        path, meta = mngr.directory / str(e.step), checkpoint.saved_meta(mngr, e.step)
+        changes = check_config(s.cfg, meta["config"], path, allow_change=allow_config_change)
+        return Start(elastic(mngr, s, saved, e.step), e.step, path, changes,
+                     meta.get("controls", {}))  # fmt: skip
     if restored is None:
         return Start(s.state, 0)
     path = mngr.directory / str(restored.step)
     changes = check_config(s.cfg, restored.config, path, allow_change=allow_config_change)
     log.info("resumed from %s at step %d", workdir / "checkpoints", restored.step)
-    return Start(restored.state, restored.step, path, changes)
+    return Start(restored.state, restored.step, path, changes, restored.controls)
 
 
 def record(workdir: pathlib.Path, cfg: config_lib.Config, start: Start) -> None:

@@ -175,6 +175,8 @@ def control(
     active = np.ones((num_steps, replicas), bool)
     weight = np.ones((num_steps, replicas), np.float32)
     take_anchor = np.ones((num_steps, replicas), bool)
+    masks = {"active": active, "weight": weight, "take_anchor": take_anchor,
+             "outer_scale": np.ones((num_steps, replicas), np.float32)}  # fmt: skip
     kw = dict(replicas=replicas, drops=drops, drop_prob=drop_prob, seed=seed)
     if quorum > 0:
         last = (start + num_steps - 1) // sync_every  # the round of the call's last step
@@ -184,9 +186,9 @@ def control(
             active[i] = t % sync_every < rounds.steps[k]
             if plan.starting(t + 1)[0]:
                 weight[i], take_anchor[i] = rounds.weight[k], rounds.merged[k]
-        return {"active": active, "weight": weight, "take_anchor": take_anchor}
+        return masks
     if not (dylu or drops or drop_prob > 0):
-        return {"active": active, "weight": weight, "take_anchor": take_anchor}
+        return masks
     if plan.streaming:
         raise ValueError("DyLU and failure schedules need a sync plan without streaming")
     for i, t in enumerate(range(start, start + num_steps)):
@@ -197,4 +199,4 @@ def control(
             was_up = connected(k - 1, **kw) if k > 0 else np.ones(replicas, bool)
             weight[i] = weight_R * (up & was_up)
             take_anchor[i] = up
-    return {"active": active, "weight": weight, "take_anchor": take_anchor}
+    return masks

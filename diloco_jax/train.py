@@ -37,6 +37,7 @@ from diloco_jax.axes import REPLICA
 from diloco_jax.data import DataError
 from diloco_jax.data.stream import make_stream
 from diloco_jax.extras import MissingExtra
+from diloco_jax.live import Live
 from diloco_jax.preemption import Preemption, saving, stopped, watch_launcher
 from diloco_jax.reporting import log
 from diloco_jax.runtime import checkpoint, parallel
@@ -163,8 +164,10 @@ def _plan(cfg: config_lib.Config, s: Setup) -> SyncPlan:
     return getattr(s.algorithm, "plan", SyncPlan(cfg.outer.sync_every))
 
 
-def chunk_control(cfg: config_lib.Config, s: Setup, start: int) -> StepControl:
-    """Stragglers' and failures' masks for the ``log_every`` steps from ``start``."""
+def chunk_control(cfg: config_lib.Config, s: Setup, start: int,
+                  outer_scale: float = 1.0) -> StepControl:  # fmt: skip
+    """Stragglers' and failures' masks for the ``log_every`` steps from ``start``, and the
+    outer learning rate's scale (changed over HTTP: :mod:`diloco_jax.live`)."""
     replicas = s.layout.replicas
     masks = schedule.control(
         start, cfg.train.log_every, replicas=replicas, plan=_plan(cfg, s),
@@ -172,6 +175,7 @@ def chunk_control(cfg: config_lib.Config, s: Setup, start: int) -> StepControl:
         drops=schedule.parse_drops(cfg.sim.drop, replicas), drop_prob=cfg.sim.drop_prob,
         seed=cfg.seed, quorum=cfg.sim.quorum, grace=cfg.sim.grace,
     )  # fmt: skip
+    masks["outer_scale"][:] = outer_scale
     return parallel.split_over_replicas(StepControl(**masks), s.mesh, axis=1)
 
 
@@ -180,13 +184,15 @@ def outer_steps(cfg: config_lib.Config, step: int) -> int:
     return {"diloco": step // cfg.outer.sync_every, "ddp": step, "single": 0}[cfg.algorithm]
 
 
-def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir, preempted):
+def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir, preempted,
+            controls: dict):  # fmt: skip
     """Final checkpoint, outer params and text sample; returns the run's summary
-    (``preempted``: the name of the signal that stopped the run, or None)."""
+    (``preempted``: the name of the signal that stopped the run, or None; ``controls``: what
+    was changed over HTTP, saved with the checkpoint)."""
     cfg = s.cfg
     if mngr is not None:
         if mngr.latest_step() != step:
-            checkpoint.save(mngr, step, state, config_lib.to_dict(cfg))
+            checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), controls=controls)
         mngr.wait_until_finished()
         log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
     summary = {
@@ -272,6 +278,9 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     if lead:
         resume.record(workdir, cfg, start)
     runlog = records.open_runlog(cfg, workdir, start.step, enabled=lead)  # + run_record.jsonl
+    live = Live(cfg, s, workdir, lead=lead, controls=start.controls)  # serve.port: HTTP
+    if live.board is not None:
+        runlog.watch(live.board.event)
     log.info(
         "%s: %d replicas on %s (%d replica x %d data devices, %d processes), %d params, "
         "%d %ss per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
@@ -293,7 +302,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     eval_loss, train_start, call_seconds, host_seconds = None, time.time(), [], []
     with Preemption() as stop:
         while step < total and not _agree_to_stop(stop):
-            control = chunk_control(cfg, s, step)
+            control = chunk_control(cfg, s, step, live.outer_scale)
             tick = time.time()
             state, metrics_NxR = run(state, s.replicas_R, s.data(step), control)
             metrics_NxR = jax.device_get(metrics_NxR)
@@ -301,11 +310,15 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
             step += t.log_every
             _report_chunk(s, runlog, bar, step, metrics_NxR, call_seconds[-1])
             distributed.check_replicated(s, state, step)
-            if _crossed(step, t.log_every, t.eval_every) or step >= total:
+            asked = live.agree(runlog, stop, step)  # HTTP controls, as every process agrees
+            if _crossed(step, t.log_every, t.eval_every) or step >= total or "eval" in asked:
                 eval_loss = _evaluate(s, runlog, state, step, total)
-            if mngr is not None and _crossed(step, t.log_every, t.checkpoint_every):
+            if mngr is not None and (_crossed(step, t.log_every, t.checkpoint_every)
+                                     or "checkpoint" in asked):  # fmt: skip
                 # written in the background
-                checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False)
+                checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False,
+                                controls=live.changed)  # fmt: skip
+                runlog.write("checkpoint", step)
             host_seconds.append(time.time() - tick - call_seconds[-1])
         bar.close()
         if stop.requested:
@@ -313,7 +326,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
         elif eval_loss is None:  # resumed a run that had already finished
             eval_loss = _evaluate(s, runlog, state, step, total)
         summary = _finish(s, state, step, eval_loss, time.time() - train_start, mngr, workdir,
-                          preempted=stop.requested)  # fmt: skip
+                          preempted=stop.requested, controls=live.changed)  # fmt: skip
     # the first call can include one-off work; the median of the rest is the steady state
     steady = call_seconds[1:] or call_seconds
     summary["step_seconds"] = float(np.median(steady)) / t.log_every if steady else None
@@ -321,6 +334,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     summary["host_seconds"] = float(np.median(host_seconds)) if host_seconds else None
     runlog.write("done", step, **{k: v for k, v in summary.items() if k != "sample"})
     runlog.close()
+    live.close()
     return {**summary, "state": state}
 
 

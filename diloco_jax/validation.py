@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import pathlib
 from typing import Any
 
 from diloco_jax.algorithm.compress import CODECS
@@ -74,6 +76,25 @@ def validate(cfg: Config) -> None:
     _enforce(rules, flat)
     _validate_variants(cfg)
     _validate_sim(cfg)
+    _validate_serve(cfg)
+
+
+def _validate_serve(cfg: Config) -> None:
+    from diloco_jax import serve
+
+    sv = cfg.serve
+    token_file = pathlib.Path(sv.token_file) if sv.token_file else None
+    has_token = bool(os.environ.get(serve.TOKEN_ENV)) or token_file is not None
+    rules = [
+        ("serve.port", 0 <= sv.port <= 65535, "must be in [0, 65535] (0: no server)"),
+        ("serve.host", not sv.port or serve.is_loopback(sv.host) or has_token,
+         f"is not a loopback address: set serve.token_file or ${serve.TOKEN_ENV} (every request "
+         "then needs the token)"),
+        ("serve.token_file", token_file is None or (token_file.is_file() and
+                                                    token_file.read_text().strip() != ""),
+         "must be a file holding the token"),
+    ]  # fmt: skip
+    _enforce(rules, keys(cfg))
 
 
 def _validate_library_options(cfg: Config) -> None:

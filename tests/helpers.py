@@ -64,7 +64,9 @@ def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0
     ids = jnp.arange(layout.replicas) if replica_ids is None else jnp.asarray(replica_ids)
     if shards_RxS is None:
         shards_RxS = replica_shards(corpus_train(), shards or layout.replicas, SEQ_LEN)[ids]
-    ctrl = full_control(num_steps, layout.replicas) if control is None else StepControl(**control)
+    ctrl = full_control(num_steps, layout.replicas)
+    if control is not None:  # the outer learning rate's scale is 1 unless given
+        ctrl = StepControl(**{**ctrl._asdict(), **control})
     args = (
         parallel.place(state, algorithm.kinds, mesh, fsdp_split=layout.fsdp),
         parallel.split_over_replicas(ids.astype(jnp.int32), mesh),

@@ -243,7 +243,7 @@ def test_allowed_keys_may_change_and_the_run_continues_bitwise(uninterrupted, fi
     assert entry["overridden"] == []
     assert_each_event_once(finished)
     # the new checkpoint carries the config that wrote it
-    saved = checkpoint.saved_config(checkpoint.manager(finished), 20)
+    saved = checkpoint.saved_meta(checkpoint.manager(finished), 20)["config"]
     assert saved == config_lib.to_dict(cfg)
 
 

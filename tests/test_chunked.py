@@ -38,7 +38,7 @@ def _control():
     weight[3, 2], weight[7, 3] = 0.0, 2.0
     take = np.ones((STEPS, R), bool)
     take[3, 2] = False
-    return StepControl(active, weight, take)
+    return StepControl(active, weight, take, np.ones((STEPS, R), np.float32))
 
 
 def _run(tx, chunk: int = 0, offload: bool = False):

@@ -38,9 +38,11 @@ class Local(NamedTuple):
     def init(self, params) -> LocalState:
         return LocalState(jnp.zeros([], jnp.int32), params, self.inner.init(params))
 
-    def update(self, state: LocalState, grads, *, active=True, weight=1.0, take_anchor=True):
-        """One step; the simulator's straggler and failure controls do not apply."""
-        del active, weight, take_anchor
+    def update(self, state: LocalState, grads, *, active=True, weight=1.0, take_anchor=True,
+               outer_scale=1.0):  # fmt: skip
+        """One step; the simulator's straggler and failure controls (and an outer learning
+        rate, which these have not) do not apply."""
+        del active, weight, take_anchor, outer_scale
         if self.axis_name is not None:
             grads = replica_mean(grads, self.axis_name)
         updates, inner_state = self.inner.update(grads, state.inner_state, state.params)

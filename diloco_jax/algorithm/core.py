@@ -201,7 +201,7 @@ class Diloco(NamedTuple):
             return jax.tree.map(lambda x: x.mean(axis=0).astype(x.dtype), stacked.anchor)
         return stacked.anchor
 
-    def _start(self, f: int, rnd: _Round, *, groups, weight) -> _Round:
+    def _start(self, f: int, rnd: _Round, *, groups, weight, outer_scale) -> _Round:
         """Fragment ``f``'s pseudo-gradient goes into the exchange; the outer step moves its
         anchor (by this mean or, with delayed/eager timing, as the timing piece says)."""
         idx = groups[f]
@@ -215,6 +215,10 @@ class Diloco(NamedTuple):
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
         applied, timing_state = self.timing.apply(mean, delta, w, rnd.timing_state)
         outer_updates, outer_f = self.outer.update(applied, rnd.outer_state[f], anchor)
+        # every replica holds the same scale: their max is it, and is not per replica (vmap)
+        for name in exchange.names(self.axis_name):
+            outer_scale = lax.pmax(jnp.asarray(outer_scale, jnp.float32), name)
+        outer_updates = [(u * outer_scale).astype(u.dtype) for u in outer_updates]
         anyone = total_w > 0  # else: no outer step at all
         new_anchor = _where(anyone, optax.apply_updates(anchor, outer_updates), anchor)
         moved = [(n - a).astype(jnp.float32) for n, a in zip(new_anchor, anchor, strict=True)]
@@ -252,7 +256,7 @@ class Diloco(NamedTuple):
                             healthy=jnp.ones([], bool), base=base)  # fmt: skip
 
     def update(self, state: DilocoState, grads, *, active=True, weight=1.0, take_anchor=True,
-               sync: bool = True):  # fmt: skip
+               outer_scale=1.0, sync: bool = True):  # fmt: skip
         """One inner step of one replica, then the sync and landing the plan schedules.
 
         ``active=False`` skips this replica's inner step (a straggler idling); at a sync the
@@ -261,6 +265,8 @@ class Diloco(NamedTuple):
         from the new anchor. A replica whose pseudo-gradient holds NaN or Inf gets weight 0 and
         restarts from the anchor with a fresh inner state. If every weight is 0 the outer step
         is discarded (anchor and outer state stay) and replicas restart from the anchor.
+        ``outer_scale`` (float32, the same for every replica) multiplies the outer step: the
+        outer learning rate changed while the run goes on, with nothing recompiled.
 
         ``sync=False``: the inner step alone, whatever the plan says (the chunked simulator
         runs the sync separately, over every replica: :mod:`diloco_jax.runtime.chunked`).
@@ -283,7 +289,8 @@ class Diloco(NamedTuple):
         rnd = _Round(leaves, inner_state, jax.tree.leaves(state.anchor), state.outer_state,
                      state.exchange_state, state.timing_state, state.healthy, zero_stats(),
                      jax.tree.leaves(state.base))  # fmt: skip
-        start = functools.partial(self._start, groups=groups, weight=weight)
+        start = functools.partial(self._start, groups=groups, weight=weight,
+                                  outer_scale=outer_scale)  # fmt: skip
         land = functools.partial(self._land, groups=groups, take_anchor=take_anchor,
                                  treedef=treedef)  # fmt: skip
         count = self.plan.fragments

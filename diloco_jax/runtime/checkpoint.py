@@ -38,6 +38,7 @@ class Restored(NamedTuple):
     state: Any
     step: int
     config: dict  # the resolved config that wrote the checkpoint (``config.to_dict``)
+    controls: dict = {}  # what was changed while it ran (``{"outer_lr": 0.35}``; serve.py)
 
 
 def manager(workdir: pathlib.Path, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
@@ -49,11 +50,13 @@ def manager(workdir: pathlib.Path, *, max_to_keep: int = 3) -> ocp.CheckpointMan
     )
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, config: dict, *, wait: bool = True):
-    """Saves ``state`` at ``step`` with ``config`` (the resolved config as a JSON-able dict); with
+def save(mngr: ocp.CheckpointManager, step: int, state, config: dict, *, wait: bool = True,
+         controls: dict | None = None):  # fmt: skip
+    """Saves ``state`` at ``step`` with ``config`` (the resolved config as a JSON-able dict) and
+    ``controls`` (what was changed while the run ran, e.g. ``{"outer_lr": 0.35}``); with
     ``wait=False`` the writing goes on in the background (the next save, or
     ``mngr.wait_until_finished()``, waits for it)."""
-    meta = {"schema_version": SCHEMA_VERSION, "config": config}
+    meta = {"schema_version": SCHEMA_VERSION, "config": config, "controls": controls or {}}
     items = {_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)}
     mngr.save(step, args=ocp.args.Composite(**items))
     if wait:
@@ -107,7 +110,8 @@ def _check_schema(path: pathlib.Path, version) -> None:
 
 
 def _read(mngr: ocp.CheckpointManager, step: int) -> tuple[dict[str, tuple], dict]:
-    """The ``{path: shape}`` map of the state saved at ``step`` and its saved config; raises
+    """The ``{path: shape}`` map of the state saved at ``step`` and its metadata (``config``,
+    ``controls``); raises
     :class:`CheckpointError` for a checkpoint of another schema, anything else if unreadable."""
     path = mngr.directory / str(step)
     if (path / _LEGACY_STATE).is_dir() and not (path / _META).exists():
@@ -118,7 +122,7 @@ def _read(mngr: ocp.CheckpointManager, step: int) -> tuple[dict[str, tuple], dic
             shapes = _shapes(ckptr.metadata(path / _STATE).item_metadata)
     meta = meta[_META]
     _check_schema(path, meta.get("schema_version") if isinstance(meta, dict) else None)
-    return shapes, meta["config"]
+    return shapes, meta
 
 
 def restore_latest(mngr: ocp.CheckpointManager, like, warn=print) -> Restored | None:
@@ -130,7 +134,7 @@ def restore_latest(mngr: ocp.CheckpointManager, like, warn=print) -> Restored | 
     for step in steps:
         path = mngr.directory / str(step)
         try:
-            saved, config = _read(mngr, step)
+            saved, meta = _read(mngr, step)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means: try the previous
@@ -141,7 +145,8 @@ def restore_latest(mngr: ocp.CheckpointManager, like, warn=print) -> Restored | 
             continue
         _fits(path, step, saved, like)
         try:
-            return Restored(_restore_state(mngr, like, step), step, config)
+            state = _restore_state(mngr, like, step)
+            return Restored(state, step, meta["config"], meta.get("controls", {}))
         except Exception as e:  # noqa: BLE001 - corrupt data: fall back to the previous one
             warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
                  "trying the previous one")  # fmt: skip
@@ -150,9 +155,9 @@ def restore_latest(mngr: ocp.CheckpointManager, like, warn=print) -> Restored | 
     return None
 
 
-def saved_config(mngr: ocp.CheckpointManager, step: int) -> dict:
-    """The config saved with the checkpoint at ``step``; raises :class:`CheckpointError` if it is
-    of another schema or unreadable."""
+def saved_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
+    """The metadata saved with the checkpoint at ``step`` (``config``, ``controls``); raises
+    :class:`CheckpointError` if it is of another schema or unreadable."""
     try:
         return _read(mngr, step)[1]
     except CheckpointError:

@@ -98,7 +98,8 @@ class ChunkedSteps:
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         state = state._replace(step=state.step - 1)
         return self.algorithm.update(state, zeros, active=False, weight=control.weight,
-                                     take_anchor=control.take_anchor)  # fmt: skip
+                                     take_anchor=control.take_anchor,
+                                     outer_scale=control.outer_scale)  # fmt: skip
 
     def _cut(self, state, part: slice):
         """The chunk ``part`` of ``state``: per-replica leaves sliced, shared ones whole."""

@@ -26,11 +26,14 @@ class StepControl(NamedTuple):
       active: bool. False: the replica skips its inner step (idle straggler).
       weight: float32. The replica's weight in the pseudo-gradient mean at a sync (0: left out).
       take_anchor: bool. False: at a sync the replica keeps its own parameters.
+      outer_scale: float32. Multiplies DiLoCo's outer step (the outer learning rate changed
+        over HTTP: :mod:`diloco_jax.serve`); the same for every replica.
     """
 
     active: jax.Array
     weight: jax.Array
     take_anchor: jax.Array
+    outer_scale: jax.Array
 
 
 def full_control(num_steps: int, replicas: int) -> StepControl:
@@ -39,6 +42,7 @@ def full_control(num_steps: int, replicas: int) -> StepControl:
         active=jnp.ones((num_steps, replicas), bool),
         weight=jnp.ones((num_steps, replicas), jnp.float32),
         take_anchor=jnp.ones((num_steps, replicas), bool),
+        outer_scale=jnp.ones((num_steps, replicas), jnp.float32),
     )
 
 
@@ -57,7 +61,8 @@ def make_replica_step(
 ):
     """One inner step of one replica: ``replica_step(state, replica, shard, control) ->
     (state, metrics)``, ``control`` a :class:`StepControl` for this replica. With
-    ``controlled=False`` the control is ignored (plain DiLoCo, no per-step masking work).
+    ``controlled=False`` the masks are ignored (plain DiLoCo, no per-step masking work); the
+    outer learning rate's scale is not.
 
     ``algorithm``: :func:`diloco_jax.algorithm.diloco` or a baseline; its state holds the
     replica's ``params`` and the shared ``step``. The replica draws ``batch = task.sample(shard,
@@ -104,7 +109,7 @@ def make_replica_step(
         loss, grads = jax.value_and_grad(task.loss)(state.params, batch, key)
         if data_axis is not None and data_shards > 1 and not auto_data:
             loss, grads = lax.pmean((loss, grads), data_axis)
-        extra = control._asdict() if controlled else {}
+        extra = control._asdict() if controlled else {"outer_scale": control.outer_scale}
         state, metrics = algorithm.update(state, grads, **extra)
         return state, {"loss": loss, **metrics}
 

@@ -1,0 +1,150 @@
+// The run's dashboard: polls /status and /history and draws them as SVG line charts
+// (no library, nothing fetched from elsewhere: runs offline).
+"use strict";
+
+const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
+                "#e377c2", "#7f7f7f", "#bcbd22"];
+const SVG = "http://www.w3.org/2000/svg";
+const $ = (id) => document.getElementById(id);
+
+function token() { return $("token").value || localStorage.getItem("diloco-token") || ""; }
+
+function headers() {
+  const t = token();
+  return t ? { Authorization: "Bearer " + t } : {};
+}
+
+function el(name, attrs, parent) {
+  const node = document.createElementNS(SVG, name);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  parent.appendChild(node);
+  return node;
+}
+
+function fmt(v) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "-";
+  const a = Math.abs(v);
+  if (a >= 1e9 || (a !== 0 && a < 1e-3)) return v.toExponential(2);
+  if (a >= 1000) return Math.round(v).toLocaleString("en-US");
+  return Number(v.toPrecision(4)).toString();
+}
+
+// series: [{name, points: [[x, y], ...]}]; one polyline each, with data-series and data-n
+function draw(svg, series, legendId) {
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  const w = svg.clientWidth || 440, h = svg.clientHeight || 220, m = { l: 60, r: 8, t: 8, b: 20 };
+  const all = series.flatMap((s) => s.points).filter((p) => Number.isFinite(p[1]));
+  if (!all.length) {
+    el("text", { x: w / 2, y: h / 2, "text-anchor": "middle" }, svg).textContent = "no data yet";
+    return;
+  }
+  let [x0, x1] = [Math.min(...all.map((p) => p[0])), Math.max(...all.map((p) => p[0]))];
+  let [y0, y1] = [Math.min(...all.map((p) => p[1])), Math.max(...all.map((p) => p[1]))];
+  if (x1 === x0) x1 = x0 + 1;
+  if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
+  const sx = (x) => m.l + ((x - x0) / (x1 - x0)) * (w - m.l - m.r);
+  const sy = (y) => h - m.b - ((y - y0) / (y1 - y0)) * (h - m.t - m.b);
+  el("line", { x1: m.l, y1: h - m.b, x2: w - m.r, y2: h - m.b, stroke: "#999" }, svg);
+  el("line", { x1: m.l, y1: m.t, x2: m.l, y2: h - m.b, stroke: "#999" }, svg);
+  for (const [v, y] of [[y1, m.t + 8], [y0, h - m.b]]) {
+    el("text", { x: m.l - 4, y, "text-anchor": "end" }, svg).textContent = fmt(v);
+  }
+  el("text", { x: m.l, y: h - 4 }, svg).textContent = fmt(x0);
+  el("text", { x: w - m.r, y: h - 4, "text-anchor": "end" }, svg).textContent = fmt(x1);
+  const legend = legendId ? $(legendId) : null;
+  if (legend) legend.innerHTML = "";
+  series.forEach((s, i) => {
+    const color = COLORS[i % COLORS.length];
+    const pts = s.points.filter((p) => Number.isFinite(p[1]));
+    el("polyline", {
+      points: pts.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" "),
+      fill: "none", stroke: color, "stroke-width": 1.5, "data-series": s.name,
+      "data-n": pts.length,
+    }, svg);
+    if (legend) {
+      const span = document.createElement("span");
+      span.style.color = color;
+      span.textContent = s.name;
+      legend.appendChild(span);
+    }
+  });
+}
+
+function perReplica(sync, index) {
+  const replicas = sync.length ? sync[sync.length - 1][index].length : 0;
+  return Array.from({ length: replicas }, (_, r) => ({
+    name: "replica " + r, points: sync.map((row) => [row[0], row[index][r]]),
+  }));
+}
+
+function render(status, history) {
+  $("state").textContent = `${status.state}: step ${status.step} / ${status.total_steps}`;
+  const facts = {
+    "outer step": status.outer_step, "outer lr": fmt(status.outer_lr),
+    "train loss": fmt(status.train_loss),
+    "eval loss": fmt(status.eval_loss), [status.unit + "s/s"]: fmt(status.tokens_per_s),
+    [status.unit + "s"]: status.tokens.toLocaleString(),
+    "bytes sent per replica": fmt(status.bytes_sent_per_replica),
+    "last checkpoint": status.last_checkpoint ?? "-",
+    ETA: status.eta_s === null ? "-" : Math.round(status.eta_s) + " s",
+    elapsed: Math.round(status.elapsed_s) + " s",
+    "pending controls": status.pending_controls.join(", ") || "-",
+  };
+  $("facts").innerHTML = "";
+  for (const [k, v] of Object.entries(facts)) {
+    const d = document.createElement("div");
+    d.innerHTML = `<b>${k}</b>`;
+    d.appendChild(document.createTextNode(String(v)));
+    $("facts").appendChild(d);
+  }
+  const x = $("by-tokens").checked ? 1 : 0;
+  draw($("chart-loss"), [
+    { name: "train", points: history.train.map((p) => [p[x], p[2]]) },
+    { name: "eval", points: history.eval.map((p) => [p[x], p[2]]) },
+  ], "legend-loss");
+  draw($("chart-throughput"), [{ name: "tokens/s", points: history.train.map((p) => [p[0], p[3]]) }]);
+  draw($("chart-drift"), perReplica(history.sync, 2), "legend-drift");
+  draw($("chart-cosine"), perReplica(history.sync, 3), "legend-cosine");
+  const body = $("replicas").querySelector("tbody");
+  body.innerHTML = "";
+  for (const row of status.replica_state) {
+    const tr = document.createElement("tr");
+    tr.className = row.status.replace(" ", "-");
+    const loss = (status.replica_loss || [])[row.replica];
+    for (const v of [row.replica, fmt(loss), fmt(row.drift), fmt(row.cosine), fmt(row.weight),
+                     row.status]) {
+      const td = document.createElement("td");
+      td.textContent = String(v);
+      tr.appendChild(td);
+    }
+    body.appendChild(tr);
+  }
+  $("config").textContent = JSON.stringify(status.config, null, 1);
+}
+
+async function refresh() {
+  try {
+    const [s, h] = await Promise.all(["status", "history"].map((p) => fetch(p, { headers: headers() })));
+    if (!s.ok || !h.ok) throw new Error(`HTTP ${s.ok ? h.status : s.status}`);
+    render(await s.json(), await h.json());
+  } catch (e) {
+    $("state").textContent = "not reachable (" + e.message + "); the run may have ended";
+  }
+}
+
+async function control(action) {
+  if (action === "stop" && !confirm("Stop the run at the next call boundary (with a checkpoint)?")) return;
+  localStorage.setItem("diloco-token", $("token").value);
+  const body = action === "outer_lr" ? JSON.stringify({ value: Number($("outer-lr").value) }) : "{}";
+  const r = await fetch("control/" + action, { method: "POST", headers: headers(), body });
+  const text = await r.text();
+  $("message").textContent = `${action}: HTTP ${r.status} ${text}`;
+  refresh();
+}
+
+document.querySelectorAll("button[data-action]").forEach((b) =>
+  b.addEventListener("click", () => control(b.dataset.action)));
+$("by-tokens").addEventListener("change", refresh);
+$("token").value = localStorage.getItem("diloco-token") || "";
+refresh();
+setInterval(refresh, 2000);
