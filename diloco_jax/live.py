@@ -40,10 +40,12 @@ def _bytes_per_sync(cfg: config_lib.Config, params, replicas: int) -> float:
 class Live:
     """The server of a run, its board and its controls; :meth:`agree` after each call.
 
-    ``controls``: what the checkpoint the run resumes from was changed by (``outer_lr``)."""
+    ``controls``: what the checkpoint the run resumes from was changed by (``outer_lr``);
+    ``server``: a sweep's server, which shows this run's board while it runs (else the run
+    starts its own)."""
 
     def __init__(self, cfg: config_lib.Config, s, workdir: pathlib.Path, *, lead: bool,
-                 controls: dict | None = None):  # fmt: skip
+                 controls: dict | None = None, server: serve.Server | None = None):  # fmt: skip
         self.server, self.board = None, None
         self.controls = serve.Controls()
         self.enabled = cfg.serve.port > 0
@@ -62,6 +64,10 @@ class Live:
             bytes_per_sync=_bytes_per_sync(cfg, jax.eval_shape(s.outer_fn, s.state), replicas),
             outer_lr=self.outer_lr,
         )  # fmt: skip
+        if server is not None:  # a sweep's: it outlives this run
+            server.controls.take()  # asked between runs: about none of them
+            self.controls, server.board = server.controls, self.board
+            return
         token, generated = serve.resolve_token(cfg.serve.token_file, workdir)
         self.server = serve.Server(cfg.serve.host, cfg.serve.port, board=self.board,
                                    controls=self.controls, token=token)  # fmt: skip

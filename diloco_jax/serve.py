@@ -215,6 +215,31 @@ def _json_ready(value: Any) -> Any:
     return value
 
 
+class SweepBoard:
+    """A sweep's progress for ``/status`` (``sweep``): each run's state (pending, running,
+    done) and final loss, and the sweep's table rows so far (thread-safe)."""
+
+    def __init__(self, names: list[str]):
+        self._lock = threading.Lock()
+        self._runs = {name: {"run": name, "state": "pending", "final_eval_loss": None}
+                      for name in names}  # fmt: skip
+        self._rows: list[dict] = []
+
+    def started(self, name: str) -> None:
+        with self._lock:
+            self._runs[name]["state"] = "running"
+
+    def finished(self, name: str, row: dict) -> None:
+        """Run ``name`` is done; ``row`` is its line of the sweep's results."""
+        with self._lock:
+            self._runs[name].update(state="done", final_eval_loss=row["final_eval_loss"])
+            self._rows.append(dict(row))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return _json_ready({"runs": list(self._runs.values()), "table": self._rows})
+
+
 def _prometheus(registry: CollectorRegistry) -> dict:
     def counter(name, about):
         return Counter(f"diloco_{name}", about, registry=registry)
@@ -288,7 +313,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._error(401, "missing or wrong token (Authorization: Bearer TOKEN)")
         board, controls = self.server.board, self.server.controls
         if path == "/status":
-            return self._send(200, json.dumps(board.snapshot(controls.pending()), allow_nan=False))
+            status = board.snapshot(controls.pending())
+            if self.server.sweep is not None:
+                status["sweep"] = self.server.sweep.snapshot()
+            return self._send(200, json.dumps(status, allow_nan=False))
         if path == "/history":
             return self._send(200, json.dumps(board.series(), allow_nan=False))
         if path == "/metrics":
@@ -345,7 +373,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class Server(http.server.ThreadingHTTPServer):
-    """The HTTP server of one run (:meth:`start` runs it in a daemon thread)."""
+    """The HTTP server of one run, or of a sweep (``sweep``: its :class:`SweepBoard`; ``board``
+    then changes to each run's as it starts). :meth:`start` runs it in a daemon thread."""
 
     daemon_threads = True  # a stalled client's thread never keeps the process alive
 
@@ -353,6 +382,7 @@ class Server(http.server.ThreadingHTTPServer):
         if not is_loopback(host) and not token:
             raise ValueError(f"serving on {host} needs a token (serve.token or ${TOKEN_ENV})")
         self.board, self.controls, self.token = board, controls, token
+        self.sweep: SweepBoard | None = None
         self.read_needs_token = not is_loopback(host)
         super().__init__((host, port), _Handler)
 

@@ -261,13 +261,15 @@ def _agree_to_stop(stop: Preemption) -> bool:
 
 
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True,
-          allow_config_change: bool = False):  # fmt: skip
+          allow_config_change: bool = False, server=None):  # fmt: skip
     """Trains ``cfg`` into ``workdir`` (resuming from its newest readable checkpoint; keys that
     change the training must match its config unless ``allow_config_change``); returns a
     summary dict (final eval loss, steps, tokens, time, sample, and the final ``state``).
 
     SIGTERM or SIGINT stops the run at the next call boundary, with a checkpoint if
-    ``train.checkpoint`` (``summary["preempted"]``); a second signal exits at once."""
+    ``train.checkpoint`` (``summary["preempted"]``); a second signal exits at once. With
+    ``serve.port`` the run serves its status and control (:mod:`diloco_jax.serve`), through
+    ``server`` if given (a sweep's)."""
     s, t = build(cfg), cfg.train  # first: it sets the CPU's device count before JAX starts
     lead = jax.process_index() == 0  # the process that logs and writes files
     reporting.setup_logging(process=jax.process_index(), processes=jax.process_count())
@@ -278,7 +280,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     if lead:
         resume.record(workdir, cfg, start)
     runlog = records.open_runlog(cfg, workdir, start.step, enabled=lead)  # + run_record.jsonl
-    live = Live(cfg, s, workdir, lead=lead, controls=start.controls)  # serve.port: HTTP
+    live = Live(cfg, s, workdir, lead=lead, controls=start.controls, server=server)
     if live.board is not None:
         runlog.watch(live.board.event)
     log.info(

@@ -110,3 +110,55 @@ def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = ""
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+DIAGNOSTICS = (("drift", "drift.png", "drift |anchor - params| at the sync"),
+               ("cosine_to_mean", "cosine.png", "cosine to the mean pseudo-gradient"))  # fmt: skip
+
+
+def sync_events(metrics_path: pathlib.Path) -> list[dict]:
+    """The ``sync`` events of a run's ``metrics.jsonl`` (none for the baselines)."""
+    import json
+
+    if not metrics_path.exists():
+        return []
+    events = (json.loads(line) for line in metrics_path.read_text().splitlines() if line)
+    return [e for e in events if e["event"] == "sync"]
+
+
+def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
+                per_replica: bool) -> list[str]:  # fmt: skip
+    """``drift.png`` and ``cosine.png`` in ``directory``: the sync diagnostics against outer
+    steps. ``runs[name]``: a run's :func:`sync_events`; ``per_replica``: one run, a line per
+    replica; else a line per run, the mean over its replicas (NaN, a left-out replica's cosine,
+    skipped). Returns the files written (none if no run synced)."""
+    runs = {name: events for name, events in runs.items() if events}
+    if not runs:
+        return []
+    plt = _pyplot()
+    for key, file, ylabel in DIAGNOSTICS:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, events in runs.items():
+            outer = [e["outer_step"] for e in events]
+            values_SxR = np.array([e[key] for e in events], dtype=float)
+            if per_replica:
+                for r in range(values_SxR.shape[1]):
+                    ax.plot(outer, values_SxR[:, r], marker=".", label=f"replica {r}")
+            else:
+                ax.plot(outer, _nanmean_rows(values_SxR), marker=".", label=name)
+        ax.set_xlabel("outer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(directory / file, dpi=120)
+        plt.close(fig)
+    return [file for _, file, _ in DIAGNOSTICS]
+
+
+def _nanmean_rows(values_SxR: np.ndarray) -> np.ndarray:
+    """Each row's mean over its finite entries (NaN where it has none)."""
+    finite = np.isfinite(values_SxR)
+    count = finite.sum(axis=1)
+    total = np.where(finite, values_SxR, 0.0).sum(axis=1)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)

@@ -16,17 +16,14 @@ import shutil
 import sys
 from collections import defaultdict
 
-import jax
 import numpy as np
 
-from diloco_jax import comms, extras, schedule
 from diloco_jax import config as config_lib
-from diloco_jax.algorithm import gossip
-from diloco_jax.algorithm.compress import CODECS
-from diloco_jax.algorithm.plan import SyncPlan
+from diloco_jax import extras
 from diloco_jax.reporting import log
 
-from . import clock, plots
+from . import plots
+from .accounting import account
 
 COLUMNS = [
     "run", "algorithm", "replicas", "sync_every", "outer_lr", "outer_momentum", "codec", "seed",
@@ -139,8 +136,9 @@ def _training_part(cfg_dict: dict) -> dict:
     return merged
 
 
-def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
-    """Trains one variant into ``rundir`` unless it already finished there with this config."""
+def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path, server=None) -> dict:
+    """Trains one variant into ``rundir`` unless it already finished there with this config
+    (``server``: the sweep's, which shows the run while it trains)."""
     from diloco_jax.train import train
 
     summary_path = rundir / "summary.json"
@@ -154,7 +152,7 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
         )
     if rundir.exists():  # an unfinished attempt: start it again from scratch
         shutil.rmtree(rundir)
-    summary = train(cfg, rundir, show_progress=False)
+    summary = train(cfg, rundir, show_progress=False, server=server)
     if summary["preempted"]:
         return None  # stopped by a signal: the sweep stops; its checkpoint resumes it next time
     summary.pop("state")
@@ -164,132 +162,6 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path) -> dict:
     done = {"name": name, "config": cfg_dict, **summary, "evals": evals}
     summary_path.write_text(json.dumps(done, indent=1) + "\n")
     return done
-
-
-def codec_label(cfg: config_lib.Config) -> str:
-    """How the run's pseudo-gradients travel, its other communication variants and the
-    optimizers when they are not the paper's, e.g. ``int4+ef``, ``none,F=4,tau=2,alpha=0.5``,
-    ``none,eager``, ``none,desloc(150/300)``, ``none,inner=muon`` or ``none,outer=adam``."""
-    c, st = cfg.compress, cfg.streaming
-    label = c.codec + ("+ef" if c.error_feedback and c.codec in CODECS[1:] else "")
-    if c.codec == "dct":
-        label += f"(k={c.dct_topk}/{c.dct_chunk},beta={c.dct_beta:g})"
-    if c.codec == "sparseloco":
-        label += f"(k={c.sparse_topk}/{c.sparse_chunk},beta={c.sparse_beta:g},{c.sparse_bits}b)"
-    if st.fragments > 1 or st.overlap:
-        label += f",F={st.fragments},tau={st.overlap},alpha={st.mix:g}"
-    if cfg.outer.mode != "sync":
-        label += f",{cfg.outer.mode}"
-    if cfg.noloco.enabled:
-        label += f",noloco(pull={cfg.noloco.pull:g})"
-    d = cfg.desloc
-    if d.first_moment_every or d.second_moment_every:
-        label += f",desloc({d.first_moment_every}/{d.second_moment_every})"
-    if cfg.inner.optimizer != "adamw":
-        label += f",inner={cfg.inner.optimizer}"
-    if cfg.outer.optimizer != "sgd":
-        label += f",outer={cfg.outer.optimizer}"
-    if cfg.sim.quorum and cfg.algorithm == "diloco":
-        label += f",quorum={cfg.sim.quorum}(grace={cfg.sim.grace:g})"
-    return label
-
-
-def _hidden_steps(cfg: config_lib.Config) -> int:
-    """Inner steps of compute that one reduce overlaps (see ``sim/clock.py``)."""
-    if cfg.algorithm != "diloco":
-        return 0
-    return cfg.outer.sync_every if cfg.outer.mode != "sync" else cfg.streaming.overlap
-
-
-def _moment_payloads(cfg: config_lib.Config, params) -> list[tuple[int, int]]:
-    """``(every, P)`` of each moment kind DES-LOC averages (``cfg.desloc``): the float leaves
-    of the inner optimizer's state that one average sends."""
-    from diloco_jax.algorithm import moments
-    from diloco_jax.recipe import inner_of
-
-    d = cfg.desloc
-    periods = (("first", d.first_moment_every), ("second", d.second_moment_every))
-    if not any(every for _, every in periods):
-        return []
-    state = jax.eval_shape(inner_of(cfg).init, params)
-    return [(every, comms.payload_bytes(moments.payload_leaves(state, which)))
-            for which, every in periods if every]  # fmt: skip
-
-
-def _quorum_bytes(cfg: config_lib.Config, steps: int, payload: int, replicas: int):
-    """``(bytes per replica of each sync, the most one replica sends at one)`` with a quorum:
-    only the replicas that join a sync reduce, among themselves
-    (:func:`diloco_jax.schedule.quorum_rounds`); a late replica sends nothing."""
-    sim = cfg.sim
-    rounds = schedule.quorum_rounds(schedule.parse_speeds(sim.speeds, replicas),
-                                    cfg.outer.sync_every, sim.quorum, sim.grace,
-                                    steps // cfg.outer.sync_every)  # fmt: skip
-    each = [comms.bytes_per_replica(payload, int(m.sum()), sim.topology) for m in rounds.merged]
-    sync_bytes = [b * int(m.sum()) / replicas for b, m in zip(each, rounds.merged, strict=True)]
-    return sync_bytes, max(each, default=0)
-
-
-def account(done: dict, cfg: config_lib.Config, params) -> dict:
-    """A results row: losses, exact bytes, and the network clock (``params``: the model's, whose
-    size and dtypes give the bytes)."""
-    replicas = 1 if cfg.algorithm == "single" else cfg.parallel.replicas
-    steps, sim = done["steps"], cfg.sim
-    from diloco_jax.recipe import codec_of, dct_of
-
-    diloco = cfg.algorithm == "diloco"
-    num_fragments = cfg.streaming.fragments if diloco else 1
-    payloads = comms.sync_payloads(
-        params, codec_of(cfg) if diloco else None, replicas,
-        dct_config=dct_of(cfg) if diloco else None, num_fragments=num_fragments,
-    )  # fmt: skip
-    fp32_payload = comms.payload_bytes(params)
-    if diloco:
-        events = comms.diloco_sync_events(steps, cfg.outer.sync_every, num_fragments)
-    else:
-        events = [0] * comms.reduces(cfg.algorithm, steps, cfg.outer.sync_every)
-    topology = sim.topology
-    if diloco and cfg.noloco.enabled:  # pseudo-gradient and anchor to one partner
-        payloads, topology = [gossip.pair_payload(params)], comms.PAIRWISE
-    syncs = len(events)
-    per_sync = [comms.bytes_per_replica(p, replicas, topology) for p in payloads]
-    extra = _moment_payloads(cfg, params) if diloco else []
-    sync_bytes = [per_sync[f] + sum(comms.bytes_per_replica(p, replicas, sim.topology)
-                                    for every, p in extra if step % every == 0)
-                  for step, f in SyncPlan(cfg.outer.sync_every, num_fragments).sync_steps(1, steps)
-                  ] if diloco else [per_sync[f] for f in events]  # fmt: skip
-    peak = max(sync_bytes) if syncs else 0
-    if diloco and sim.quorum:
-        sync_bytes, peak = _quorum_bytes(cfg, steps, payloads[0], replicas)
-    sent = sum(sync_bytes)
-    ddp_sent = steps * comms.bytes_per_replica(fp32_payload, cfg.parallel.replicas, sim.topology)
-    preset = comms.NETWORKS[sim.network]
-    network = comms.Network(
-        sim.bandwidth_gbps or preset.bandwidth_gbps,
-        sim.latency_ms if sim.latency_ms >= 0 else preset.latency_ms,
-    )
-    # one device ran all replicas: one replica on its own device takes 1/R of that time
-    step_time = sim.step_time_s or done["step_seconds"] / replicas
-    c = clock.simulate(
-        algorithm=cfg.algorithm, steps=steps, sync_every=cfg.outer.sync_every, replicas=replicas,
-        speeds=schedule.parse_speeds(sim.speeds, cfg.parallel.replicas)[:replicas],
-        dylu=sim.dylu, step_time_s=step_time, payload_bytes=payloads, network=network,
-        topology=topology, fragments=num_fragments, hidden_steps=_hidden_steps(cfg),
-        extra_payloads=extra, quorum=(sim.quorum, sim.grace) if diloco and sim.quorum else None,
-    )  # fmt: skip
-    losses = [e["eval_loss"] for e in done["evals"]]
-    return {
-        "run": done["name"], "algorithm": cfg.algorithm, "replicas": replicas,
-        "sync_every": cfg.outer.sync_every if cfg.algorithm == "diloco" else 1,
-        "outer_lr": cfg.outer.learning_rate, "outer_momentum": cfg.outer.momentum,
-        "codec": codec_label(cfg), "seed": cfg.seed, "tokens": done["tokens"], "steps": steps,
-        "final_eval_loss": done["final_eval_loss"], "best_eval_loss": min(losses),
-        "syncs": syncs, "bytes_per_replica": sent,
-        "peak_sync_bytes": peak,
-        "bytes_per_token": sent * replicas / done["tokens"],
-        "bytes_vs_ddp": sent / ddp_sent if ddp_sent else 0.0,
-        "sim_wallclock_s": c.wallclock_s, "utilization": c.utilization,
-        "comm_fraction": c.comm_s / c.wallclock_s, "step_time_s": step_time,
-    }  # fmt: skip
 
 
 def summarize(rows: list[dict], groups: dict[str, str]) -> list[dict]:
@@ -352,38 +224,99 @@ def mean_curves(dones: list[dict], groups: dict[str, str]) -> dict[str, dict]:
     return curves
 
 
+def _serve(base: config_lib.Config, workdir: pathlib.Path, names: list[str]):
+    """With ``serve.port``: the sweep's server, started (every run shows itself through it,
+    and ``/status`` adds the sweep's runs and table so far); else None."""
+    from diloco_jax import serve
+
+    if not base.serve.port:
+        return None
+    board = serve.Board(
+        config=config_lib.to_dict(base),
+        total_steps=base.train.total_steps,
+        replicas=base.parallel.replicas,
+        unit="token",
+        tokens_per_step=1,
+    )
+    token, generated = serve.resolve_token(base.serve.token_file, workdir)
+    server = serve.Server(base.serve.host, base.serve.port, board=board,
+                          controls=serve.Controls(), token=token)  # fmt: skip
+    server.sweep = serve.SweepBoard(names)
+    server.start()
+    told = f"; control token in {workdir / 'serve_token'}" if generated else ""
+    print(f"serving the sweep at http://{base.serve.host}:{server.port}/{told}", file=sys.stderr)
+    return server
+
+
+def _diagnostics(workdir: pathlib.Path, runs) -> list[str]:
+    """Each run's drift.png and cosine.png (a line per replica) in its directory, and the
+    sweep's (a line per group: its first seed's mean over replicas); the sweep's files."""
+    first: dict[str, list] = {}
+    for name, group, _ in runs:
+        events = plots.sync_events(_rundir(workdir, name) / "metrics.jsonl")
+        plots.diagnostics({name: events}, _rundir(workdir, name), per_replica=True)
+        first.setdefault(group, events)
+    return plots.diagnostics(first, workdir, per_replica=False)
+
+
+def _rundir(workdir: pathlib.Path, name: str) -> pathlib.Path:
+    return workdir / "runs" / name.replace("/", "_")
+
+
+def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool):
+    """Each run of the plan in turn (reusing finished ones): ``(rows, dones, groups)``, or None
+    if a signal (or ``POST /control/stop``) stopped one."""
+    from diloco_jax.reporting import progress_bar
+
+    rows, dones, groups = [], [], {}
+    bar = progress_bar(len(runs), enabled=show_progress, unit="run")
+    for name, group, cfg in runs:
+        bar.set_postfix_str(name)
+        if server is not None:
+            server.sweep.started(name)
+        done = run_one(name, cfg, _rundir(workdir, name), server)
+        if done is None:
+            bar.close()
+            log.warning("sweep stopped during run %s; run the same command to continue", name)
+            return None
+        groups[name] = group
+        dones.append(done)
+        rows.append(account(done, cfg, params))
+        if server is not None:
+            server.sweep.finished(name, rows[-1])
+        bar.update(1)
+    bar.close()
+    return rows, dones, groups
+
+
 def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progress=True) -> list:
-    """Runs the plan, writes results.csv, summary.csv, curves.png, tradeoff.png (these two only
-    with matplotlib, the plots extra: without it a note says so and the tables are still
-    written); returns the summary table (a row per group: mean and spread over seeds)."""
+    """Runs the plan, writes results.csv, summary.csv and, with matplotlib (the plots extra;
+    without it a note says so and the tables are still written), curves.png, tradeoff.png and
+    the sync diagnostics drift.png and cosine.png (also in each run's directory); returns the
+    summary table (a row per group: mean and spread over seeds)."""
     from diloco_jax import problems
-    from diloco_jax.reporting import progress_bar, setup_logging
+    from diloco_jax.reporting import setup_logging
 
     runs = plan(base, sweeps, baselines, seeds)
     for cfg in {c.data: c for c in (base, *(c for _, _, c in runs))}.values():  # data loaded
         problems.check_extras(cfg)
     draw = not extras.missing("matplotlib")
     if not draw:  # a sweep is worth its tables alone: say so at the start, not after hours
-        print(f"note: curves.png and tradeoff.png are not drawn (they need matplotlib): "
-              f"{extras.install_hint('matplotlib')}", file=sys.stderr)  # fmt: skip
+        print(f"note: the figures (curves, tradeoff, drift, cosine) are not drawn (they need "
+              f"matplotlib): {extras.install_hint('matplotlib')}", file=sys.stderr)  # fmt: skip
     setup_logging(logging.WARNING)  # the sweep's bar and table say enough
     # the model's shapes give the bytes: the data decide the model (its vocabulary or classes)
     params = problems.load(base, replicas=1).params
     workdir.mkdir(parents=True, exist_ok=True)
-    rows, dones, groups = [], [], {}
-    bar = progress_bar(len(runs), enabled=show_progress, unit="run")
-    for name, group, cfg in runs:
-        bar.set_postfix_str(name)
-        done = run_one(name, cfg, workdir / "runs" / name.replace("/", "_"))
-        if done is None:
-            bar.close()
-            log.warning("sweep stopped during run %s; run the same command to continue", name)
-            return []
-        groups[name] = group
-        dones.append(done)
-        rows.append(account(done, cfg, params))
-        bar.update(1)
-    bar.close()
+    server = _serve(base, workdir, [name for name, _, _ in runs])
+    try:
+        done_runs = _run_all(runs, workdir, params, server, show_progress)
+    finally:
+        if server is not None:
+            server.stop()
+    if done_runs is None:
+        return []
+    rows, dones, groups = done_runs
     write_csv(workdir / "results.csv", rows)
     table = summarize(rows, groups)
     write_csv(workdir / "summary.csv", table)
@@ -391,6 +324,6 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     if draw:
         plots.curves(mean_curves(dones, groups), workdir / "curves.png")
         plots.tradeoff(table, workdir / "tradeoff.png")
-        written += ["curves.png", "tradeoff.png"]
+        written += ["curves.png", "tradeoff.png", *_diagnostics(workdir, runs)]
     log.warning("wrote %s", ", ".join(str(workdir / f) for f in written))
     return table

@@ -67,3 +67,19 @@ def test_the_dashboard_draws_the_runs_points_and_rows(tmp_path):
     assert _points(dom, "cosine") == {f"replica {r}": 5 for r in range(3)}
     rows = re.findall(r'<tr class="([^"]*)"><td>(\d+)</td>', dom)
     assert rows == [("contributed", "0"), ("contributed", "1"), ("left-out", "2")]
+
+
+def test_the_dashboard_shows_a_sweeps_runs(tmp_path):
+    srv = serve.Server("127.0.0.1", 0, board=_board(), controls=serve.Controls(), token="t")
+    srv.sweep = serve.SweepBoard(["a", "b", "c"])
+    srv.sweep.finished("a", {"run": "a", "final_eval_loss": 2.5, "bytes_per_replica": 1e6,
+                             "sim_wallclock_s": 3.0, "utilization": 0.9})  # fmt: skip
+    srv.sweep.started("b")
+    srv.start()
+    try:
+        dom = headless(f"http://127.0.0.1:{srv.port}/", tmp_path, "--dump-dom")
+    finally:
+        srv.stop()
+    rows = re.findall(r'<tr class="sweep-(\w+)"><td>(\w+)</td>', dom)
+    assert rows == [("done", "a"), ("running", "b"), ("pending", "c")]
+    assert "<td>2.5</td>" in dom

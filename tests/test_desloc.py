@@ -167,7 +167,7 @@ def test_moment_averages_are_counted_in_bytes_peak_and_clock():
     """4 replicas, a 10x10 float32 weight (400 B): a ring all-reduce sends 2 * 3/4 * 400 = 600 B
     per replica. Syncs after steps 10, 20, 30, 40; first moments (400 B) after 20 and 40,
     second after 40: 4 * 600 + 2 * 600 + 600 bytes, and the sync after step 40 sends 1800."""
-    from sim.sweep import account
+    from sim.accounting import account
 
     done = {"name": "r", "steps": 40, "step_seconds": 0.01, "tokens": 1000,
             "final_eval_loss": 1.0, "evals": [{"eval_loss": 1.0}]}  # fmt: skip

@@ -104,7 +104,7 @@ def test_pairwise_bytes_and_clock():
     """A 10x10 float32 weight: each replica sends its partner 400 B of pseudo-gradient and
     400 B of anchor at each of 4 syncs; one pairwise exchange takes latency + 800 B / bandwidth,
     less than a ring all-reduce among 4 (6 latencies)."""
-    from sim.sweep import account
+    from sim.accounting import account
 
     done = {"name": "r", "steps": 40, "step_seconds": 0.01, "tokens": 1000,
             "final_eval_loss": 1.0, "evals": [{"eval_loss": 1.0}]}  # fmt: skip

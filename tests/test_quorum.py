@@ -167,7 +167,7 @@ def test_quorum_bytes_and_clock():
     20 step times; with quorum 3, rounds of 10 step times and the slow replica in every other
     sync: syncs of 3 and 4 replicas on a ring (2 (n - 1) / n * 400 B each)."""
     from diloco_jax import comms
-    from sim.sweep import account
+    from sim.accounting import account
 
     done = {"name": "r", "steps": 40, "step_seconds": 0.04, "tokens": 1000,
             "final_eval_loss": 1.0, "evals": [{"eval_loss": 1.0}]}  # fmt: skip

@@ -187,6 +187,18 @@ def _wait_for(port, proc, predicate, timeout=240):
     raise AssertionError("the run never reached the state waited for")
 
 
+def _stop(port, proc) -> str:
+    """Asks the run to stop over HTTP; its stdout, once it has exited with status 0."""
+    assert _request(port, "POST", "/control/stop", "{}", _auth())[0] == 202
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def _events(workdir) -> list[dict]:
+    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_a_live_run_is_steered_over_http(tmp_path):
     """A tiny run that would take 40000 steps: an eval and a checkpoint asked over HTTP happen at
     the next call boundary; an outer learning rate set over HTTP is logged; a stop ends the run
@@ -209,14 +221,12 @@ def test_a_live_run_is_steered_over_http(tmp_path):
         assert status["last_checkpoint"] == done["checkpoint"] and done["eval"] % 10000 != 0
         assert _request(port, "POST", "/control/outer_lr", '{"value": 0.35}', _auth())[0] == 202
         _wait_for(port, proc, lambda s: s["outer_lr"] == 0.35)
-        assert _request(port, "POST", "/control/stop", "{}", _auth())[0] == 202
-        out, err = proc.communicate(timeout=240)
+        out = _stop(port, proc)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err[-3000:]
     assert "stopped by POST /control/stop" in out
-    events = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    events = _events(workdir)
     controls = {a: e["step"] for e in events if e["event"] == "control" for a in e["actions"]}
     assert controls["eval"] == done["eval"] and controls["checkpoint"] == done["checkpoint"]
     assert done["eval"] in [e["step"] for e in events if e["event"] == "eval"]
@@ -229,8 +239,7 @@ def test_a_live_run_is_steered_over_http(tmp_path):
     try:
         status = _wait_for(port, proc, lambda s: s["step"] > controls["stop"])
         assert status["outer_lr"] == 0.35
-        assert _request(port, "POST", "/control/stop", "{}", _auth())[0] == 202
-        assert proc.wait(timeout=240) == 0
+        _stop(port, proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -283,3 +292,54 @@ def test_an_outer_scale_is_the_outer_learning_rate_changed_between_syncs():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     plain, _, _ = helpers.run_vmapped(scaled, x0, CENTERS_RxD, 6)
     assert np.abs(plain[-1] - got[-1]).max() > 1e-3
+
+
+def test_a_sweep_serves_its_runs_and_table_so_far(tmp_path):
+    """``python -m sim`` with serve.port: one server for the whole sweep; while the second run
+    trains, /status is that run's, with the first run done and its table row."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sim", "--config", "tiny", "--workdir", str(tmp_path),
+         "--sweep", "outer.sync_every=1,5", f"--config.serve.port={port}",
+         "--config.train.total_steps=400", "--config.train.sample_chars=0",
+         "--config.train.checkpoint=false"],
+        cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # the second run's board, once it trains (sync_every=5 is its own config)
+        status = _wait_for(port, proc, lambda s: s["config"]["outer"]["sync_every"] == 5
+                           and s["step"] > 0)  # fmt: skip
+    finally:
+        out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    first, second = status["sweep"]["runs"]
+    assert first["state"] == "done" and first["final_eval_loss"] is not None
+    assert [row["run"] for row in status["sweep"]["table"]] == [first["run"]]
+    assert second["state"] == "running" and status["state"] == "running"
+    assert "| sync_every=5 |" in out
+
+
+@pytest.mark.slow  # ~60 s; the default suite keeps the one-process live run
+def test_two_processes_agree_on_every_action_asked_of_process_0(tmp_path):
+    """Process 0 serves; both processes change the outer learning rate and stop at the step it
+    broadcasts: a difference would fail the anchor's cross-device check (exit 1) or hang the
+    collective checkpoint, so exit 0 with the checkpoint at that step shows the agreement."""
+    from tests.test_multiprocess import launch
+
+    port, workdir = free_port(), tmp_path / "run"
+    proc = launch(workdir, extra=[f"--config.serve.port={port}",
+                                  "--config.train.total_steps=40000",
+                                  "--config.train.checkpoint_every=0"],
+                  env={**os.environ, serve.TOKEN_ENV: TOKEN})  # fmt: skip
+    try:
+        _wait_for(port, proc, lambda s: s["step"] >= 10)
+        assert _request(port, "POST", "/control/outer_lr", '{"value": 0.5}', _auth())[0] == 202
+        status = _wait_for(port, proc, lambda s: s["outer_lr"] == 0.5)
+        _wait_for(port, proc, lambda s: s["outer_step"] > status["outer_step"] + 2)
+        _stop(port, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stop = [e["step"] for e in _events(workdir) if "stop" in e.get("actions", ())]
+    assert len(stop) == 1 and (workdir / "checkpoints" / str(stop[0])).is_dir()

@@ -178,6 +178,10 @@ def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys):
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert (tmp_path / "tradeoff.png").stat().st_size > 0
     assert (tmp_path / "runs" / "ddp,seed=1" / "metrics.jsonl").exists()
+    # the sync diagnostics: the sweep's and each DiLoCo run's (ddp has no syncs)
+    for where in (tmp_path, tmp_path / "runs" / "sync_every=5,seed=1"):
+        assert (where / "drift.png").stat().st_size > 0 and (where / "cosine.png").exists()
+    assert not (tmp_path / "runs" / "ddp,seed=1" / "drift.png").exists()
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/summary.json")}
     assert main(args) == 0  # everything finished: nothing is trained again
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/summary.json")}
@@ -298,3 +302,10 @@ def test_combine_sweeps_into_one_table_and_figure(tmp_path):
     assert "| 1.900 | 5e+06 | 0.005 | 1e+05 |" in rows[1]
     assert (out / "tradeoff.png").stat().st_size > 10_000
     assert combine.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+
+
+def test_the_sweeps_diagnostics_average_finite_replicas():
+    from sim.plots import _nanmean_rows
+
+    values_SxR = np.array([[1.0, 3.0, np.nan], [np.nan, np.nan, np.nan], [2.0, 2.0, 5.0]])
+    np.testing.assert_array_equal(_nanmean_rows(values_SxR), [2.0, np.nan, 3.0])

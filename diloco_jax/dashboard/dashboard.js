@@ -120,6 +120,26 @@ function render(status, history) {
     body.appendChild(tr);
   }
   $("config").textContent = JSON.stringify(status.config, null, 1);
+  if (status.sweep) renderSweep(status.sweep);
+}
+
+function renderSweep(sweep) {
+  $("sweep-card").hidden = false;
+  const rows = Object.fromEntries(sweep.table.map((row) => [row.run, row]));
+  const body = $("sweep").querySelector("tbody");
+  body.innerHTML = "";
+  for (const run of sweep.runs) {
+    const row = rows[run.run] || {};
+    const tr = document.createElement("tr");
+    tr.className = "sweep-" + run.state;
+    for (const v of [run.run, run.state, fmt(run.final_eval_loss), fmt(row.bytes_per_replica),
+                     fmt(row.sim_wallclock_s), fmt(row.utilization)]) {
+      const td = document.createElement("td");
+      td.textContent = String(v);
+      tr.appendChild(td);
+    }
+    body.appendChild(tr);
+  }
 }
 
 async function refresh() {
