@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax import (
     cli,
     distributed,
+    figures,
     placement,
     problems,
     recipe,
@@ -205,6 +206,8 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         "unigram_entropy": s.unigram_nats,
         "preempted": preempted,
     }
+    if jax.process_index() == 0:  # drift.png, cosine.png (with matplotlib)
+        figures.run_diagnostics(workdir)
     if preempted:
         return summary
     params = s.outer_fn(state)

@@ -10,16 +10,7 @@ import pathlib
 
 import numpy as np
 
-from diloco_jax import extras
-
-
-def _pyplot():
-    """matplotlib's pyplot, drawing into files only (no display needed)."""
-    matplotlib = extras.require("matplotlib", "drawing figures")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from diloco_jax.figures import pyplot
 
 
 def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> None:
@@ -27,7 +18,7 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> Non
 
     ``runs[name] = {"tokens": [...], "steps": [...], "loss": [...]}`` (means over seeds).
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for name, run in runs.items():
         style = "--" if name in ("single", "ddp") else "-"
@@ -48,7 +39,7 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> Non
 def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "") -> None:
     """Final validation loss against bytes each replica sent (log scale), a point per run named
     by its run; runs that sent nothing are drawn as horizontal lines."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     _panel(ax, rows, "bytes_per_replica", {}, label_of=lambda row: row["run"])
     ax.set_xlabel("bytes sent per replica (log scale)")
@@ -92,7 +83,7 @@ def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = ""
     """Left: final loss against total bytes per replica, every run. Right: against the peak
     bytes of one sync, only the runs within 0.2 nats of the best (where codecs and streaming
     differ). Points are labelled with how they communicate; colours are the sweeps."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6.5))
     colours: dict[str, str] = {}
     _panel(left, rows, "bytes_per_replica", colours)
@@ -110,55 +101,3 @@ def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = ""
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-DIAGNOSTICS = (("drift", "drift.png", "drift |anchor - params| at the sync"),
-               ("cosine_to_mean", "cosine.png", "cosine to the mean pseudo-gradient"))  # fmt: skip
-
-
-def sync_events(metrics_path: pathlib.Path) -> list[dict]:
-    """The ``sync`` events of a run's ``metrics.jsonl`` (none for the baselines)."""
-    import json
-
-    if not metrics_path.exists():
-        return []
-    events = (json.loads(line) for line in metrics_path.read_text().splitlines() if line)
-    return [e for e in events if e["event"] == "sync"]
-
-
-def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
-                per_replica: bool) -> list[str]:  # fmt: skip
-    """``drift.png`` and ``cosine.png`` in ``directory``: the sync diagnostics against outer
-    steps. ``runs[name]``: a run's :func:`sync_events`; ``per_replica``: one run, a line per
-    replica; else a line per run, the mean over its replicas (NaN, a left-out replica's cosine,
-    skipped). Returns the files written (none if no run synced)."""
-    runs = {name: events for name, events in runs.items() if events}
-    if not runs:
-        return []
-    plt = _pyplot()
-    for key, file, ylabel in DIAGNOSTICS:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name, events in runs.items():
-            outer = [e["outer_step"] for e in events]
-            values_SxR = np.array([e[key] for e in events], dtype=float)
-            if per_replica:
-                for r in range(values_SxR.shape[1]):
-                    ax.plot(outer, values_SxR[:, r], marker=".", label=f"replica {r}")
-            else:
-                ax.plot(outer, _nanmean_rows(values_SxR), marker=".", label=name)
-        ax.set_xlabel("outer step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(directory / file, dpi=120)
-        plt.close(fig)
-    return [file for _, file, _ in DIAGNOSTICS]
-
-
-def _nanmean_rows(values_SxR: np.ndarray) -> np.ndarray:
-    """Each row's mean over its finite entries (NaN where it has none)."""
-    finite = np.isfinite(values_SxR)
-    count = finite.sum(axis=1)
-    total = np.where(finite, values_SxR, 0.0).sum(axis=1)
-    return np.where(count > 0, total / np.maximum(count, 1), np.nan)

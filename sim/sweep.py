@@ -19,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from diloco_jax import config as config_lib
-from diloco_jax import extras
+from diloco_jax import extras, figures
 from diloco_jax.reporting import log
 
 from . import plots
@@ -249,14 +249,12 @@ def _serve(base: config_lib.Config, workdir: pathlib.Path, names: list[str]):
 
 
 def _diagnostics(workdir: pathlib.Path, runs) -> list[str]:
-    """Each run's drift.png and cosine.png (a line per replica) in its directory, and the
-    sweep's (a line per group: its first seed's mean over replicas); the sweep's files."""
+    """The sweep's drift.png and cosine.png: a line per group, its first seed's mean over
+    replicas (each run drew its own, a line per replica: ``train``)."""
     first: dict[str, list] = {}
     for name, group, _ in runs:
-        events = plots.sync_events(_rundir(workdir, name) / "metrics.jsonl")
-        plots.diagnostics({name: events}, _rundir(workdir, name), per_replica=True)
-        first.setdefault(group, events)
-    return plots.diagnostics(first, workdir, per_replica=False)
+        first.setdefault(group, figures.sync_events(_rundir(workdir, name) / "metrics.jsonl"))
+    return figures.diagnostics(first, workdir, per_replica=False)
 
 
 def _rundir(workdir: pathlib.Path, name: str) -> pathlib.Path:

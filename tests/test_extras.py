@@ -216,3 +216,16 @@ def test_combine_without_matplotlib_refuses_up_front(monkeypatch, tmp_path, caps
         "error: drawing tradeoff.png needs matplotlib: pip install 'diloco-jax[plots]'"
     )
     assert not out.exists()
+
+
+def test_a_run_without_matplotlib_draws_no_figures(monkeypatch, tmp_path):
+    import json
+
+    from diloco_jax import figures
+
+    sync = {"event": "sync", "step": 5, "outer_step": 1, "drift": [1.0], "cosine_to_mean": [1.0]}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(sync) + "\n")
+    _missing(monkeypatch, "matplotlib")
+    assert figures.run_diagnostics(tmp_path) == [] and not list(tmp_path.glob("*.png"))
+    monkeypatch.undo()
+    assert figures.run_diagnostics(tmp_path) == ["drift.png", "cosine.png"]

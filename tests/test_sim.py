@@ -305,7 +305,7 @@ def test_combine_sweeps_into_one_table_and_figure(tmp_path):
 
 
 def test_the_sweeps_diagnostics_average_finite_replicas():
-    from sim.plots import _nanmean_rows
+    from diloco_jax.figures import _nanmean_rows
 
     values_SxR = np.array([[1.0, 3.0, np.nan], [np.nan, np.nan, np.nan], [2.0, 2.0, 5.0]])
     np.testing.assert_array_equal(_nanmean_rows(values_SxR), [2.0, np.nan, 3.0])

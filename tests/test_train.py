@@ -39,6 +39,7 @@ def test_outputs(tiny_run):
     assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((workdir / "config.json").read_text())["outer"]["sync_every"] == 5
     assert (workdir / "checkpoints" / "20").is_dir()
+    assert (workdir / "drift.png").stat().st_size > 0 and (workdir / "cosine.png").exists()
     assert summary["sample"].startswith("ROMEO.\n") and len(summary["sample"]) >= 40
     series = tb_series(tf_events(workdir))  # a per-replica value is one series per replica
     [train20] = [e for e in events if (e["event"], e["step"]) == ("train", 20)]

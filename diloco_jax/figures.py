@@ -1,0 +1,80 @@
+"""Figures a run draws of itself, with matplotlib (the ``plots`` extra, imported only when a
+figure is drawn): the sync diagnostics, drift and cosine against outer steps. The simulator's
+own figures (``sim/plots.py``) draw with the same :func:`pyplot`."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from diloco_jax import extras
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing into files only (no display needed)."""
+    matplotlib = extras.require("matplotlib", "drawing figures")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+DIAGNOSTICS = (("drift", "drift.png", "drift |anchor - params| at the sync"),
+               ("cosine_to_mean", "cosine.png", "cosine to the mean pseudo-gradient"))  # fmt: skip
+
+
+def sync_events(metrics_path: pathlib.Path) -> list[dict]:
+    """The ``sync`` events of a run's ``metrics.jsonl`` (none for the baselines)."""
+    if not metrics_path.exists():
+        return []
+    events = (json.loads(line) for line in metrics_path.read_text().splitlines() if line)
+    return [e for e in events if e["event"] == "sync"]
+
+
+def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
+                per_replica: bool) -> list[str]:  # fmt: skip
+    """``drift.png`` and ``cosine.png`` in ``directory``: the sync diagnostics against outer
+    steps. ``runs[name]``: a run's :func:`sync_events`; ``per_replica``: one run, a line per
+    replica; else a line per run, the mean over its replicas (NaN, a left-out replica's cosine,
+    skipped). Returns the files written (none if no run synced)."""
+    runs = {name: events for name, events in runs.items() if events}
+    if not runs:
+        return []
+    plt = pyplot()
+    for key, file, ylabel in DIAGNOSTICS:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, events in runs.items():
+            outer = [e["outer_step"] for e in events]
+            values_SxR = np.array([e[key] for e in events], dtype=float)
+            if per_replica:
+                for r in range(values_SxR.shape[1]):
+                    ax.plot(outer, values_SxR[:, r], marker=".", label=f"replica {r}")
+            else:
+                ax.plot(outer, _nanmean_rows(values_SxR), marker=".", label=name)
+        ax.set_xlabel("outer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(directory / file, dpi=120)
+        plt.close(fig)
+    return [file for _, file, _ in DIAGNOSTICS]
+
+
+def _nanmean_rows(values_SxR: np.ndarray) -> np.ndarray:
+    """Each row's mean over its finite entries (NaN where it has none)."""
+    finite = np.isfinite(values_SxR)
+    count = finite.sum(axis=1)
+    total = np.where(finite, values_SxR, 0.0).sum(axis=1)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def run_diagnostics(workdir: pathlib.Path) -> list[str]:
+    """A finished run's ``drift.png`` and ``cosine.png`` (a line per replica) in ``workdir``, if
+    matplotlib is installed and the run synced; the files written."""
+    if extras.missing("matplotlib"):
+        return []
+    return diagnostics({"run": sync_events(workdir / "metrics.jsonl")}, workdir,
+                       per_replica=True)  # fmt: skip
