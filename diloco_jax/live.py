@@ -37,6 +37,21 @@ def _bytes_per_sync(cfg: config_lib.Config, params, replicas: int) -> float:
     return sum(sent) / len(sent)
 
 
+def bind(
+    cfg: config_lib.Config, board: serve.Board, controls: serve.Controls, token: str
+) -> serve.Server:
+    """The server on ``serve.host:serve.port``; a port it cannot have is a one-line
+    :class:`~diloco_jax.config.ConfigError` (before anything is compiled)."""
+    host, port = cfg.serve.host, cfg.serve.port
+    try:
+        return serve.Server(host, port, board=board, controls=controls, token=token)
+    except OSError as e:
+        raise config_lib.ConfigError(
+            f"config key serve.port = {port} is invalid: cannot serve on {host}:{port} "
+            f"({e.strerror or e}); choose a free port"
+        ) from None
+
+
 class Live:
     """The server of a run, its board and its controls; :meth:`agree` after each call.
 
@@ -69,8 +84,7 @@ class Live:
             self.controls, server.board = server.controls, self.board
             return
         token, generated = serve.resolve_token(cfg.serve.token_file, workdir)
-        self.server = serve.Server(cfg.serve.host, cfg.serve.port, board=self.board,
-                                   controls=self.controls, token=token)  # fmt: skip
+        self.server = bind(cfg, self.board, self.controls, token)
         self.server.start()
         where = f"http://{cfg.serve.host}:{self.server.port}/"
         told = f"; control token in {workdir / 'serve_token'}" if generated else ""

@@ -228,6 +228,7 @@ def _serve(base: config_lib.Config, workdir: pathlib.Path, names: list[str]):
     """With ``serve.port``: the sweep's server, started (every run shows itself through it,
     and ``/status`` adds the sweep's runs and table so far); else None."""
     from diloco_jax import serve
+    from diloco_jax.live import bind
 
     if not base.serve.port:
         return None
@@ -239,8 +240,7 @@ def _serve(base: config_lib.Config, workdir: pathlib.Path, names: list[str]):
         tokens_per_step=1,
     )
     token, generated = serve.resolve_token(base.serve.token_file, workdir)
-    server = serve.Server(base.serve.host, base.serve.port, board=board,
-                          controls=serve.Controls(), token=token)  # fmt: skip
+    server = bind(base, board, serve.Controls(), token)
     server.sweep = serve.SweepBoard(names)
     server.start()
     told = f"; control token in {workdir / 'serve_token'}" if generated else ""

@@ -343,3 +343,16 @@ def test_two_processes_agree_on_every_action_asked_of_process_0(tmp_path):
             proc.kill()
     stop = [e["step"] for e in _events(workdir) if "stop" in e.get("actions", ())]
     assert len(stop) == 1 and (workdir / "checkpoints" / str(stop[0])).is_dir()
+
+
+def test_a_port_in_use_is_a_one_line_error(tmp_path, monkeypatch):
+    from diloco_jax.live import bind
+
+    monkeypatch.setenv(serve.TOKEN_ENV, TOKEN)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = apply_overrides(load_preset("tiny"), [("serve.port", str(port))])
+        with pytest.raises(ConfigError, match=rf"serve.port = {port} is invalid: cannot serve"):
+            bind(cfg, _board(), serve.Controls(), TOKEN)
