@@ -10,6 +10,7 @@ import pathlib
 import numpy as np
 
 from diloco_jax import extras
+from diloco_jax.reporting import log
 
 
 def pyplot():
@@ -47,7 +48,7 @@ def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name, events in runs.items():
             outer = [e["outer_step"] for e in events]
-            values_SxR = np.array([e[key] for e in events], dtype=float)
+            values_SxR = _rows(e[key] for e in events)
             if per_replica:
                 for r in range(values_SxR.shape[1]):
                     ax.plot(outer, values_SxR[:, r], marker=".", label=f"replica {r}")
@@ -63,6 +64,14 @@ def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
     return [file for _, file, _ in DIAGNOSTICS]
 
 
+def _rows(lists) -> np.ndarray:
+    """float ``[S, R]`` of per-replica lists (None as NaN), short ones padded with NaN: an
+    elastic restart changes the replica count within a run."""
+    lists = [[np.nan if v is None else v for v in values] for values in lists]
+    width = max(len(values) for values in lists)
+    return np.array([values + [np.nan] * (width - len(values)) for values in lists], float)
+
+
 def _nanmean_rows(values_SxR: np.ndarray) -> np.ndarray:
     """Each row's mean over its finite entries (NaN where it has none)."""
     finite = np.isfinite(values_SxR)
@@ -73,8 +82,13 @@ def _nanmean_rows(values_SxR: np.ndarray) -> np.ndarray:
 
 def run_diagnostics(workdir: pathlib.Path) -> list[str]:
     """A finished run's ``drift.png`` and ``cosine.png`` (a line per replica) in ``workdir``, if
-    matplotlib is installed and the run synced; the files written."""
+    matplotlib is installed and the run synced; the files written. Never raises: a figure that
+    cannot be drawn is a warning, not a failed run."""
     if extras.missing("matplotlib"):
         return []
-    return diagnostics({"run": sync_events(workdir / "metrics.jsonl")}, workdir,
-                       per_replica=True)  # fmt: skip
+    try:
+        return diagnostics({"run": sync_events(workdir / "metrics.jsonl")}, workdir,
+                           per_replica=True)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the run's results are saved; only a figure is lost
+        log.warning("drift.png and cosine.png not drawn: %s: %s", type(e).__name__, e)
+        return []

@@ -309,3 +309,17 @@ def test_the_sweeps_diagnostics_average_finite_replicas():
 
     values_SxR = np.array([[1.0, 3.0, np.nan], [np.nan, np.nan, np.nan], [2.0, 2.0, 5.0]])
     np.testing.assert_array_equal(_nanmean_rows(values_SxR), [2.0, np.nan, 3.0])
+
+
+def test_diagnostics_pad_a_replica_count_that_changed_within_a_run(tmp_path):
+    """An elastic restart from 4 replicas to 2: the figure's replicas 2 and 3 end there."""
+    from diloco_jax.figures import _rows, run_diagnostics
+
+    rows = _rows([[1.0, 2.0, 3.0, None], [4.0, 5.0]])
+    np.testing.assert_array_equal(rows, [[1, 2, 3, np.nan], [4, 5, np.nan, np.nan]])
+    events = [{"event": "sync", "step": 5 * k, "outer_step": k, "drift": [1.0] * r,
+               "cosine_to_mean": [0.5] * r} for k, r in ((1, 4), (2, 2))]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert run_diagnostics(tmp_path) == ["drift.png", "cosine.png"]
+    (tmp_path / "metrics.jsonl").write_text('{"event": "sync", "outer_step": 1}\n')  # no drift
+    assert run_diagnostics(tmp_path) == []  # a warning, not an error
