@@ -301,7 +301,7 @@ def test_a_sweep_serves_its_runs_and_table_so_far(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "sim", "--config", "tiny", "--workdir", str(tmp_path),
          "--sweep", "outer.sync_every=1,5", f"--config.serve.port={port}",
-         "--config.train.total_steps=400", "--config.train.sample_chars=0",
+         "--config.train.total_steps=100", "--config.train.sample_chars=0",
          "--config.train.checkpoint=false"],
         cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
