@@ -22,18 +22,15 @@ from diloco_jax.reporting import log
 
 def _bytes_per_sync(cfg: config_lib.Config, params, replicas: int) -> float:
     """Bytes each replica sends in one DiLoCo sync: its pseudo-gradient, as the config's codec
-    encodes it, over a ring of every replica (a fragment's, on average, when streaming); 0 for
-    the baselines, whose reduces are not syncs."""
-    from diloco_jax.algorithm import gossip
-    from diloco_jax.recipe import codec_of, dct_of
+    encodes it, every replica taking part (a fragment's, on average, when streaming;
+    :func:`~diloco_jax.recipe.sync_payloads`); 0 for the baselines, whose reduces are not
+    syncs."""
+    from diloco_jax.recipe import sync_payloads
 
     if cfg.algorithm != "diloco":
         return 0.0
-    if cfg.noloco.enabled:
-        return float(gossip.pair_payload(params))
-    payloads = comms.sync_payloads(params, codec_of(cfg), replicas, dct_config=dct_of(cfg),
-                                   num_fragments=cfg.streaming.fragments)  # fmt: skip
-    sent = [comms.bytes_per_replica(p, replicas, cfg.sim.topology) for p in payloads]
+    payloads, topology = sync_payloads(cfg, params, replicas)
+    sent = [comms.bytes_per_replica(p, replicas, topology) for p in payloads]
     return sum(sent) / len(sent)
 
 

@@ -85,6 +85,25 @@ def _variants(cfg: Config) -> dict:
     )
 
 
+def sync_payloads(cfg: Config, params, replicas: int) -> tuple[list[int], str]:
+    """``(P of each sync's reduce, one per streaming fragment; the topology it runs on)`` for
+    ``cfg``: DiLoCo's pseudo-gradient as its codec or accumulator encodes it, on
+    ``sim.topology``; NoLoCo's pseudo-gradient and anchor to one partner (``pairwise``); the
+    baselines' float32 gradient (``params``: shapes and dtypes suffice)."""
+    from diloco_jax import comms
+    from diloco_jax.algorithm import gossip
+
+    diloco = cfg.algorithm == "diloco"
+    if diloco and cfg.noloco.enabled:
+        return [gossip.pair_payload(params)], comms.PAIRWISE
+    payloads = comms.sync_payloads(
+        params, codec_of(cfg) if diloco else None, replicas,
+        dct_config=dct_of(cfg) if diloco else None,
+        num_fragments=cfg.streaming.fragments if diloco else 1,
+    )  # fmt: skip
+    return payloads, cfg.sim.topology
+
+
 def gossip_of(cfg: Config) -> Gossip | None:
     """NoLoCo's pairing, as ``cfg.noloco`` asks (None: the all-replica mean)."""
     n = cfg.noloco

@@ -126,8 +126,12 @@ def quorum_rounds(speeds: np.ndarray, sync_every: int, quorum: int, grace: float
     arguments (a resumed run sees the same rounds).
     """
     quorum = min(max(quorum, 1), len(speeds))
-    return _quorum_rounds(tuple(float(s) for s in speeds), sync_every, quorum, float(grace),
-                          rounds)  # fmt: skip
+    # rounds are a prefix of longer runs': computed for the next power of two and cached, so a
+    # run asking call after call for one round more recomputes only when it doubles
+    computed = 1 << max(rounds - 1, 0).bit_length()
+    whole = _quorum_rounds(tuple(float(s) for s in speeds), sync_every, quorum, float(grace),
+                           computed)  # fmt: skip
+    return QuorumRounds(*(x[:rounds] for x in whole))
 
 
 def local_steps(speeds: np.ndarray, sync_every: int, dylu: bool) -> np.ndarray:

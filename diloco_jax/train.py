@@ -160,18 +160,14 @@ def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
     )
 
 
-def _plan(cfg: config_lib.Config, s: Setup) -> SyncPlan:
-    """DiLoCo's sync plan; the baselines' rounds for the failure schedule: ``sync_every``."""
-    return getattr(s.algorithm, "plan", SyncPlan(cfg.outer.sync_every))
-
-
 def chunk_control(cfg: config_lib.Config, s: Setup, start: int,
                   outer_scale: float = 1.0) -> StepControl:  # fmt: skip
     """Stragglers' and failures' masks for the ``log_every`` steps from ``start``, and the
     outer learning rate's scale (changed over HTTP: :mod:`diloco_jax.live`)."""
     replicas = s.layout.replicas
     masks = schedule.control(
-        start, cfg.train.log_every, replicas=replicas, plan=_plan(cfg, s),
+        start, cfg.train.log_every, replicas=replicas,
+        plan=getattr(s.algorithm, "plan", SyncPlan(cfg.outer.sync_every)),  # baselines: rounds
         speeds=schedule.parse_speeds(cfg.sim.speeds, replicas), dylu=cfg.sim.dylu,
         drops=schedule.parse_drops(cfg.sim.drop, replicas), drop_prob=cfg.sim.drop_prob,
         seed=cfg.seed, quorum=cfg.sim.quorum, grace=cfg.sim.grace,

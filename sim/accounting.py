@@ -7,7 +7,6 @@ import jax
 
 from diloco_jax import comms, schedule
 from diloco_jax import config as config_lib
-from diloco_jax.algorithm import gossip
 from diloco_jax.algorithm.compress import CODECS
 from diloco_jax.algorithm.plan import SyncPlan
 
@@ -82,22 +81,16 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
     size and dtypes give the bytes)."""
     replicas = 1 if cfg.algorithm == "single" else cfg.parallel.replicas
     steps, sim = done["steps"], cfg.sim
-    from diloco_jax.recipe import codec_of, dct_of
+    from diloco_jax.recipe import sync_payloads
 
     diloco = cfg.algorithm == "diloco"
     num_fragments = cfg.streaming.fragments if diloco else 1
-    payloads = comms.sync_payloads(
-        params, codec_of(cfg) if diloco else None, replicas,
-        dct_config=dct_of(cfg) if diloco else None, num_fragments=num_fragments,
-    )  # fmt: skip
+    payloads, topology = sync_payloads(cfg, params, replicas)
     fp32_payload = comms.payload_bytes(params)
     if diloco:
         events = comms.diloco_sync_events(steps, cfg.outer.sync_every, num_fragments)
     else:
         events = [0] * comms.reduces(cfg.algorithm, steps, cfg.outer.sync_every)
-    topology = sim.topology
-    if diloco and cfg.noloco.enabled:  # pseudo-gradient and anchor to one partner
-        payloads, topology = [gossip.pair_payload(params)], comms.PAIRWISE
     syncs = len(events)
     per_sync = [comms.bytes_per_replica(p, replicas, topology) for p in payloads]
     extra = _moment_payloads(cfg, params) if diloco else []
