@@ -1,6 +1,13 @@
-"""Test setup: 8 fake CPU devices so the mesh runtime can be checked against the simulator."""
+"""Test setup: 8 fake CPU devices so the mesh runtime can be checked against the simulator, and
+no cluster: the tests run alike inside a SLURM allocation or an MPI job."""
 
 import os
+import re
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# a user's own XLA_FLAGS are kept, but for the device count the mesh tests need
+_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+os.environ.pop("JAX_NUM_CPU_DEVICES", None)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+for _name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "PMI_"))]:
+    del os.environ[_name]  # JAX would join that cluster, and train refuses a multi-task salloc

@@ -195,3 +195,41 @@ def assert_streamed_equals_loaded(cfg_for_budget, budget_mib: float, tmp_path: p
     assert resumed["steps"] == 20
     chex.assert_trees_all_equal(jax.device_get(resumed["state"]), jax.device_get(loaded["state"]))
     return setup
+
+
+def assert_close_but_for_code_steps(got, want, *, step, max_share, rtol=1e-5, atol=1e-6,
+                                    msg="") -> int:  # fmt: skip
+    """Two layouts (or runtimes) compared through a lossy codec: ``got`` equals ``want`` to
+    float32 rounding (``rtol``, ``atol``) but for at most ``max_share`` of all their values, each
+    of which may be off by at most ``step`` (a number, or a tree like ``want``: one per leaf).
+
+    Why a share: two programs that sum in another order (a vmap of another size, another CPU's
+    kernels) give pseudo-gradients a last bit apart. The codec rounds both alike except where a
+    value sits on a rounding boundary (an int8 code's .5, a top-k near-tie), where the last bit
+    becomes a whole quantization step. Those values are few; a real divergence (a replica
+    encoding another's pseudo-gradient, a residual not kept) moves most values. Returns how many
+    values were off by more than rounding."""
+    want_leaves, treedef = jax.tree.flatten(want)
+    got_leaves = treedef.flatten_up_to(got)
+    step_leaves = ([step] * len(want_leaves) if np.ndim(step) == 0 and not isinstance(step, list)
+                   else treedef.flatten_up_to(step))  # fmt: skip
+    off, total = 0, 0
+    for path_want, g, s in zip(jax.tree_util.tree_leaves_with_path(want), got_leaves, step_leaves,
+                               strict=True):  # fmt: skip
+        path, w = path_want
+        w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
+        assert g.shape == w.shape, f"{msg}{jax.tree_util.keystr(path)}: {g.shape} != {w.shape}"
+        diff = np.abs(g - w)
+        rounding = diff <= atol + rtol * np.abs(w)
+        worst = float(diff.max(initial=0.0))
+        assert worst <= float(s) + atol, (
+            f"{msg}{jax.tree_util.keystr(path)}: off by {worst:.3g}, more than the codec's "
+            f"step {float(s):.3g}"
+        )
+        off += int((~rounding).sum())
+        total += w.size
+    assert off <= max_share * total, (
+        f"{msg}{off} of {total} values off by more than rounding (rtol {rtol}, atol {atol}); "
+        f"at most {max_share:.2%} may sit on a rounding boundary of the codec"
+    )
+    return off

@@ -22,8 +22,8 @@ def main() -> None:
     def on_sigterm(signum, frame):
         with open(out / f"{os.getpid()}.sigterm", "a") as f:
             f.write("SIGTERM\n")
-        if not stubborn:
-            sys.exit(0)
+        if not stubborn:  # at once: an interpreter shutdown with jax loaded may outlast the grace
+            os._exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
     watch_launcher()

@@ -88,7 +88,8 @@ def test_chunks_train_bitwise_what_all_at_once_trains(name):
         loss = metrics.pop("loss")
         chex.assert_trees_all_equal(metrics, {k: v for k, v in want[1].items() if k != "loss"},
                                     custom_message=message)  # fmt: skip
-        np.testing.assert_allclose(loss, want[1]["loss"], rtol=1e-6, err_msg=message)
+        # a float32 sum of ~1.8k terms in another order per vmap size: a few ulps (2e-7 seen)
+        np.testing.assert_allclose(loss, want[1]["loss"], rtol=1e-5, err_msg=message)
 
 
 @pytest.mark.slow  # ~50 s: three tiny trainings

@@ -171,11 +171,13 @@ def test_every_replica_fed_the_same_data_equals_one_replica():
     tx = lambda ax: diloco(helpers.adamw(), optim.outer_nesterov(), sync_every=3, axis_name=ax)  # noqa: E731
     four, _ = helpers.run(tx, helpers.sim(4), 7, replica_ids=[0, 0, 0, 0])
     one, _ = helpers.run(tx, helpers.sim(1), 7, shards=4)
-    chex.assert_trees_all_close(four.anchor, one.anchor, atol=1e-6)
+    # vmaps of 4 and 1 round the model's gradients differently (2.4e-7 seen after 7 AdamW
+    # steps on an AMD EPYC; another CPU's kernels may do more): atol 2e-6
+    chex.assert_trees_all_close(four.anchor, one.anchor, atol=2e-6)
     for r in range(4):
         chex.assert_trees_all_close(
             jax.tree.map(lambda x, r=r: x[r], four.params),
-            jax.tree.map(lambda x: x[0], one.params), atol=1e-6,
+            jax.tree.map(lambda x: x[0], one.params), atol=2e-6,
         )  # fmt: skip
 
 

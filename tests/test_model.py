@@ -156,7 +156,9 @@ def test_attention_equals_dot_product_attention_values_and_gradients(compute_dty
 
     (y, grads), (ref, ref_grads) = run(lambda m, x: m(x)), run(_reference_attention)
     assert y.dtype == ref.dtype == dtype
-    tol = {"float32": dict(rtol=1e-5, atol=1e-6), "bfloat16": dict(rtol=0.05, atol=0.05)}
+    # float32: two programs with matmuls of other shapes, whose kernels each CPU picks for
+    # itself; the outputs differ by 7e-7 at most on an AMD EPYC (atol 2e-6)
+    tol = {"float32": dict(rtol=1e-5, atol=2e-6), "bfloat16": dict(rtol=0.05, atol=0.05)}
     y32, ref32 = y.astype(jnp.float32), ref.astype(jnp.float32)
     chex.assert_trees_all_close(y32, ref32, **tol[compute_dtype])
     # gradient entries are sums over 30 positions in another order, and the largest are ~3: an

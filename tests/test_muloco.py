@@ -81,10 +81,28 @@ def _muloco(axis):
 
 
 def test_muloco_with_int8_error_feedback_on_the_mesh_equals_the_simulator():
-    sim_state, sim_loss = helpers.run(_muloco, helpers.sim(4), 7)
-    mesh_state, mesh_loss = helpers.run(_muloco, parallel.Layout("mesh", 4, 2, 2), 7)
-    # as tests/test_parallel.py: the same math summed in another order
-    chex.assert_trees_all_close(mesh_state, sim_state, atol=1e-5, rtol=1e-5)
+    """One sync (step 3) and a local step after it, in the simulator and on 2 devices x 2
+    virtual replicas with the batch on 2: the same parameters, anchor, residuals and Muon state,
+    but for a few values that int8 rounds a code step apart."""
+    steps, layout = 4, parallel.Layout("mesh", 4, 2, 2)
+    sim_state, sim_loss = helpers.run(_muloco, helpers.sim(4), steps)
+    mesh_state, mesh_loss = helpers.run(_muloco, layout, steps)
+    # Muon's Newton-Schulz matmuls and the gradient's mean over the data axis sum in another
+    # order on the mesh (vmap batches of other sizes), so the pseudo-gradients at the sync are a
+    # last bit apart. int8 codes them alike but for values on a code's .5: one code step q of the
+    # replica's block (q <= the largest pseudo-gradient / 127). That moves the replica's residual
+    # by q, the ring's sum by q and its re-coded block by one step of the sum (<= 4q), so the mean
+    # by <= 1.25q and the anchor (Nesterov's first step: lr (1 + momentum) = 1.33) by <= 1.66q;
+    # the local step after it adds float32 rounding. Observed here: 1 of 180k values, 0.92q.
+    _, params = helpers.tiny_model()
+    alone, _ = helpers.run(lambda ax: single(_muon()), helpers.sim(4), 3)  # the 3 inner steps
+    q = max(float(np.abs(p[None] - p_R).max())
+            for p, p_R in zip(jax.tree.leaves(params), jax.tree.leaves(alone.params), strict=True)
+            ) / 127  # fmt: skip
+    helpers.assert_close_but_for_code_steps(mesh_state, sim_state, step=2 * q, max_share=0.001)
+    # the losses up to the sync (the last one is the anchor's, bounded above)
+    for metrics in (mesh_loss, sim_loss):
+        metrics["loss"] = metrics["loss"][:3]
     chex.assert_trees_all_close(mesh_loss, sim_loss, atol=1e-5, rtol=1e-5)
 
 

@@ -13,8 +13,9 @@ STAND_INS = {
     "uv": 'echo "uv $*" >> "$LOG"',
     "scontrol": 'echo "scontrol $*" >> "$LOG"',
     # srun passes SIGTERM on to its tasks; the stand-in task saves and exits 0 when it gets one
-    "srun": 'echo "srun $*" >> "$LOG"\n'
-            'trap \'kill "$task"; echo "task got TERM" >> "$LOG"; exit 0\' TERM\n'
+    # (its trap is set before it logs, so a logged srun is ready for the signal)
+    "srun": 'trap \'kill "$task"; echo "task got TERM" >> "$LOG"; exit 0\' TERM\n'
+            'echo "srun $*" >> "$LOG"\n'
             'sleep 60 > /dev/null & task=$!\nwait',
 }  # fmt: skip
 
@@ -38,7 +39,6 @@ def test_time_limit_signal_stops_the_run_then_requeues(tmp_path):
     while not any(line.startswith("srun") for line in _log(log)):
         assert time.time() < deadline and job.poll() is None, _log(log)
         time.sleep(0.05)
-    time.sleep(0.3)  # srun's stand-in sets its trap right after logging
     job.send_signal(signal.SIGUSR1)
     out, _ = job.communicate(timeout=20)
     assert job.returncode == 0, out

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from diloco_jax import comms
-from diloco_jax.algorithm import dct, diloco, exchange
+from diloco_jax.algorithm import dct, diloco, exchange, single
 from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.config import ConfigError, apply_overrides, load_preset, validate
 from diloco_jax.runtime import parallel
@@ -103,10 +103,27 @@ def _sparse_tx(axis):
 
 
 def test_sparseloco_on_the_mesh_equals_the_simulator():
-    sim_state, sim_loss = helpers.run(_sparse_tx, helpers.sim(4), 7)
-    mesh_state, mesh_loss = helpers.run(_sparse_tx, parallel.Layout("mesh", 4, 2, 2), 7)
-    # as tests/test_parallel.py: the same math summed in another order
-    chex.assert_trees_all_close(mesh_state, sim_state, atol=1e-5, rtol=1e-5)
+    """One sync (step 3) and a local step after it, in the simulator and on 2 devices x 2
+    virtual replicas with the batch on 2: the same state but for a few values that the 2-bit
+    top-k sends differently."""
+    steps, layout = 4, parallel.Layout("mesh", 4, 2, 2)
+    sim_state, sim_loss = helpers.run(_sparse_tx, helpers.sim(4), steps)
+    mesh_state, mesh_loss = helpers.run(_sparse_tx, layout, steps)
+    # AdamW's clipping norm and the data axis's mean round per layout, so the pseudo-gradients
+    # are a last bit apart; the chunk's top 4 and its 2-bit codes are the same but at a near
+    # tie (another value sent) or a code boundary (a step of 2/3 of the chunk's scale). Either
+    # moves a value of the sent message and of the accumulator by at most the chunk's scale,
+    # the largest kept magnitude <= the largest pseudo-gradient x; the mean of 4 (outer
+    # sgd(1.0)) moves the anchor by <= x / 4. Observed here: no value off.
+    _, params = helpers.tiny_model()
+    alone, _ = helpers.run(lambda ax: single(helpers.adamw()), helpers.sim(4), 3)
+    x = max(float(np.abs(p[None] - p_R).max())
+            for p, p_R in zip(jax.tree.leaves(params), jax.tree.leaves(alone.params), strict=True)
+            )  # fmt: skip
+    helpers.assert_close_but_for_code_steps(mesh_state, sim_state, step=x, max_share=0.001)
+    # the losses up to the sync (the last one is the anchor's, bounded above)
+    for metrics in (mesh_loss, sim_loss):
+        metrics["loss"] = metrics["loss"][:3]
     chex.assert_trees_all_close(mesh_loss, sim_loss, atol=1e-5, rtol=1e-5)
     assert float(np.abs(sim_state.exchange_state[0]).max()) > 0  # the accumulators hold a rest
 
