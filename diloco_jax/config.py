@@ -254,12 +254,22 @@ class NolocoConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """A user's task in place of the built-in ones (``diloco_jax/tasks/arrays.py``)."""
+
+    factory: str = _key("", "package.module:function returning a diloco_jax.ArrayTask; empty: "
+                        "data.corpus's built-in task")  # fmt: skip
+    args: str = _key("", "keyword arguments of task.factory, as a JSON object")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     algorithm: str = _key("diloco", "diloco | ddp (data parallel) | single (one worker)")
     seed: int = _key(0, "seed of parameters, data order and simulated failures; in [0, 2**31)")
     model: ModelConfig = ModelConfig()
     resnet: ResNetConfig = ResNetConfig()
     data: DataConfig = DataConfig()
+    task: TaskConfig = TaskConfig()
     inner: InnerConfig = InnerConfig()
     outer: OuterConfig = OuterConfig()
     compress: CompressConfig = CompressConfig()

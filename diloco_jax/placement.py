@@ -79,7 +79,7 @@ def steps(cfg: config_lib.Config, layout, algorithm, problem, mesh, state):
         batch_size=cfg.data.batch_size,
         data_axis=None if mesh is None else parallel.DATA,
         data_shards=layout.data_devices,
-        dropout=cfg.model.dropout > 0 and problem.task.unit == "token",
+        dropout=problem.task.rng or (cfg.model.dropout > 0 and problem.task.unit == "token"),
         controlled=schedule.needs_control(speeds=cfg.sim.speeds, dylu=cfg.sim.dylu,
                                           drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob,
                                           quorum=cfg.sim.quorum),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+import importlib
+import json
+import pathlib
+import sys
 
 import numpy as np
 
@@ -22,19 +25,7 @@ from diloco_jax.data import (
 from diloco_jax.data.images import image_shards, is_image_data, load_images
 from diloco_jax.tasks import model as model_lib
 from diloco_jax.tasks import vision
-
-
-class Problem(NamedTuple):
-    """What the data decides: shards, evaluation data, the model, the task."""
-
-    shards: Any  # [R, S] tokens, or a task's pytree of [R, S, ...] arrays
-    eval_data: Any
-    graphdef: Any
-    params: Any
-    task: tasks.Task  # sample, loss and evaluation for this model and data
-    baseline_nats: float  # unigram entropy of the tokens, or log(classes)
-    tokenizer: Any = None
-    streamed: bool = False  # shards is a memory map on disk (data.max_memory_mib)
+from diloco_jax.tasks.core import Problem
 
 
 def check_extras(cfg: config_lib.Config) -> None:
@@ -60,9 +51,37 @@ def check_extras(cfg: config_lib.Config) -> None:
         raise config_lib.ConfigError(str(e)) from None
 
 
-def load(cfg: config_lib.Config, replicas: int) -> Problem:
+def user_task(factory: str, args: str) -> tasks.ArrayTask:
+    """Calls ``factory`` (``package.module:function``, imported with the working directory on
+    the path) with the JSON keyword arguments ``args``; ConfigError naming ``task.factory`` if
+    it does not resolve, is not callable or returns no ArrayTask."""
+    where = f"config key task.factory = {factory!r}"
+    module_name, _, name = factory.partition(":")
+    if str(pathlib.Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(pathlib.Path.cwd()))  # as `python -m` would
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise config_lib.ConfigError(f"{where}: cannot import {module_name}: "
+                                     f"{type(e).__name__}: {e}") from None  # fmt: skip
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise config_lib.ConfigError(f"{where}: {module_name} has no function {name!r}")
+    task = fn(**(json.loads(args) if args else {}))
+    if not isinstance(task, tasks.ArrayTask):
+        raise config_lib.ConfigError(f"{where} returned {type(task).__name__}, not a "
+                                     "diloco_jax.tasks.ArrayTask")  # fmt: skip
+    return task
+
+
+def load(cfg: config_lib.Config, replicas: int, task: tasks.ArrayTask | None = None) -> Problem:
     """Loads the data ``cfg`` names and builds its model: text (or tokens) for the Transformer,
-    images for the ResNet. Raises DataError for missing or unusable data."""
+    images for the ResNet; or a user's ``task`` (else ``task.factory``'s), cut into
+    ``replicas`` shards. Raises DataError (TaskError) for missing or unusable data or code."""
+    if task is None and cfg.task.factory:
+        task = user_task(cfg.task.factory, cfg.task.args)
+    if task is not None:
+        return task.problem(replicas, cfg.data.batch_size)
     m, d = cfg.model, cfg.data
     where = dict(val_fraction=d.val_fraction, data_dir=d.data_dir, train_split=d.train_split,
                  eval_split=d.eval_split)  # fmt: skip

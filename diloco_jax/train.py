@@ -113,16 +113,16 @@ def _training_data(shards_RxS, stream, mesh, abstract: bool):
     return batches if abstract else stream.on_devices(0, shardings)
 
 
-def build(cfg: config_lib.Config, *, abstract: bool = False) -> Setup:
-    """Validates ``cfg``, loads data and builds the state and the step; raises ConfigError or
-    DataError before anything is compiled. ``abstract``: the state and the data as shapes with
-    their shardings, nothing allocated on the devices (for compiling and the memory plan)."""
+def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup:
+    """Validates ``cfg``, loads data (or a user's ``task``, an ArrayTask) and builds the state
+    and the step; raises ConfigError or DataError before anything is compiled. ``abstract``:
+    the state and the data as shapes with their shardings, nothing allocated on the devices."""
     config_lib.validate(cfg)
     problems.check_extras(cfg)
     d = cfg.data
     replicas = placement.effective_replicas(cfg)
     layout = placement.layout(cfg, replicas)
-    problem = problems.load(cfg, replicas)
+    problem = problems.load(cfg, replicas, task)
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
     # 1 more all-reduce per sync: only where it stays in one machine's memory
     diagnostics = cfg.sim.diagnostics and (layout.runtime == "sim" or placement.cpu_simulation())
@@ -199,14 +199,14 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         "tokens": step * s.layout.replicas * cfg.data.batch_size * s.tokens_per_row,
         "unit": s.unit,  # what "tokens" counts
         "train_seconds": round(seconds, 2),
-        "unigram_entropy": s.unigram_nats,
+        "unigram_entropy": s.unigram_nats if s.unigram_nats > 0 else None,  # None: a user's
         "preempted": preempted,
     }
     if jax.process_index() == 0:  # drift.png, cosine.png (with matplotlib)
         figures.run_diagnostics(workdir)
     if preempted:
         return summary
-    params = s.outer_fn(state)
+    summary["params"] = params = s.outer_fn(state)  # the outer parameters, on the devices
     checkpoint.save_params(workdir / "params", params)  # every process writes its part
     if cfg.train.sample_chars and s.unit == "token" and jax.process_index() == 0:
         summary["sample"] = generate_text(
@@ -245,8 +245,8 @@ def _evaluate(s: Setup, runlog, state, step: int, total: int) -> float:
     outer = outer_steps(cfg, step)
     runlog.write("eval", step, eval_loss=eval_loss, outer_steps=outer, tokens=tokens, **values)
     extra = "".join(f", {k} {v:.4f}" for k, v in values.items())
-    log.info("step %d/%d, outer step %d: eval_loss %.4f nats%s (outer params)",
-             step, total, outer, eval_loss, extra)  # fmt: skip
+    log.info("step %d/%d, outer step %d: eval_loss %.4f%s%s (outer params)", step, total, outer,
+             eval_loss, " nats" * (s.unigram_nats > 0), extra)  # fmt: skip
     return eval_loss
 
 
@@ -260,7 +260,7 @@ def _agree_to_stop(stop: Preemption) -> bool:
 
 
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True,
-          allow_config_change: bool = False, server=None):  # fmt: skip
+          allow_config_change: bool = False, server=None, task=None):  # fmt: skip
     """Trains ``cfg`` into ``workdir`` (resuming from its newest readable checkpoint; keys that
     change the training must match its config unless ``allow_config_change``); returns a
     summary dict (final eval loss, steps, tokens, time, sample, and the final ``state``).
@@ -268,8 +268,12 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     SIGTERM or SIGINT stops the run at the next call boundary, with a checkpoint if
     ``train.checkpoint`` (``summary["preempted"]``); a second signal exits at once. With
     ``serve.port`` the run serves its status and control (:mod:`diloco_jax.serve`), through
-    ``server`` if given (a sweep's)."""
-    s, t = build(cfg), cfg.train  # first: it sets the CPU's device count before JAX starts
+    ``server`` if given (a sweep's). ``task``: a user's ArrayTask (else ``task.factory``'s or
+    the built-in task of ``data.corpus``)."""
+    s, t = (
+        build(cfg, task=task),
+        cfg.train,
+    )  # first: it sets the CPU's device count before JAX starts
     lead = jax.process_index() == 0  # the process that logs and writes files
     reporting.setup_logging(process=jax.process_index(), processes=jax.process_count())
     workdir = pathlib.Path(workdir)
@@ -291,8 +295,8 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     log.info("compiling %d steps per call ...", t.log_every)
     t0 = time.time()
     run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS, chunk_control(cfg, s, 0)).compile()
-    log.info("compiled in %.1fs; validation unigram entropy %.3f nats", time.time() - t0,
-             s.unigram_nats)  # fmt: skip
+    entropy = f"; validation unigram entropy {s.unigram_nats:.3f} nats" * (s.unigram_nats > 0)
+    log.info("compiled in %.1fs%s", time.time() - t0, entropy)
     placement.check_memory(s, run)
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:
@@ -333,7 +337,9 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     summary["step_seconds"] = float(np.median(steady)) / t.log_every if steady else None
     # the loop's own work between calls (logs, bar, checks); the median skips evals and saves
     summary["host_seconds"] = float(np.median(host_seconds)) if host_seconds else None
-    runlog.write("done", step, **{k: v for k, v in summary.items() if k != "sample"})
+    runlog.write(
+        "done", step, **{k: v for k, v in summary.items() if k not in ("sample", "params")}
+    )
     runlog.close()
     live.close()
     return {**summary, "state": state}

@@ -7,9 +7,11 @@ config keys.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import pathlib
+import re
 from typing import Any
 
 from diloco_jax.algorithm.compress import CODECS
@@ -34,6 +36,16 @@ def _enforce(rules: list[tuple[str, bool, str]], flat: dict[str, Any]) -> None:
     for key, ok, allowed in rules:
         if not ok:
             raise ConfigError(f"config key {key} = {flat[key]!r} is invalid: {allowed}")
+
+
+_FACTORY = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return not text or isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def validate(cfg: Config) -> None:
@@ -68,6 +80,9 @@ def validate(cfg: Config) -> None:
          cfg.algorithm != "diloco" or t.checkpoint_every % cfg.outer.sync_every == 0,
          f"must be a multiple of outer.sync_every = {cfg.outer.sync_every} (saves happen at "
          "sync boundaries)"),
+        ("task.factory", not cfg.task.factory or re.fullmatch(_FACTORY, cfg.task.factory),
+         "must be package.module:function"),
+        ("task.args", _json_object(cfg.task.args), "must be a JSON object of keyword arguments"),
         ("log.wandb_mode", cfg.log.wandb_mode in WANDB_MODES, f"must be one of {WANDB_MODES}"),
         ("log.wandb_project", bool(cfg.log.wandb_project.strip()), "must name a project"),
         ("log.wandb", not cfg.log.wandb or importlib.util.find_spec("wandb") is not None,

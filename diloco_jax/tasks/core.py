@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,22 @@ class Task(NamedTuple):
     eval_fn: Callable
     unit: str = "token"
     tokens_per_row: int = 1
+    rng: bool = False  # the loss always gets a key (else only with the model's dropout)
+
+
+class Problem(NamedTuple):
+    """What a run learns, as the training loop takes it: each replica's data, the evaluation
+    data, the initial parameters and the :class:`Task` over them. Built by the built-in tasks
+    (``diloco_jax.problems``) and by a user's (:class:`diloco_jax.tasks.ArrayTask`)."""
+
+    shards: Any  # [R, S] tokens, or a task's pytree of [R, S, ...] arrays
+    eval_data: Any
+    graphdef: Any  # the built-in models' (text samples); None for a user's task
+    params: Any
+    task: Task  # sample, loss and evaluation for this model and data
+    baseline_nats: float  # unigram entropy of the tokens, or log(classes); nan if unknown
+    tokenizer: Any = None
+    streamed: bool = False  # shards is a memory map on disk (data.max_memory_mib)
 
 
 def _chunked(fn, count: int, chunk: int, *arrays):

@@ -1,0 +1,58 @@
+"""``fit``: a user's task trained with DiLoCo from Python (a script, a notebook), through the
+same loop as ``python -m diloco_jax.train``: simulator or mesh, checkpoints and exact resume,
+logs, TensorBoard, the served dashboard."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, NamedTuple
+
+import jax
+
+from diloco_jax import config as config_lib
+from diloco_jax.tasks import ArrayTask
+
+
+class FitResult(NamedTuple):
+    """``params``: the outer (anchor) parameters at the end, on the host; ``eval_loss``: their
+    final evaluation; ``history``: every event of the run's ``metrics.jsonl`` (train, eval,
+    sync, ...), resumed runs' included; ``summary``: what ``train`` returned (steps, tokens,
+    seconds, ...; the final replica-stacked ``state`` on the devices)."""
+
+    params: Any
+    eval_loss: float
+    history: list[dict]
+    summary: dict
+
+
+def make_config(config: config_lib.Config | str | None = None,
+                overrides: dict[str, Any] | None = None) -> config_lib.Config:  # fmt: skip
+    """A validated Config: ``config`` (a Config, a preset's name or path; None: ``tiny``) with
+    ``overrides`` (``{"outer.sync_every": 10}``), each parsed as its key's type. Raises
+    ConfigError naming a bad key or value."""
+    if not isinstance(config, config_lib.Config):
+        config = config_lib.load_preset(config or "tiny")
+    for key, value in (overrides or {}).items():
+        text = json.dumps(value) if isinstance(value, (bool, dict)) else str(value)
+        config = config_lib.override(config, key, text)
+    config_lib.validate(config)
+    return config
+
+
+def fit(task: ArrayTask, config: config_lib.Config | str | None = None, *,
+        workdir: str | pathlib.Path, overrides: dict[str, Any] | None = None,
+        show_progress: bool = True, allow_config_change: bool = False) -> FitResult:  # fmt: skip
+    """Trains ``task`` with DiLoCo under ``config`` (see :func:`make_config`) into ``workdir``,
+    resuming from its newest checkpoint as the command line does. Raises ConfigError or
+    :class:`~diloco_jax.tasks.TaskError` (one line naming what is wrong) before compiling."""
+    from diloco_jax.train import train  # it sets the CPU's device count before JAX starts
+
+    cfg = make_config(config, overrides)
+    summary = train(cfg, workdir, show_progress=show_progress, task=task,
+                    allow_config_change=allow_config_change)  # fmt: skip
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    history = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    params = summary.get("params")
+    return FitResult(None if params is None else jax.device_get(params),
+                     summary["final_eval_loss"], history, summary)  # fmt: skip

@@ -1,0 +1,177 @@
+"""A user's task on arrays in memory: their parameters, their loss, their data.
+
+:class:`ArrayTask` is the shortest way from a JAX training job to the same job with DiLoCo::
+
+    task = ArrayTask(params, loss, train_data={"x": x_NxD, "y": y_N}, eval_data=...)
+    result = diloco_jax.fit(task, workdir="runs/mine")  # simulator, mesh, checkpoints, logs
+
+The model can be anything that gives a pytree of parameters and a pure loss over it: Flax NNX
+(``graphdef, params = nnx.split(model, nnx.Param)``; merge them in the loss), Linen
+(``params = model.init(key, x)["params"]``; ``model.apply({"params": params}, x)``), or plain
+functions. The training data is a pytree of arrays with a leading example axis; it is cut into
+one contiguous shard per replica and each replica draws its batch with replacement from its
+shard as a pure function of ``(seed, replica, step)``, so a resumed or re-laid-out run reads
+exactly the batches an uninterrupted one would.
+
+:meth:`ArrayTask.problem` checks the user's code on shapes (``jax.eval_shape``, nothing
+compiled) and raises :class:`TaskError`, one line naming what is wrong, for: data whose leaves
+disagree on the number of examples, fewer examples per replica than the batch, a loss that is
+not a float scalar or cannot be differentiated, an evaluation without ``eval_loss``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax.data import DataError
+from diloco_jax.data.images import example_indices
+from diloco_jax.tasks.core import Problem, Task, _chunked
+
+
+class TaskError(DataError):
+    """A user's task (its parameters, loss, data or evaluation) cannot be trained."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayTask:
+    """A task over arrays in memory.
+
+    ``params``: the initial parameters, a pytree of float arrays.
+    ``loss(params, batch, rng) -> scalar``: the mean loss of a batch, ``batch`` being
+    ``train_data``'s pytree with ``batch_size`` rows; ``rng`` is a key, a pure function of
+    ``(seed, replica, step)`` (for dropout), and None in evaluation.
+    ``train_data``: a pytree of arrays ``[N, ...]`` (NumPy or JAX).
+    ``eval_data``: a pytree of arrays ``[M, ...]`` for the outer parameters' evaluation (None:
+    the training data).
+    ``evaluate(params, eval_data) -> {"eval_loss": scalar, ...}``: jit-able; None: the mean of
+    ``loss`` over every evaluation example, ``eval_batch`` rows at a time.
+    ``unit``: what a batch row counts as in logs (``example``, or ``token`` with
+    ``tokens_per_row``).
+    """
+
+    params: Any
+    loss: Callable
+    train_data: Any
+    eval_data: Any = None
+    evaluate: Callable | None = None
+    eval_batch: int = 256
+    unit: str = "example"
+    tokens_per_row: int = 1
+
+    def problem(self, replicas: int, batch_size: int) -> Problem:
+        """The training loop's :class:`~diloco_jax.tasks.core.Problem`: ``replicas`` shards;
+        raises :class:`TaskError` for the cases in the module's docstring."""
+        if not callable(self.loss):
+            raise TaskError(f"loss must be a function (params, batch, rng) -> scalar, not "
+                            f"{type(self.loss).__name__}")  # fmt: skip
+        train = jax.tree.map(np.asarray, self.train_data)
+        count = _examples(train, "train_data")
+        per_replica = count // replicas
+        if per_replica < batch_size:
+            raise TaskError(
+                f"train_data has {count} examples: {per_replica} per replica for {replicas} "
+                f"replicas, fewer than data.batch_size = {batch_size}; give more data, fewer "
+                "replicas or a smaller batch"
+            )
+        keep = per_replica * replicas
+        shards = jax.tree.map(lambda x: x[:keep].reshape(replicas, per_replica, *x.shape[1:]),
+                              train)  # fmt: skip
+        eval_data = train if self.eval_data is None else jax.tree.map(np.asarray, self.eval_data)
+        _examples(eval_data, "eval_data")
+        task = Task(_sample, self.loss, self._eval_fn(), self.unit, self.tokens_per_row, rng=True)
+        first = jax.tree.map(lambda x: x[0], shards)
+        batch = jax.eval_shape(lambda s: _sample(s, seed=0, replica=0, step=0,
+                                                 batch_size=batch_size), first)  # fmt: skip
+        _check_loss(self.loss, self.params, batch)
+        _check_eval(task.eval_fn, self.params, eval_data)
+        return Problem(shards, eval_data, None, self.params, task, math.nan)
+
+    def _eval_fn(self) -> Callable:
+        if self.evaluate is not None:
+            return jax.jit(self.evaluate)
+        loss, chunk = self.loss, self.eval_batch
+
+        @jax.jit
+        def mean_loss(params, data):
+            def chunk_sum(*leaves_and_mask):
+                *leaves, mask_K = leaves_and_mask
+                rows = jax.tree.unflatten(treedef, leaves)
+                one = jax.vmap(lambda row: loss(params, jax.tree.map(lambda x: x[None], row), None))
+                return (one(rows) * mask_K).sum()
+
+            leaves, treedef = jax.tree.flatten(data)
+            count = leaves[0].shape[0]
+            return {"eval_loss": _chunked(chunk_sum, count, min(chunk, count), *leaves).sum()
+                    / count}  # fmt: skip
+
+        return mean_loss
+
+
+def _sample(shard, *, seed, replica, step, batch_size: int):
+    """The ``batch_size`` rows ``replica`` trains on at ``step``: drawn with replacement from
+    its shard (a pytree of ``[S, ...]`` arrays) by :func:`example_indices`."""
+    shard_len = jax.tree.leaves(shard)[0].shape[0]
+    idx_B = example_indices(seed=seed, replica=replica, step=step, batch_size=batch_size,
+                            shard_len=shard_len)  # fmt: skip
+    return jax.tree.map(lambda x: x[idx_B], shard)
+
+
+def _examples(data, name: str) -> int:
+    """The number of examples of ``data`` (every leaf's leading axis)."""
+    leaves = jax.tree_util.tree_leaves_with_path(data)
+    if not leaves:
+        raise TaskError(f"{name} holds no arrays")
+    counts = {jax.tree_util.keystr(path) or "the array": (x.shape[0] if x.ndim else None)
+              for path, x in leaves}  # fmt: skip
+    if len(set(counts.values())) != 1 or None in counts.values():
+        raise TaskError(f"{name}'s arrays must share their leading (example) axis: {counts}")
+    return next(iter(counts.values()))
+
+
+def _where(fn: Callable) -> str:
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code else name
+
+
+def _check_loss(loss: Callable, params, batch) -> None:
+    """The loss's output is a float scalar and its gradient has the parameters' structure."""
+    key = jax.random.key(0)
+    try:
+        out = jax.eval_shape(loss, params, batch, key)
+    except Exception as e:  # the user's code: any error is theirs to see, in one line
+        raise TaskError(f"loss {_where(loss)} fails on a batch of shapes "
+                        f"{jax.tree.map(lambda x: x.shape, batch)}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None  # fmt: skip
+    if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
+            and jnp.issubdtype(out.dtype, jnp.floating)):  # fmt: skip
+        got = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}", out)
+        raise TaskError(f"loss {_where(loss)} must return a float scalar (the batch's mean "
+                        f"loss), not {got}")  # fmt: skip
+    try:
+        grads = jax.eval_shape(jax.grad(loss), params, batch, key)
+    except Exception as e:
+        raise TaskError(f"loss {_where(loss)} cannot be differentiated with respect to params: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        ) from None  # fmt: skip
+    if jax.tree.structure(grads) != jax.tree.structure(params):
+        raise TaskError(f"the gradients of loss {_where(loss)} do not have the params' "
+                        "structure")  # fmt: skip
+
+
+def _check_eval(eval_fn: Callable, params, eval_data) -> None:
+    try:
+        out = jax.eval_shape(eval_fn, params, eval_data)
+    except Exception as e:
+        raise TaskError(f"the evaluation fails on eval_data: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None  # fmt: skip
+    if not isinstance(out, dict) or "eval_loss" not in out or out["eval_loss"].shape != ():
+        raise TaskError("evaluate(params, eval_data) must return a dict with a scalar "
+                        f"'eval_loss'; got {jax.tree.map(lambda x: x.shape, out)}")  # fmt: skip
