@@ -56,3 +56,20 @@ def fit(task: ArrayTask, config: config_lib.Config | str | None = None, *,
     params = summary.get("params")
     return FitResult(None if params is None else jax.device_get(params),
                      summary["final_eval_loss"], history, summary)  # fmt: skip
+
+
+def sweep(task: ArrayTask, config: config_lib.Config | str | None = None, *,
+          workdir: str | pathlib.Path, sweeps: list[str], seeds: list[int] = (0,),
+          baselines: list[str] = (), overrides: dict[str, Any] | None = None,
+          show_progress: bool = True) -> list[dict]:  # fmt: skip
+    """``python -m sim``'s sweep of ``task`` from Python: one run per value of each sweep
+    (``"outer.sync_every=10,50"``, as ``--sweep`` on the command line) and per seed, plus the
+    ``baselines`` (``single``, ``ddp``). Returns the summary table (a row per group: the final
+    eval loss's mean and spread over seeds, bytes, simulated time), also written with the
+    figures into ``workdir``. A finished run of the same config and task is reused."""
+    from diloco_jax.commands import _simulator
+
+    base = make_config(config, overrides)
+    return _simulator("sweep").sweep(base, pathlib.Path(workdir), sweeps=list(sweeps),
+                                     baselines=list(baselines), seeds=list(seeds),
+                                     show_progress=show_progress, task=task)  # fmt: skip

@@ -36,10 +36,10 @@ def loss(params, batch, rng):
 train, held_out = ({k: v[s] for k, v in data.items()} for s in (np.s_[:3584], np.s_[3584:]))
 task = diloco_jax.ArrayTask(nnx.to_pure_dict(state), loss, train, eval_data=held_out)
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 500
+table = diloco_jax.sweep(task, workdir="runs/nnx_mlp", sweeps=["outer.sync_every=10,50"],
+                         overrides={"train.total_steps": steps, "train.log_every": 10,
+                                    "train.eval_every": max(10, steps // 100 * 10),
+                                    "data.batch_size": 32})  # fmt: skip
 print("sync_every | eval MSE")
-for sync_every in (10, 50):
-    result = diloco_jax.fit(task, workdir=f"runs/nnx_mlp_sync{sync_every}", overrides={
-        "outer.sync_every": sync_every, "train.total_steps": steps, "train.log_every": 10,
-        "train.eval_every": steps, "data.batch_size": 32, "train.checkpoint_every": 50,
-        "parallel.runtime": "sim"})  # fmt: skip
-    print(f"{sync_every:>10} | {result.eval_loss:.4f}")
+for row in table:
+    print(f"{row['run'].split('=')[1]:>10} | {row['final_eval_loss']:.4f}")

@@ -13,20 +13,25 @@ import numpy as np
 from diloco_jax.figures import pyplot
 
 
-def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> None:
-    """Validation loss of the outer parameters against tokens and inner steps, a line per run.
+def loss_label(unit: str, nats: bool) -> str:
+    """``validation loss (nats/token)``, ``(nats/example)``, or without units (a user's loss)."""
+    return f"validation loss (nats/{unit})" if nats else "validation loss"
 
-    ``runs[name] = {"tokens": [...], "steps": [...], "loss": [...]}`` (means over seeds).
-    """
+
+def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "", unit: str = "token",
+           nats: bool = True) -> None:  # fmt: skip
+    """Validation loss of the outer parameters against tokens (or examples: ``unit``) and inner
+    steps, a line per run. ``runs[name] = {"tokens": [...], "steps": [...], "loss": [...]}``
+    (means over seeds); ``nats``: the loss is in nats (the built-in tasks')."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for name, run in runs.items():
         style = "--" if name in ("single", "ddp") else "-"
         axes[0].plot(run["tokens"], run["loss"], style, label=name, marker=".")
         axes[1].plot(run["steps"], run["loss"], style, label=name, marker=".")
-    axes[0].set_xlabel("tokens seen (all replicas)")
+    axes[0].set_xlabel(f"{unit}s seen (all replicas)")
     axes[1].set_xlabel("inner steps per replica (~ wall-clock)")
-    axes[0].set_ylabel("validation loss (nats/token)")
+    axes[0].set_ylabel(loss_label(unit, nats))
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
@@ -36,14 +41,15 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "") -> Non
     plt.close(fig)
 
 
-def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "") -> None:
+def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "", unit: str = "token",
+             nats: bool = True) -> None:  # fmt: skip
     """Final validation loss against bytes each replica sent (log scale), a point per run named
     by its run; runs that sent nothing are drawn as horizontal lines."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     _panel(ax, rows, "bytes_per_replica", {}, label_of=lambda row: row["run"])
     ax.set_xlabel("bytes sent per replica (log scale)")
-    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_ylabel(f"final {loss_label(unit, nats)}")
     ax.set_title(title or "loss against communication")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -136,30 +136,34 @@ def _training_part(cfg_dict: dict) -> dict:
     return merged
 
 
-def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path, server=None) -> dict:
+def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path, server=None,
+            task=None) -> dict:  # fmt: skip
     """Trains one variant into ``rundir`` unless it already finished there with this config
-    (``server``: the sweep's, which shows the run while it trains)."""
+    and task (``server``: the sweep's, which shows the run while it trains; ``task``: a user's
+    ArrayTask, else the config's)."""
     from diloco_jax.train import train
 
     summary_path = rundir / "summary.json"
     cfg_dict = config_lib.to_dict(cfg)
+    mark = None if task is None else task.fingerprint()
     if summary_path.exists():
         done = json.loads(summary_path.read_text())
-        if _training_part(done["config"]) == _training_part(cfg_dict):
+        if (_training_part(done["config"]) == _training_part(cfg_dict)
+                and done.get("task") == mark):  # fmt: skip
             return {**done, "config": cfg_dict}
         raise config_lib.ConfigError(
-            f"{rundir} holds run {name!r} with another config; use another --workdir"
+            f"{rundir} holds run {name!r} with another config or task; use another --workdir"
         )
     if rundir.exists():  # an unfinished attempt: start it again from scratch
         shutil.rmtree(rundir)
-    summary = train(cfg, rundir, show_progress=False, server=server)
+    summary = train(cfg, rundir, show_progress=False, server=server, task=task)
     if summary["preempted"]:
         return None  # stopped by a signal: the sweep stops; its checkpoint resumes it next time
-    summary.pop("state")
-    summary.pop("sample", None)
+    for key in ("state", "sample", "params"):
+        summary.pop(key, None)
     events = [json.loads(line) for line in (rundir / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in events if e["event"] == "eval"]
-    done = {"name": name, "config": cfg_dict, **summary, "evals": evals}
+    done = {"name": name, "config": cfg_dict, **summary, "evals": evals, "task": mark}
     summary_path.write_text(json.dumps(done, indent=1) + "\n")
     return done
 
@@ -261,7 +265,7 @@ def _rundir(workdir: pathlib.Path, name: str) -> pathlib.Path:
     return workdir / "runs" / name.replace("/", "_")
 
 
-def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool):
+def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool, task=None):
     """Each run of the plan in turn (reusing finished ones): ``(rows, dones, groups)``, or None
     if a signal (or ``POST /control/stop``) stopped one."""
     from diloco_jax.reporting import progress_bar
@@ -272,7 +276,7 @@ def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool):
         bar.set_postfix_str(name)
         if server is not None:
             server.sweep.started(name)
-        done = run_one(name, cfg, _rundir(workdir, name), server)
+        done = run_one(name, cfg, _rundir(workdir, name), server, task)
         if done is None:
             bar.close()
             log.warning("sweep stopped during run %s; run the same command to continue", name)
@@ -287,11 +291,13 @@ def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool):
     return rows, dones, groups
 
 
-def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progress=True) -> list:
+def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progress=True,
+          task=None) -> list:  # fmt: skip
     """Runs the plan, writes results.csv, summary.csv and, with matplotlib (the plots extra;
     without it a note says so and the tables are still written), curves.png, tradeoff.png and
     the sync diagnostics drift.png and cosine.png (also in each run's directory); returns the
-    summary table (a row per group: mean and spread over seeds)."""
+    summary table (a row per group: mean and spread over seeds). ``task``: a user's ArrayTask
+    trained by every run (else each config's own)."""
     from diloco_jax import problems
     from diloco_jax.reporting import setup_logging
 
@@ -304,11 +310,11 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
               f"matplotlib): {extras.install_hint('matplotlib')}", file=sys.stderr)  # fmt: skip
     setup_logging(logging.WARNING)  # the sweep's bar and table say enough
     # the model's shapes give the bytes: the data decide the model (its vocabulary or classes)
-    params = problems.load(base, replicas=1).params
+    params = problems.load(base, replicas=1, task=task).params
     workdir.mkdir(parents=True, exist_ok=True)
     server = _serve(base, workdir, [name for name, _, _ in runs])
     try:
-        done_runs = _run_all(runs, workdir, params, server, show_progress)
+        done_runs = _run_all(runs, workdir, params, server, show_progress, task)
     finally:
         if server is not None:
             server.stop()
@@ -320,8 +326,9 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     write_csv(workdir / "summary.csv", table)
     written = ["results.csv", "summary.csv"]
     if draw:
-        plots.curves(mean_curves(dones, groups), workdir / "curves.png")
-        plots.tradeoff(table, workdir / "tradeoff.png")
+        units = dict(unit=dones[0]["unit"], nats=dones[0]["unigram_entropy"] is not None)
+        plots.curves(mean_curves(dones, groups), workdir / "curves.png", **units)
+        plots.tradeoff(table, workdir / "tradeoff.png", **units)
         written += ["curves.png", "tradeoff.png", *_diagnostics(workdir, runs)]
     log.warning("wrote %s", ", ".join(str(workdir / f) for f in written))
     return table

@@ -229,6 +229,21 @@ def test_bad_user_code_is_one_line_before_compiling(name):
     assert "\n" not in str(info.value)
 
 
+def test_a_python_sweep_reuses_finished_runs_of_the_same_task_only(tmp_path):
+    task = linear_task()
+    kwargs = dict(workdir=tmp_path, sweeps=["outer.sync_every=5,10"], show_progress=False,
+                  overrides={**TINY, "train.checkpoint": False})  # fmt: skip
+    table = diloco_jax.sweep(task, "tiny", **kwargs)
+    assert [row["run"] for row in table] == ["sync_every=5", "sync_every=10"]
+    summary = tmp_path / "runs" / "sync_every=5" / "summary.json"
+    written = summary.stat().st_mtime_ns
+    assert diloco_jax.sweep(task, "tiny", **kwargs) == table
+    assert summary.stat().st_mtime_ns == written  # read back, not trained again
+    changed = ArrayTask(task.params, task.loss, jax.tree.map(lambda x: x * 2, task.train_data))
+    with pytest.raises(ConfigError, match="with another config or task"):
+        diloco_jax.sweep(changed, "tiny", **kwargs)
+
+
 def test_fit_refuses_a_bad_override_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key 'outer.sync_evry'"):
         diloco_jax.fit(linear_task(), workdir=tmp_path, overrides={"outer.sync_evry": 5})
@@ -246,7 +261,8 @@ def test_the_nnx_example_runs_from_outside_the_repository(tmp_path):
         "10", "50"]  # fmt: skip
     # below predicting 0 (the targets' variance, 0.24); observed 0.104 and 0.179
     assert all(float(r.split("|")[1]) < 0.24 for r in rows[1:])
-    assert (tmp_path / "runs" / "nnx_mlp_sync10" / "checkpoints").is_dir()
+    assert (tmp_path / "runs" / "nnx_mlp" / "runs" / "sync_every=10" / "checkpoints").is_dir()
+    assert (tmp_path / "runs" / "nnx_mlp" / "summary.csv").is_file()
 
 
 def test_tasks_exports_the_public_interface():

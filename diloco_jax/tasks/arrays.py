@@ -22,6 +22,7 @@ not a float scalar or cannot be differentiated, an evaluation without ``eval_los
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -92,6 +93,19 @@ class ArrayTask:
         _check_loss(self.loss, self.params, batch)
         _check_eval(task.eval_fn, self.params, eval_data)
         return Problem(shards, eval_data, None, self.params, task, math.nan)
+
+    def fingerprint(self) -> str:
+        """A digest of the parameters' and data's shapes and values and the loss's and
+        evaluation's names: a sweep reuses a finished run only for the same task."""
+        digest = hashlib.sha256()
+        for part in (self.params, self.train_data, self.eval_data):
+            for path, x in jax.tree_util.tree_leaves_with_path(part):
+                x = np.ascontiguousarray(x)
+                digest.update(f"{jax.tree_util.keystr(path)}{x.dtype}{x.shape}".encode())
+                digest.update(x.tobytes())
+        for fn in (self.loss, self.evaluate):
+            digest.update(getattr(fn, "__qualname__", repr(type(fn))).encode())
+        return digest.hexdigest()[:16]
 
     def _eval_fn(self) -> Callable:
         if self.evaluate is not None:
