@@ -218,7 +218,7 @@ def log_syncs(runlog: RunLog, plan, first_step: int, metrics_NxR: dict) -> None:
     shared = ("pairwise_cosine", "outer_update_norm", "contributors")
     for step, fragment in plan.sync_steps(first_step + 1, first_step + len(metrics_NxR["loss"])):
         i = step - first_step - 1
-        values = {k: v[i] for k, v in metrics_NxR.items() if k not in shared}
+        values = {k: v[i] for k, v in metrics_NxR.items() if k not in (*shared, "aux")}
         values.update({k: float(metrics_NxR[k][i, 0]) for k in shared})
         if np.isnan(
             values["pairwise_cosine"]

@@ -229,8 +229,9 @@ def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float)
     loss_R = metrics_NxR["loss"][-1]
     tokens_per_s = s.layout.replicas * cfg.data.batch_size * s.tokens_per_row * n / seconds
     outer = outer_steps(cfg, step)
+    aux = {f"aux_{k}": float(v[-1].mean()) for k, v in metrics_NxR.get("aux", {}).items()}
     runlog.write("train", step, loss=float(loss_R.mean()), replica_loss=loss_R,
-                 tokens_per_s=tokens_per_s, outer_steps=outer)  # fmt: skip
+                 tokens_per_s=tokens_per_s, outer_steps=outer, **aux)  # fmt: skip
     bar.update(n)
     rate = {"tok_s" if s.unit == "token" else "ex_s": f"{tokens_per_s:,.0f}"}
     bar.set_postfix(loss=f"{loss_R.mean():.3f}", **rate, outer=outer)

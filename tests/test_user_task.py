@@ -18,6 +18,7 @@ import pytest
 import diloco_jax
 from diloco_jax import tasks
 from diloco_jax.config import ConfigError
+from diloco_jax.runtime import checkpoint
 from diloco_jax.tasks import ArrayTask, TaskError
 from tests.test_checkpoint import assert_bitwise_equal
 
@@ -281,3 +282,70 @@ def test_the_linen_example_trains_on_a_2x2_mesh_from_outside_the_repository(tmp_
     loss, accuracy = (float(w.rstrip(",")) for w in run.stdout.split()[2::2])
     assert loss < np.log(10) and accuracy > 0.2  # learning from chance (2.30 nats, 0.1)
     assert (tmp_path / "runs" / "linen_cnn_digits" / "checkpoints" / "40").is_dir()
+
+
+@pytest.mark.parametrize("overrides", [
+    {"sim.chunk": 2, "sim.offload": True},
+    {"parallel.runtime": "mesh", "parallel.replica_devices": 2, "parallel.data_devices": 2,
+     "parallel.fsdp": True},
+], ids=["chunks of 2, offloaded", "FSDP on 2x2"])  # fmt: skip
+def test_a_user_task_in_chunks_and_with_fsdp_trains_what_the_simulator_trains(tmp_path, overrides):
+    task = linear_task()
+    common = {**TINY, "train.checkpoint": False}
+    want = diloco_jax.fit(task, "tiny", workdir=tmp_path / "a", overrides=common,
+                          show_progress=False)  # fmt: skip
+    got = diloco_jax.fit(task, "tiny", workdir=tmp_path / "b", overrides={**common, **overrides},
+                         show_progress=False)  # fmt: skip
+    # chunks: bitwise in principle, but a 16-row matmul's gradient rounds per vmap size;
+    # FSDP: the data axis's mean in another order (float32 reassociation)
+    chex.assert_trees_all_close(got.params, want.params, rtol=1e-5, atol=1e-6)
+
+
+def test_two_processes_train_a_factory_as_one_process_does(tmp_path):
+    """The launcher's 2 processes (1 device each) import the factory from their working
+    directory and train what 1 process with 2 devices trains, bitwise (the same programs)."""
+    (tmp_path / "mytask.py").write_text(USER_MODULE)
+    flags = ["--config", "tiny", "--config.train.sample_chars=0",
+             "--config.parallel.runtime=mesh", "--config.parallel.replicas=2",
+             "--config.task.factory=mytask:make"]  # fmt: skip
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS")  # the launcher gives each process its devices
+    finals = {}
+    for name, processes, devices in (("two", 2, 1), ("one", 1, 2)):
+        run = subprocess.run([sys.executable, "-m", "diloco_jax.launch", "-n", str(processes),
+                              "--devices_per_process", str(devices), "--", *flags,
+                              "--workdir", name], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        like = {"w": jnp.zeros(3, jnp.float32)}  # on this process's device
+        finals[name] = jax.device_get(checkpoint.load_params(tmp_path / name / "params", like))
+    chex.assert_trees_all_equal(finals["two"], finals["one"])
+    assert float(np.abs(finals["two"]["w"]).max()) > 0.01  # it trained
+
+
+def test_a_losss_auxiliary_metrics_reach_the_train_events_on_every_layout(tmp_path):
+    """A loss returning ``(loss, {"mae": ...})``: each train event carries ``aux_mae``, the
+    replicas' mean at the call's last step, the same (to rounding) on a 2x2 mesh, whose data
+    axis averages the two halves of each batch as it does the loss."""
+    base = linear_task()
+
+    def loss(params, batch, rng):
+        err_B = batch["x"] @ params["w"] + params["b"] - batch["y"]
+        return jnp.mean(err_B**2), {"mae": jnp.mean(jnp.abs(err_B))}
+
+    task = ArrayTask(base.params, loss, base.train_data)
+    common = {**TINY, "train.checkpoint": False}
+    mesh_keys = {"parallel.runtime": "mesh", "parallel.replica_devices": 2,
+                 "parallel.data_devices": 2}  # fmt: skip
+    runs = [diloco_jax.fit(task, "tiny", workdir=tmp_path / name, show_progress=False,
+                           overrides={**common, **extra})
+            for name, extra in (("sim", {}), ("mesh", mesh_keys))]  # fmt: skip
+    series = [[e["aux_mae"] for e in run.history if e["event"] == "train"] for run in runs]
+    assert len(series[0]) == 4 and series[0][-1] < series[0][0]  # every 5 steps; it learns
+    np.testing.assert_allclose(series[1], series[0], rtol=1e-5)
+    sync = next(e for e in runs[0].history if e["event"] == "sync")
+    assert "aux" not in sync and "aux_mae" not in sync
+    # the evaluation is the mean of the loss itself, not of its metrics
+    assert runs[0].eval_loss == pytest.approx(
+        float(np.mean((base.train_data["x"] @ runs[0].params["w"] + runs[0].params["b"]
+                       - base.train_data["y"]) ** 2)), rel=1e-4)  # fmt: skip

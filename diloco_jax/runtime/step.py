@@ -106,12 +106,13 @@ def make_replica_step(
             if data_axis is not None and not auto_data:
                 streams += (lax.axis_index(data_axis),)
             key = randomness.replica_key(seed, state.step, replica, *streams)
-        loss, grads = jax.value_and_grad(task.loss)(state.params, batch, key)
+        loss_fn = task.loss if task.aux else lambda *args: (task.loss(*args), {})
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key)
         if data_axis is not None and data_shards > 1 and not auto_data:
-            loss, grads = lax.pmean((loss, grads), data_axis)
+            loss, aux, grads = lax.pmean((loss, aux, grads), data_axis)
         extra = control._asdict() if controlled else {"outer_scale": control.outer_scale}
         state, metrics = algorithm.update(state, grads, **extra)
-        return state, {"loss": loss, **metrics}
+        return state, {"loss": loss, **metrics, **({"aux": aux} if task.aux else {})}
 
     return replica_step
 

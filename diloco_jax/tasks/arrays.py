@@ -45,7 +45,8 @@ class ArrayTask:
     """A task over arrays in memory.
 
     ``params``: the initial parameters, a pytree of float arrays.
-    ``loss(params, batch, rng) -> scalar``: the mean loss of a batch, ``batch`` being
+    ``loss(params, batch, rng) -> scalar`` (or ``(scalar, {name: scalar})``: metrics logged as
+    ``aux_<name>`` in each train event): the mean loss of a batch, ``batch`` being
     ``train_data``'s pytree with ``batch_size`` rows; ``rng`` is a key, a pure function of
     ``(seed, replica, step)`` (for dropout), and None in evaluation.
     ``train_data``: a pytree of arrays ``[N, ...]`` (NumPy or JAX).
@@ -86,11 +87,12 @@ class ArrayTask:
                               train)  # fmt: skip
         eval_data = train if self.eval_data is None else jax.tree.map(np.asarray, self.eval_data)
         _examples(eval_data, "eval_data")
-        task = Task(_sample, self.loss, self._eval_fn(), self.unit, self.tokens_per_row, rng=True)
         first = jax.tree.map(lambda x: x[0], shards)
         batch = jax.eval_shape(lambda s: _sample(s, seed=0, replica=0, step=0,
                                                  batch_size=batch_size), first)  # fmt: skip
-        _check_loss(self.loss, self.params, batch)
+        aux = _check_loss(self.loss, self.params, batch)
+        task = Task(_sample, self.loss, self._eval_fn(aux), self.unit, self.tokens_per_row,
+                    rng=True, aux=aux)  # fmt: skip
         _check_eval(task.eval_fn, self.params, eval_data)
         return Problem(shards, eval_data, None, self.params, task, math.nan)
 
@@ -107,10 +109,11 @@ class ArrayTask:
             digest.update(getattr(fn, "__qualname__", repr(type(fn))).encode())
         return digest.hexdigest()[:16]
 
-    def _eval_fn(self) -> Callable:
+    def _eval_fn(self, aux: bool) -> Callable:
         if self.evaluate is not None:
             return jax.jit(self.evaluate)
-        loss, chunk = self.loss, self.eval_batch
+        chunk = self.eval_batch
+        loss = (lambda *args: self.loss(*args)[0]) if aux else self.loss
 
         @jax.jit
         def mean_loss(params, data):
@@ -155,8 +158,9 @@ def _where(fn: Callable) -> str:
     return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code else name
 
 
-def _check_loss(loss: Callable, params, batch) -> None:
-    """The loss's output is a float scalar and its gradient has the parameters' structure."""
+def _check_loss(loss: Callable, params, batch) -> bool:
+    """The loss's output is a float scalar, or ``(scalar, {name: scalar})`` (then True: the
+    auxiliary metrics), and its gradient has the parameters' structure."""
     key = jax.random.key(0)
     try:
         out = jax.eval_shape(loss, params, batch, key)
@@ -164,20 +168,26 @@ def _check_loss(loss: Callable, params, batch) -> None:
         raise TaskError(f"loss {_where(loss)} fails on a batch of shapes "
                         f"{jax.tree.map(lambda x: x.shape, batch)}: {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None  # fmt: skip
-    if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
-            and jnp.issubdtype(out.dtype, jnp.floating)):  # fmt: skip
+    aux = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)
+    value, metrics = out if aux else (out, {})
+    scalar = lambda x: isinstance(x, jax.ShapeDtypeStruct) and x.shape == () and (  # noqa: E731
+        jnp.issubdtype(x.dtype, jnp.floating))
+    if not (scalar(value) and all(scalar(m) for m in metrics.values())):
         got = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}", out)
         raise TaskError(f"loss {_where(loss)} must return a float scalar (the batch's mean "
-                        f"loss), not {got}")  # fmt: skip
+                        f"loss), or (that scalar, {{name: float scalar}}), not {got}")  # fmt: skip
     try:
-        grads = jax.eval_shape(jax.grad(loss), params, batch, key)
+        grads = jax.eval_shape(jax.grad(loss, has_aux=aux), params, batch, key)
     except Exception as e:
         raise TaskError(f"loss {_where(loss)} cannot be differentiated with respect to params: "
                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                         ) from None  # fmt: skip
+    if aux:
+        grads = grads[0]
     if jax.tree.structure(grads) != jax.tree.structure(params):
         raise TaskError(f"the gradients of loss {_where(loss)} do not have the params' "
                         "structure")  # fmt: skip
+    return aux
 
 
 def _check_eval(eval_fn: Callable, params, eval_data) -> None:

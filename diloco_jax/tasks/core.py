@@ -33,6 +33,7 @@ class Task(NamedTuple):
     unit: str = "token"
     tokens_per_row: int = 1
     rng: bool = False  # the loss always gets a key (else only with the model's dropout)
+    aux: bool = False  # the loss returns (loss, {name: scalar}): metrics logged as aux_<name>
 
 
 class Problem(NamedTuple):
