@@ -170,8 +170,13 @@ def _check_loss(loss: Callable, params, batch) -> bool:
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None  # fmt: skip
     aux = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)
     value, metrics = out if aux else (out, {})
-    scalar = lambda x: isinstance(x, jax.ShapeDtypeStruct) and x.shape == () and (  # noqa: E731
-        jnp.issubdtype(x.dtype, jnp.floating))
+    scalar = lambda x: (
+        isinstance(x, jax.ShapeDtypeStruct)
+        and x.shape == ()
+        and (  # noqa: E731
+            jnp.issubdtype(x.dtype, jnp.floating)
+        )
+    )
     if not (scalar(value) and all(scalar(m) for m in metrics.values())):
         got = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}", out)
         raise TaskError(f"loss {_where(loss)} must return a float scalar (the batch's mean "
