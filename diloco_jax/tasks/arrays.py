@@ -158,6 +158,11 @@ def _where(fn: Callable) -> str:
     return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code else name
 
 
+def _float_scalar(x) -> bool:
+    return (isinstance(x, jax.ShapeDtypeStruct) and x.shape == ()
+            and bool(jnp.issubdtype(x.dtype, jnp.floating)))  # fmt: skip
+
+
 def _check_loss(loss: Callable, params, batch) -> bool:
     """The loss's output is a float scalar, or ``(scalar, {name: scalar})`` (then True: the
     auxiliary metrics), and its gradient has the parameters' structure."""
@@ -170,14 +175,7 @@ def _check_loss(loss: Callable, params, batch) -> bool:
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None  # fmt: skip
     aux = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)
     value, metrics = out if aux else (out, {})
-    scalar = lambda x: (
-        isinstance(x, jax.ShapeDtypeStruct)
-        and x.shape == ()
-        and (  # noqa: E731
-            jnp.issubdtype(x.dtype, jnp.floating)
-        )
-    )
-    if not (scalar(value) and all(scalar(m) for m in metrics.values())):
+    if not (_float_scalar(value) and all(_float_scalar(m) for m in metrics.values())):
         got = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}", out)
         raise TaskError(f"loss {_where(loss)} must return a float scalar (the batch's mean "
                         f"loss), or (that scalar, {{name: float scalar}}), not {got}")  # fmt: skip
