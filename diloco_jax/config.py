@@ -150,6 +150,8 @@ class TrainConfig:
     sample_chars: int = _key(300, "characters sampled at the end; 0: none")
     sample_prompt: str = _key("ROMEO.\n", "prompt of the final sample")
     checkpoint: bool = _key(True, "save checkpoints (and resume from the workdir's)")
+    compile_cache: str = _key("", "JAX's compilation cache dir; empty: $DILOCO_COMPILE_CACHE, "
+                              "else ~/.cache/diloco_jax/xla; off: none")  # fmt: skip
     checkpoint_every: int = _key(0, "steps between saves, a multiple of train.log_every (and "
                                  "outer.sync_every); 0: only at the end")  # fmt: skip
     keep_checkpoints: int = _key(3, "checkpoints kept")

@@ -12,7 +12,7 @@ import jax
 from diloco_jax import config as config_lib
 from diloco_jax import distributed, memory, schedule
 from diloco_jax.reporting import log
-from diloco_jax.runtime import chunked, parallel
+from diloco_jax.runtime import chunked, compile_cache, parallel
 from diloco_jax.runtime.step import make_replica_step
 
 
@@ -33,7 +33,9 @@ def runtime(cfg: config_lib.Config) -> str:
 
 
 def split_cpu(cfg: config_lib.Config) -> None:
-    """Sets the CPU's XLA device count (``parallel.cpu_devices``); call before JAX starts."""
+    """Sets the CPU's XLA device count (``parallel.cpu_devices``) and the persistent compilation
+    cache (``train.compile_cache``); call before JAX starts."""
+    compile_cache.enable(cfg.train.compile_cache)
     p = cfg.parallel
     auto = parallel.cpu_devices_for(replicas=effective_replicas(cfg), runtime=runtime(cfg),
                                     replica_devices=p.replica_devices,

@@ -40,6 +40,7 @@ MAY_CHANGE = (
     "train.eval_every", "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints",
     "train.sample_chars", "train.sample_prompt",
     "train.init_from",  # read by a fresh start only
+    "train.compile_cache",  # where compiled steps are kept: the same executables
     "model.remat",  # memory only: the same gradients up to rounding
     "data.data_dir",  # where the dataset lives, not which one it is
     "data.max_memory_mib",  # streamed or loaded: the same batches

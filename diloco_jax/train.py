@@ -41,7 +41,7 @@ from diloco_jax.extras import MissingExtra
 from diloco_jax.live import Live
 from diloco_jax.preemption import Preemption, saving, stopped, watch_launcher
 from diloco_jax.reporting import log
-from diloco_jax.runtime import checkpoint, parallel
+from diloco_jax.runtime import checkpoint, compile_cache, parallel
 from diloco_jax.runtime.step import StepControl
 from diloco_jax.tasks import Task
 from diloco_jax.tasks import model as model_lib
@@ -294,10 +294,11 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
         s.layout.replicas * cfg.data.batch_size * s.tokens_per_row, s.unit,
     )  # fmt: skip
     log.info("compiling %d steps per call ...", t.log_every)
-    t0 = time.time()
+    t0, hits = time.time(), compile_cache.hits()
     run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS, chunk_control(cfg, s, 0)).compile()
     entropy = f"; validation unigram entropy {s.unigram_nats:.3f} nats" * (s.unigram_nats > 0)
-    log.info("compiled in %.1fs%s", time.time() - t0, entropy)
+    how = "loaded from the compilation cache" if compile_cache.hits() > hits else "compiled"
+    log.info("%s in %.1fs%s", how, time.time() - t0, entropy)
     placement.check_memory(s, run)
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:

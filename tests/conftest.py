@@ -11,3 +11,5 @@ os.environ.pop("JAX_NUM_CPU_DEVICES", None)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for _name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "PMI_"))]:
     del os.environ[_name]  # JAX would join that cluster, and train refuses a multi-task salloc
+# the persistent compilation cache stays out of the suite (a test turns it on in a subprocess)
+os.environ.setdefault("DILOCO_COMPILE_CACHE", "off")
