@@ -12,6 +12,19 @@ from tests.test_checkpoint import assert_bitwise_equal
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def test_off_turns_the_cache_off_and_a_directory_turns_it_on(tmp_path):
+    import jax
+
+    try:
+        assert compile_cache.enable("off") is None
+        assert not jax.config.jax_enable_compilation_cache
+        assert compile_cache.enable(str(tmp_path / "c")) == tmp_path / "c"
+        assert jax.config.jax_enable_compilation_cache and (tmp_path / "c").is_dir()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
+    finally:
+        compile_cache.enable("off")  # the suite runs without it (conftest)
+
+
 def test_the_directory_is_the_key_else_the_variable_else_the_user_cache(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
     assert compile_cache.directory("", env) == tmp_path / "xdg" / "diloco_jax" / "xla"
@@ -49,5 +62,3 @@ def test_a_second_identical_command_loads_its_step_from_the_cache(tmp_path):
                                    num_heads=2, mlp_ratio=2)  # fmt: skip
     a, b = (checkpoint.load_params(tmp_path / x / "params", like) for x in "ab")
     assert_bitwise_equal(a, b)
-    off = _train(tmp_path / "c", "off")
-    assert "loaded from the compilation cache" not in off
