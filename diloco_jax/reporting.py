@@ -235,3 +235,18 @@ def log_syncs(runlog: RunLog, plan, first_step: int, metrics_NxR: dict) -> None:
         elif bad:
             log.warning("outer step %d: replica(s) %s had non-finite pseudo-gradients: left out "
                         "of the mean, restarted from the anchor", outer, bad)  # fmt: skip
+
+
+def final_lines(summary: dict, workdir) -> str:
+    """What ``train`` prints at the end of a run: the final eval loss (in nats for the built-in
+    tasks, as it is for a user's), steps, tokens (or examples), time, where the outputs are, and
+    the text sample if there is one."""
+    unit = summary["unit"]
+    nats = f" nats/{unit}" if summary["unigram_entropy"] is not None else ""
+    text = (f"\nfinal eval loss {summary['final_eval_loss']:.4f}{nats} after "
+            f"{summary['steps']} inner / {summary['outer_steps']} outer steps "
+            f"({summary['tokens']:,} {unit}s, {summary['train_seconds']:.0f}s); "
+            f"outputs in {workdir}")  # fmt: skip
+    if "sample" in summary:
+        text += "\n\n--- sample from the outer parameters ---\n" + summary["sample"]
+    return text

@@ -393,15 +393,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
     if summary["preempted"]:
         print("\n" + stopped(summary["preempted"], summary["steps"], workdir, cfg.train.checkpoint))
         return 0
-    unit = summary["unit"]
-    nats = f" nats/{unit}" if summary["unigram_entropy"] is not None else ""  # a user's: as is
-    print(
-        f"\nfinal eval loss {summary['final_eval_loss']:.4f}{nats} after "
-        f"{summary['steps']} inner / {summary['outer_steps']} outer steps "
-        f"({summary['tokens']:,} {unit}s, {summary['train_seconds']:.0f}s); outputs in {workdir}"
-    )
-    if "sample" in summary:
-        print("\n--- sample from the outer parameters ---\n" + summary["sample"])
+    print(reporting.final_lines(summary, workdir))
     return 0
 
 
