@@ -27,11 +27,12 @@ from diloco_jax.algorithm.diagnostics import SyncStats
 from diloco_jax.algorithm.exchange import replica_mean
 from diloco_jax.algorithm.optim import inner_adamw, make_algorithm, outer_nesterov
 from diloco_jax.fit import FitResult, fit, sweep
-from diloco_jax.tasks import ArrayTask, TaskError
+from diloco_jax.tasks import ArrayTask, GrainTask, TaskError, replica_batches
 
 __all__ = [
     "PER_REPLICA", "SHARED", "ArrayTask", "Codec", "DctConfig", "Diloco", "DilocoState",
-    "FitResult", "OptionError", "Streaming", "SyncPlan", "SyncStats", "TaskError",
+    "FitResult", "GrainTask", "OptionError", "Streaming", "SyncPlan", "SyncStats", "TaskError",
     "check_options", "data_parallel", "diloco", "fit", "init_replicas", "inner_adamw",
-    "make_algorithm", "outer_nesterov", "replica_mean", "single", "sweep", "vmap_axes",
+    "make_algorithm", "outer_nesterov", "replica_batches", "replica_mean", "single", "sweep",
+    "vmap_axes",
 ]  # fmt: skip

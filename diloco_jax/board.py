@@ -63,6 +63,7 @@ class Board:
             "tokens": 0, "tokens_per_s": None, "bytes_sent_per_replica": 0.0,
             "last_checkpoint": None, "eta_s": None, "replica_state": [], "replica_loss": [],
             "controls": [], "outer_lr": outer_lr, "config": config,
+            "aux": {}, "eval_metrics": {},  # a loss's auxiliary metrics; the eval's others
         }  # fmt: skip
         self.history = {name: collections.deque() for name in ("train", "eval", "sync")}
         self.registry = CollectorRegistry()
@@ -97,12 +98,21 @@ class Board:
         m["tokens_per_s"].set(r["tokens_per_s"])
         for i, loss in enumerate(r["replica_loss"]):
             m["replica_loss"].labels(replica=str(i)).set(loss)
+        aux = {k.removeprefix("aux_"): v for k, v in r.items() if k.startswith("aux_")}
+        self.status["aux"] = aux
+        for name, value in aux.items():
+            m["aux"].labels(name=name).set(value)
 
     def _on_eval(self, step: int, r: dict) -> None:
         self.status["eval_loss"] = r["eval_loss"]
         _thin(self.history["eval"])
         self.history["eval"].append([step, step * self.tokens_per_step, r["eval_loss"]])
         self._metrics["eval_loss"].set(r["eval_loss"])
+        others = {k: v for k, v in r.items()
+                  if k not in _EVAL_FIELDS and isinstance(v, (int, float))}  # accuracy, ...
+        self.status["eval_metrics"] = others
+        for name, value in others.items():
+            self._metrics["eval_metric"].labels(name=name).set(value)
 
     def _on_sync(self, step: int, r: dict) -> None:
         m = self._metrics
@@ -149,6 +159,9 @@ class Board:
         """The chart series (a copy, JSON-ready)."""
         with self._lock:
             return _json_ready({name: list(points) for name, points in self.history.items()})
+
+
+_EVAL_FIELDS = ("event", "step", "eval_loss", "outer_steps", "tokens", "time_s")
 
 
 def _json_ready(value: Any) -> Any:
@@ -207,6 +220,8 @@ def _prometheus(registry: CollectorRegistry) -> dict:
         "contributors": gauge("contributors", "replicas in the last sync's mean"),
         "outer_lr": gauge("outer_learning_rate", "DiLoCo's outer learning rate in effect"),
         "replica_loss": gauge("replica_train_loss", "training loss", "replica"),
+        "aux": gauge("aux_metric", "a loss's auxiliary metric, replicas' mean", "name"),
+        "eval_metric": gauge("eval_metric", "the evaluation's other metrics", "name"),
         "drift": gauge("replica_drift", "|anchor - params| at the last sync", "replica"),
         "cosine": gauge(
             "replica_cosine_to_mean", "pseudo-gradient's cosine to the mean", "replica"

@@ -257,10 +257,11 @@ class NolocoConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """A user's task in place of the built-in ones (``diloco_jax/tasks/arrays.py``)."""
+    """A user's task in place of the built-in ones (``diloco_jax/tasks/arrays.py``,
+    ``diloco_jax/tasks/pipeline.py``)."""
 
-    factory: str = _key("", "package.module:function returning a diloco_jax.ArrayTask; empty: "
-                        "data.corpus's built-in task")  # fmt: skip
+    factory: str = _key("", "package.module:function returning a diloco_jax.ArrayTask or "
+                        "GrainTask; empty: data.corpus's built-in task")  # fmt: skip
     args: str = _key("", "keyword arguments of task.factory, as a JSON object")
 
 

@@ -19,6 +19,7 @@ collectives go through gloo.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -174,6 +175,24 @@ def any_process(flag: bool) -> list[int]:
 
     flags = np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32)))
     return [int(i) for i in np.flatnonzero(flags.reshape(-1))]
+
+
+def merged(part: dict) -> dict:
+    """The union of every process's ``part`` (a JSON-able dict, e.g. its replicas' pipeline
+    states), on every process (every process must call this)."""
+    if jax.process_count() == 1:
+        return dict(part)
+    from jax.experimental import multihost_utils
+
+    text_B = np.frombuffer(json.dumps(part).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([text_B.size], np.int32)))
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: text_B.size] = text_B
+    texts = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths.ravel()), -1)
+    out = {}
+    for length, text in zip(lengths.ravel(), texts, strict=True):
+        out.update(json.loads(text[:length].tobytes()))
+    return out
 
 
 def from_lead(values: list[int]) -> list[int]:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 
 from diloco_jax import config as config_lib
-from diloco_jax.tasks import ArrayTask
+from diloco_jax.tasks import UserTask
 
 
 class FitResult(NamedTuple):
@@ -40,7 +40,7 @@ def make_config(config: config_lib.Config | str | None = None,
     return config
 
 
-def fit(task: ArrayTask, config: config_lib.Config | str | None = None, *,
+def fit(task: UserTask, config: config_lib.Config | str | None = None, *,
         workdir: str | pathlib.Path, overrides: dict[str, Any] | None = None,
         show_progress: bool = True, allow_config_change: bool = False) -> FitResult:  # fmt: skip
     """Trains ``task`` with DiLoCo under ``config`` (see :func:`make_config`) into ``workdir``,
@@ -58,7 +58,7 @@ def fit(task: ArrayTask, config: config_lib.Config | str | None = None, *,
                      summary["final_eval_loss"], history, summary)  # fmt: skip
 
 
-def sweep(task: ArrayTask, config: config_lib.Config | str | None = None, *,
+def sweep(task: UserTask, config: config_lib.Config | str | None = None, *,
           workdir: str | pathlib.Path, sweeps: list[str], seeds: list[int] = (0,),
           baselines: list[str] = (), overrides: dict[str, Any] | None = None,
           show_progress: bool = True) -> list[dict]:  # fmt: skip

@@ -51,10 +51,10 @@ def check_extras(cfg: config_lib.Config) -> None:
         raise config_lib.ConfigError(str(e)) from None
 
 
-def user_task(factory: str, args: str) -> tasks.ArrayTask:
+def user_task(factory: str, args: str) -> tasks.UserTask:
     """Calls ``factory`` (``package.module:function``, imported with the working directory on
     the path) with the JSON keyword arguments ``args``; ConfigError naming ``task.factory`` if
-    it does not resolve, is not callable or returns no ArrayTask."""
+    it does not resolve, is not callable or returns no ArrayTask or GrainTask."""
     where = f"config key task.factory = {factory!r}"
     module_name, _, name = factory.partition(":")
     if str(pathlib.Path.cwd()) not in sys.path and "" not in sys.path:
@@ -68,20 +68,20 @@ def user_task(factory: str, args: str) -> tasks.ArrayTask:
     if not callable(fn):
         raise config_lib.ConfigError(f"{where}: {module_name} has no function {name!r}")
     task = fn(**(json.loads(args) if args else {}))
-    if not isinstance(task, tasks.ArrayTask):
+    if not isinstance(task, (tasks.ArrayTask, tasks.GrainTask)):
         raise config_lib.ConfigError(f"{where} returned {type(task).__name__}, not a "
-                                     "diloco_jax.tasks.ArrayTask")  # fmt: skip
+                                     "diloco_jax.ArrayTask or GrainTask")  # fmt: skip
     return task
 
 
-def load(cfg: config_lib.Config, replicas: int, task: tasks.ArrayTask | None = None) -> Problem:
+def load(cfg: config_lib.Config, replicas: int, task: tasks.UserTask | None = None) -> Problem:
     """Loads the data ``cfg`` names and builds its model: text (or tokens) for the Transformer,
     images for the ResNet; or a user's ``task`` (else ``task.factory``'s), cut into
     ``replicas`` shards. Raises DataError (TaskError) for missing or unusable data or code."""
     if task is None and cfg.task.factory:
         task = user_task(cfg.task.factory, cfg.task.args)
     if task is not None:
-        return task.problem(replicas, cfg.data.batch_size)
+        return task.problem(replicas, cfg.data.batch_size, seed=cfg.seed)
     m, d = cfg.model, cfg.data
     where = dict(val_fraction=d.val_fraction, data_dir=d.data_dir, train_split=d.train_split,
                  eval_split=d.eval_split)  # fmt: skip

@@ -72,6 +72,7 @@ class Start(NamedTuple):
     checkpoint: pathlib.Path | None = None
     changes: dict[str, tuple] = {}
     controls: dict = {}
+    data: dict | None = None  # the data pipelines' states at ``step`` (None: from their start)
 
 
 def warm_start(workdir: str, params):
@@ -150,7 +151,7 @@ def resume(mngr, s, workdir: pathlib.Path, *, allow_config_change: bool = False)
     path = mngr.directory / str(restored.step)
     changes = check_config(s.cfg, restored.config, path, allow_change=allow_config_change)
     log.info("resumed from %s at step %d", workdir / "checkpoints", restored.step)
-    return Start(restored.state, restored.step, path, changes, restored.controls)
+    return Start(restored.state, restored.step, path, changes, restored.controls, restored.data)
 
 
 def record(workdir: pathlib.Path, cfg: config_lib.Config, start: Start) -> None:

@@ -78,6 +78,21 @@ class Setup:
         shardings = jax.tree.map(lambda x: x.sharding, self.shards_RxS)
         return self.stream.on_devices(step, shardings)
 
+    def data_states(self) -> dict | None:
+        """Every replica's pipeline state at the current step, to save with a checkpoint (a
+        user's GrainTask; None for data sampled by the step)."""
+        states = getattr(self.stream, "states", None)
+        return None if states is None else distributed.merged(states())
+
+    def resume_data(self, start: resume.Start) -> None:
+        """Sets the pipelines where ``start`` left them (a user's GrainTask)."""
+        if not hasattr(self.stream, "restore") or not start.step:
+            return
+        if start.data is None:
+            log.warning("the checkpoint holds no pipeline states (an elastic restart): every "
+                        "replica's pipeline starts again from its beginning")  # fmt: skip
+        self.stream.restore(start.data, start.step)
+
     @property
     def tokens_per_row(self) -> int:
         """What one batch row counts as in "tokens": seq_len tokens, or one example (images)."""
@@ -114,9 +129,9 @@ def _training_data(shards_RxS, stream, mesh, abstract: bool):
 
 
 def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup:
-    """Validates ``cfg``, loads data (or a user's ``task``, an ArrayTask) and builds the state
-    and the step; raises ConfigError or DataError before anything is compiled. ``abstract``:
-    the state and the data as shapes with their shardings, nothing allocated on the devices."""
+    """Validates ``cfg``, loads data (or a user's ``task``: ArrayTask, GrainTask) and builds
+    the state and the step; raises ConfigError or DataError before anything is compiled.
+    ``abstract``: the state and the data as shapes with their shardings, nothing allocated."""
     config_lib.validate(cfg)
     problems.check_extras(cfg)
     d = cfg.data
@@ -132,8 +147,12 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     state = _initial_state(algorithm, params, layout, mesh, abstract)
     steps, streamed = cfg.train.log_every, problem.streamed
-    stream = (make_stream(shards_RxS, seed=cfg.seed, batch_size=d.batch_size,
-                          seq_len=d.seq_len, num_steps=steps) if streamed else None)  # fmt: skip
+    stream = None
+    if problem.stream is not None:  # a user's pipelines
+        stream = problem.stream(num_steps=steps)
+    elif streamed:
+        stream = make_stream(shards_RxS, seed=cfg.seed, batch_size=d.batch_size,
+                             seq_len=d.seq_len, num_steps=steps)  # fmt: skip
     run_chunk, outer_fn, fingerprints = placement.steps(
         cfg, layout, algorithm, problem, mesh, state
     )
@@ -189,7 +208,8 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
     cfg = s.cfg
     if mngr is not None:
         if mngr.latest_step() != step:
-            checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), controls=controls)
+            checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), controls=controls,
+                            data=s.data_states())  # fmt: skip
         mngr.wait_until_finished()
         log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
     summary = {
@@ -208,7 +228,8 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         return summary
     summary["params"] = params = s.outer_fn(state)  # the outer parameters, on the devices
     checkpoint.save_params(workdir / "params", params)  # every process writes its part
-    if cfg.train.sample_chars and s.unit == "token" and jax.process_index() == 0:
+    text_model = s.unit == "token" and s.graphdef is not None  # the built-in Transformer
+    if cfg.train.sample_chars and text_model and jax.process_index() == 0:
         summary["sample"] = generate_text(
             s.graphdef, parallel.host_copy(params), cfg.train.sample_prompt,
             num_chars=cfg.train.sample_chars, seq_len=cfg.data.seq_len, seed=cfg.seed,
@@ -269,8 +290,8 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     SIGTERM or SIGINT stops the run at the next call boundary, with a checkpoint if
     ``train.checkpoint`` (``summary["preempted"]``); a second signal exits at once. With
     ``serve.port`` the run serves its status and control (:mod:`diloco_jax.serve`), through
-    ``server`` if given (a sweep's). ``task``: a user's ArrayTask (else ``task.factory``'s or
-    the built-in task of ``data.corpus``)."""
+    ``server`` if given (a sweep's). ``task``: a user's ArrayTask or GrainTask (else
+    ``task.factory``'s or the built-in task of ``data.corpus``)."""
     s, t = (
         build(cfg, task=task),
         cfg.train,
@@ -281,6 +302,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
     start = resume.resume(mngr, s, workdir, allow_config_change=allow_config_change)
     state = start.state
+    s.resume_data(start)
     if lead:
         resume.record(workdir, cfg, start)
     runlog = records.open_runlog(cfg, workdir, start.step, enabled=lead)  # + run_record.jsonl
@@ -324,7 +346,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
                                      or "checkpoint" in asked):  # fmt: skip
                 # written in the background
                 checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False,
-                                controls=live.changed)  # fmt: skip
+                                controls=live.changed, data=s.data_states())  # fmt: skip
                 runlog.write("checkpoint", step)
             host_seconds.append(time.time() - tick - call_seconds[-1])
         bar.close()

@@ -140,7 +140,7 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path, server=None
             task=None) -> dict:  # fmt: skip
     """Trains one variant into ``rundir`` unless it already finished there with this config
     and task (``server``: the sweep's, which shows the run while it trains; ``task``: a user's
-    ArrayTask, else the config's)."""
+    ArrayTask or GrainTask, else the config's)."""
     from diloco_jax.train import train
 
     summary_path = rundir / "summary.json"
@@ -296,8 +296,8 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     """Runs the plan, writes results.csv, summary.csv and, with matplotlib (the plots extra;
     without it a note says so and the tables are still written), curves.png, tradeoff.png and
     the sync diagnostics drift.png and cosine.png (also in each run's directory); returns the
-    summary table (a row per group: mean and spread over seeds). ``task``: a user's ArrayTask
-    trained by every run (else each config's own)."""
+    summary table (a row per group: mean and spread over seeds). ``task``: a user's ArrayTask or
+    GrainTask trained by every run (else each config's own)."""
     from diloco_jax import problems
     from diloco_jax.reporting import setup_logging
 

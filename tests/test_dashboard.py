@@ -35,9 +35,11 @@ def _board(replicas=3, steps=30, syncs=5):
     for i in range(1, steps + 1):
         board.event({"event": "train", "step": i, "loss": 3.0 - 0.05 * i,
                      "replica_loss": [3.0 - 0.05 * i + r / 10 for r in range(replicas)],
-                     "tokens_per_s": 1000.0 + i, "outer_steps": i // 6})  # fmt: skip
+                     "tokens_per_s": 1000.0 + i, "outer_steps": i // 6,
+                     "aux_mae": 0.01 * i})  # fmt: skip
         if i % 10 == 0:
-            board.event({"event": "eval", "step": i, "eval_loss": 3.1 - 0.05 * i})
+            board.event({"event": "eval", "step": i, "eval_loss": 3.1 - 0.05 * i,
+                         "accuracy": 0.02 * i})  # fmt: skip
     for k in range(1, syncs + 1):
         board.event({"event": "sync", "step": 6 * k, "outer_step": k,
                      "drift": [0.1 * k + r for r in range(replicas)],
@@ -61,6 +63,7 @@ def test_the_dashboard_draws_the_runs_points_and_rows(tmp_path):
     finally:
         srv.stop()
     assert "running: step 30 / 100" in dom
+    assert "<b>mae</b>0.3" in dom and "<b>eval accuracy</b>0.6" in dom  # a loss's aux metric
     assert _points(dom, "loss") == {"train": 30, "eval": 3}
     assert _points(dom, "throughput") == {"tokens/s": 30}
     assert _points(dom, "drift") == {f"replica {r}": 5 for r in range(3)}

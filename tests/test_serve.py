@@ -28,12 +28,13 @@ def _board():
     board = serve.Board(config={"outer": {"sync_every": 5}}, total_steps=100, replicas=2,
                         unit="token", tokens_per_step=64, bytes_per_sync=10.0)  # fmt: skip
     board.event({"event": "train", "step": 10, "loss": 2.0, "replica_loss": [2.1, 1.9],
-                 "tokens_per_s": 128.0, "outer_steps": 2})  # fmt: skip
+                 "tokens_per_s": 128.0, "outer_steps": 2, "aux_mae": 0.25})  # fmt: skip
     for step, outer in ((5, 1), (10, 2)):
         board.event({"event": "sync", "step": step, "outer_step": outer, "drift": [0.1, 0.3],
                      "cosine_to_mean": [0.9, float("nan")], "weight": [1.0, 0.0],
                      "finite": [True, False], "contributors": 1.0})  # fmt: skip
-    board.event({"event": "eval", "step": 10, "eval_loss": 1.5})
+    board.event({"event": "eval", "step": 10, "time_s": 3.0, "eval_loss": 1.5, "outer_steps": 2,
+                 "tokens": 640, "accuracy": 0.75})  # fmt: skip
     board.event({"event": "checkpoint", "step": 10})
     return board
 
@@ -47,12 +48,15 @@ def test_the_board_holds_what_the_run_reported():
     assert [r["status"] for r in status["replica_state"]] == ["contributed", "non-finite"]
     assert status["replica_loss"] == [2.1, 1.9] and status["pending_controls"] == ["stop"]
     assert status["config"]["outer"]["sync_every"] == 5
+    # a user loss's auxiliary metrics and the evaluation's other values (issue 27)
+    assert status["aux"] == {"mae": 0.25} and status["eval_metrics"] == {"accuracy": 0.75}
 
 
 def test_metrics_parse_with_prometheus_clients_parser():
     text = generate_latest(_board().registry).decode()
     families = text_string_to_metric_families(text)
-    samples = {(s.name, s.labels.get("replica")): s.value for f in families for s in f.samples}
+    samples = {(s.name, s.labels.get("replica") or s.labels.get("name")): s.value
+               for f in families for s in f.samples}  # fmt: skip
     assert samples[("diloco_syncs_total", None)] == 2
     assert samples[("diloco_sent_bytes_total", None)] == 20
     assert samples[("diloco_tokens_total", None)] == 640
@@ -60,6 +64,8 @@ def test_metrics_parse_with_prometheus_clients_parser():
     assert samples[("diloco_eval_loss", None)] == 1.5
     assert samples[("diloco_replica_drift", "1")] == 0.3
     assert samples[("diloco_replica_train_loss", "0")] == 2.1
+    assert samples[("diloco_aux_metric", "mae")] == 0.25
+    assert samples[("diloco_eval_metric", "accuracy")] == 0.75
 
 
 @pytest.fixture

@@ -90,6 +90,8 @@ function render(status, history) {
     elapsed: Math.round(status.elapsed_s) + " s",
     "pending controls": status.pending_controls.join(", ") || "-",
   };
+  for (const [k, v] of Object.entries(status.aux || {})) facts[k] = fmt(v);
+  for (const [k, v] of Object.entries(status.eval_metrics || {})) facts["eval " + k] = fmt(v);
   $("facts").innerHTML = "";
   for (const [k, v] of Object.entries(facts)) {
     const d = document.createElement("div");

@@ -2,9 +2,11 @@
 
 Layout (schema :data:`SCHEMA_VERSION` = 2): ``checkpoints/<step>/state`` holds the train state
 (``StandardSave``) and ``checkpoints/<step>/meta`` a JSON object ``{"schema_version": 2,
-"config": {...}}`` with the resolved config that trained it; orbax writes both into one temporary
-directory and renames it when complete, so they are saved atomically together. Schema 1 (before
-the config was saved) held only the state, under ``checkpoints/<step>/default``.
+"config": {...}}`` with the resolved config that trained it (and, for a user's grain
+pipelines, ``data``: each replica's iterator state, :mod:`diloco_jax.tasks.pipeline`); orbax
+writes both into one temporary directory and renames it when complete, so they are saved
+atomically together. Schema 1 (before the config was saved) held only the state, under
+``checkpoints/<step>/default``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Restored(NamedTuple):
     step: int
     config: dict  # the resolved config that wrote the checkpoint (``config.to_dict``)
     controls: dict = {}  # what was changed while it ran (``{"outer_lr": 0.35}``; serve.py)
+    data: dict | None = None  # each replica's pipeline state (a user's GrainTask), or None
 
 
 def manager(workdir: pathlib.Path, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
@@ -51,12 +54,15 @@ def manager(workdir: pathlib.Path, *, max_to_keep: int = 3) -> ocp.CheckpointMan
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, config: dict, *, wait: bool = True,
-         controls: dict | None = None):  # fmt: skip
+         controls: dict | None = None, data: dict | None = None):  # fmt: skip
     """Saves ``state`` at ``step`` with ``config`` (the resolved config as a JSON-able dict) and
     ``controls`` (what was changed while the run ran, e.g. ``{"outer_lr": 0.35}``); with
     ``wait=False`` the writing goes on in the background (the next save, or
-    ``mngr.wait_until_finished()``, waits for it)."""
+    ``mngr.wait_until_finished()``, waits for it). ``data``: the data pipelines' states at
+    ``step`` (``{replica: state}``, every process's), saved with the rest."""
     meta = {"schema_version": SCHEMA_VERSION, "config": config, "controls": controls or {}}
+    if data is not None:
+        meta["data"] = data
     items = {_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)}
     mngr.save(step, args=ocp.args.Composite(**items))
     if wait:
@@ -146,7 +152,8 @@ def restore_latest(mngr: ocp.CheckpointManager, like, warn=print) -> Restored | 
         _fits(path, step, saved, like)
         try:
             state = _restore_state(mngr, like, step)
-            return Restored(state, step, meta["config"], meta.get("controls", {}))
+            return Restored(state, step, meta["config"], meta.get("controls", {}),
+                            meta.get("data"))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - corrupt data: fall back to the previous one
             warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
                  "trying the previous one")  # fmt: skip

@@ -67,12 +67,11 @@ class ArrayTask:
     unit: str = "example"
     tokens_per_row: int = 1
 
-    def problem(self, replicas: int, batch_size: int) -> Problem:
-        """The training loop's :class:`~diloco_jax.tasks.core.Problem`: ``replicas`` shards;
-        raises :class:`TaskError` for the cases in the module's docstring."""
-        if not callable(self.loss):
-            raise TaskError(f"loss must be a function (params, batch, rng) -> scalar, not "
-                            f"{type(self.loss).__name__}")  # fmt: skip
+    def problem(self, replicas: int, batch_size: int, *, seed: int = 0) -> Problem:
+        """The training loop's :class:`~diloco_jax.tasks.core.Problem`: ``replicas`` shards
+        (``seed``: unused, the sampling takes it in the step); raises :class:`TaskError` for the
+        cases in the module's docstring."""
+        del seed
         train = jax.tree.map(np.asarray, self.train_data)
         count = _examples(train, "train_data")
         per_replica = count // replicas
@@ -90,45 +89,58 @@ class ArrayTask:
         first = jax.tree.map(lambda x: x[0], shards)
         batch = jax.eval_shape(lambda s: _sample(s, seed=0, replica=0, step=0,
                                                  batch_size=batch_size), first)  # fmt: skip
-        aux = _check_loss(self.loss, self.params, batch)
+        aux = check_loss(self.loss, self.params, batch)
         task = Task(_sample, self.loss, self._eval_fn(aux), self.unit, self.tokens_per_row,
                     rng=True, aux=aux)  # fmt: skip
-        _check_eval(task.eval_fn, self.params, eval_data)
+        check_eval(task.eval_fn, self.params, eval_data)
         return Problem(shards, eval_data, None, self.params, task, math.nan)
 
     def fingerprint(self) -> str:
         """A digest of the parameters' and data's shapes and values and the loss's and
         evaluation's names: a sweep reuses a finished run only for the same task."""
-        digest = hashlib.sha256()
-        for part in (self.params, self.train_data, self.eval_data):
-            for path, x in jax.tree_util.tree_leaves_with_path(part):
-                x = np.ascontiguousarray(x)
-                digest.update(f"{jax.tree_util.keystr(path)}{x.dtype}{x.shape}".encode())
-                digest.update(x.tobytes())
-        for fn in (self.loss, self.evaluate):
-            digest.update(getattr(fn, "__qualname__", repr(type(fn))).encode())
-        return digest.hexdigest()[:16]
+        return fingerprint(
+            (self.params, self.train_data, self.eval_data), (self.loss, self.evaluate)
+        )
 
     def _eval_fn(self, aux: bool) -> Callable:
-        if self.evaluate is not None:
-            return jax.jit(self.evaluate)
-        chunk = self.eval_batch
-        loss = (lambda *args: self.loss(*args)[0]) if aux else self.loss
+        return eval_fn(self.loss, self.evaluate, aux=aux, chunk=self.eval_batch)
 
-        @jax.jit
-        def mean_loss(params, data):
-            def chunk_sum(*leaves_and_mask):
-                *leaves, mask_K = leaves_and_mask
-                rows = jax.tree.unflatten(treedef, leaves)
-                one = jax.vmap(lambda row: loss(params, jax.tree.map(lambda x: x[None], row), None))
-                return (one(rows) * mask_K).sum()
 
-            leaves, treedef = jax.tree.flatten(data)
-            count = leaves[0].shape[0]
-            return {"eval_loss": _chunked(chunk_sum, count, min(chunk, count), *leaves).sum()
-                    / count}  # fmt: skip
+def eval_fn(loss: Callable, evaluate: Callable | None, *, aux: bool, chunk: int) -> Callable:
+    """The jitted evaluation of a user's task: ``evaluate``, or the exact mean of ``loss`` over
+    every evaluation example (``chunk`` rows at a time, the last chunk's padding masked)."""
+    if evaluate is not None:
+        return jax.jit(evaluate)
+    scalar = (lambda *args: loss(*args)[0]) if aux else loss
 
-        return mean_loss
+    @jax.jit
+    def mean_loss(params, data):
+        def chunk_sum(*leaves_and_mask):
+            *leaves, mask_K = leaves_and_mask
+            rows = jax.tree.unflatten(treedef, leaves)
+            one = jax.vmap(lambda row: scalar(params, jax.tree.map(lambda x: x[None], row), None))
+            return (one(rows) * mask_K).sum()
+
+        leaves, treedef = jax.tree.flatten(data)
+        count = leaves[0].shape[0]
+        return {"eval_loss": _chunked(chunk_sum, count, min(chunk, count), *leaves).sum()
+                / count}  # fmt: skip
+
+    return mean_loss
+
+
+def fingerprint(arrays, functions) -> str:
+    """A digest of the shapes and values of the pytrees ``arrays`` and the names of
+    ``functions``: what a sweep compares to reuse a finished run."""
+    digest = hashlib.sha256()
+    for part in arrays:
+        for path, x in jax.tree_util.tree_leaves_with_path(part):
+            x = np.ascontiguousarray(x)
+            digest.update(f"{jax.tree_util.keystr(path)}{x.dtype}{x.shape}".encode())
+            digest.update(x.tobytes())
+    for fn in functions:
+        digest.update(getattr(fn, "__qualname__", repr(type(fn))).encode())
+    return digest.hexdigest()[:16]
 
 
 def _sample(shard, *, seed, replica, step, batch_size: int):
@@ -163,9 +175,12 @@ def _float_scalar(x) -> bool:
             and bool(jnp.issubdtype(x.dtype, jnp.floating)))  # fmt: skip
 
 
-def _check_loss(loss: Callable, params, batch) -> bool:
+def check_loss(loss: Callable, params, batch) -> bool:
     """The loss's output is a float scalar, or ``(scalar, {name: scalar})`` (then True: the
     auxiliary metrics), and its gradient has the parameters' structure."""
+    if not callable(loss):
+        raise TaskError(f"loss must be a function (params, batch, rng) -> scalar, not "
+                        f"{type(loss).__name__}")  # fmt: skip
     key = jax.random.key(0)
     try:
         out = jax.eval_shape(loss, params, batch, key)
@@ -193,7 +208,7 @@ def _check_loss(loss: Callable, params, batch) -> bool:
     return aux
 
 
-def _check_eval(eval_fn: Callable, params, eval_data) -> None:
+def check_eval(eval_fn: Callable, params, eval_data) -> None:
     try:
         out = jax.eval_shape(eval_fn, params, eval_data)
     except Exception as e:

@@ -39,7 +39,8 @@ class Task(NamedTuple):
 class Problem(NamedTuple):
     """What a run learns, as the training loop takes it: each replica's data, the evaluation
     data, the initial parameters and the :class:`Task` over them. Built by the built-in tasks
-    (``diloco_jax.problems``) and by a user's (:class:`diloco_jax.tasks.ArrayTask`)."""
+    (``diloco_jax.problems``) and by a user's (:class:`diloco_jax.tasks.ArrayTask`,
+    :class:`diloco_jax.tasks.GrainTask`)."""
 
     shards: Any  # [R, S] tokens, or a task's pytree of [R, S, ...] arrays
     eval_data: Any
@@ -48,7 +49,10 @@ class Problem(NamedTuple):
     task: Task  # sample, loss and evaluation for this model and data
     baseline_nats: float  # unigram entropy of the tokens, or log(classes); nan if unknown
     tokenizer: Any = None
-    streamed: bool = False  # shards is a memory map on disk (data.max_memory_mib)
+    streamed: bool = False  # batches are read on the host: a memory map on disk, or a pipeline
+    # (num_steps=) -> a stream of the calls' batches (a user's pipelines: tasks/pipeline.py);
+    # None: data.stream's over ``shards``
+    stream: Callable | None = None
 
 
 def _chunked(fn, count: int, chunk: int, *arrays):
