@@ -108,8 +108,9 @@ class Board:
         _thin(self.history["eval"])
         self.history["eval"].append([step, step * self.tokens_per_step, r["eval_loss"]])
         self._metrics["eval_loss"].set(r["eval_loss"])
-        others = {k: v for k, v in r.items()
-                  if k not in _EVAL_FIELDS and isinstance(v, (int, float))}  # accuracy, ...
+        others = {
+            k: v for k, v in r.items() if k not in _EVAL_FIELDS and isinstance(v, (int, float))
+        }  # accuracy, ...
         self.status["eval_metrics"] = others
         for name, value in others.items():
             self._metrics["eval_metric"].labels(name=name).set(value)

@@ -189,6 +189,7 @@ class LogConfig:
     """What a run reports besides ``metrics.jsonl`` and TensorBoard (``diloco_jax/records.py``)."""
 
     progress_bar: bool = _key(True, "the progress bar on stderr (TQDM_DISABLE=1 turns it off)")
+    figures: bool = _key(True, "drift.png and cosine.png at the end (matplotlib: ~2 s on CPU)")
     wandb: bool = _key(False, "also log to Weights & Biases (pip install 'diloco-jax[wandb]')")
     wandb_project: str = _key("diloco-jax", "the W&B project")
     wandb_mode: str = _key("offline", "offline (files under workdir/wandb; wandb sync) | online")
@@ -260,8 +261,8 @@ class TaskConfig:
     """A user's task in place of the built-in ones (``diloco_jax/tasks/arrays.py``,
     ``diloco_jax/tasks/pipeline.py``)."""
 
-    factory: str = _key("", "package.module:function returning a diloco_jax.ArrayTask or "
-                        "GrainTask; empty: data.corpus's built-in task")  # fmt: skip
+    factory: str = _key("", "package.module:function giving a diloco_jax.ArrayTask or "
+                        "GrainTask; empty: data.corpus's task")  # fmt: skip
     args: str = _key("", "keyword arguments of task.factory, as a JSON object")
 
 

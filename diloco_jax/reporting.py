@@ -8,6 +8,7 @@ to the optional sinks (:class:`WandbWriter`). Only the process with index 0 writ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -235,6 +236,46 @@ def log_syncs(runlog: RunLog, plan, first_step: int, metrics_NxR: dict) -> None:
         elif bad:
             log.warning("outer step %d: replica(s) %s had non-finite pseudo-gradients: left out "
                         "of the mean, restarted from the anchor", outer, bad)  # fmt: skip
+
+
+def process_seconds() -> float | None:
+    """Seconds since this process started (Linux's ``/proc``; None elsewhere): the command's
+    start-up before the training loop, imports included."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
+class Phases:
+    """Where a run's time went: ``start`` (to the training loop: imports, data, state; from the
+    process's start for the command, from ``train()``'s call for ``fit``), ``compile``,
+    ``steps`` (the compiled calls), ``eval``, ``checkpoint`` (the saves' blocking part) and
+    ``finish`` (final checkpoint, exported parameters, figures, sample). ``with
+    phases("eval"): ...`` adds that block's seconds."""
+
+    NAMES = ("start", "compile", "steps", "eval", "checkpoint", "finish")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        tick = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - tick
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 2) for k, v in self.seconds.items()}
+
+    def line(self) -> str:
+        return ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
 
 
 def final_lines(summary: dict, workdir) -> str:

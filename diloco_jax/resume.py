@@ -49,7 +49,7 @@ MAY_CHANGE = (
     "sim.diagnostics",
     "train.check_replicated",  # a debug check of the same computation
     # where the same numbers are shown: the progress bar, Weights & Biases
-    "log.progress_bar", "log.wandb", "log.wandb_project", "log.wandb_mode",
+    "log.progress_bar", "log.figures", "log.wandb", "log.wandb_project", "log.wandb_mode",
     "serve.port", "serve.host", "serve.token_file",  # the run's HTTP view of itself
 )  # fmt: skip
 

@@ -222,7 +222,7 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         "unigram_entropy": s.unigram_nats if s.unigram_nats > 0 else None,  # None: a user's
         "preempted": preempted,
     }
-    if jax.process_index() == 0:  # drift.png, cosine.png (with matplotlib)
+    if jax.process_index() == 0 and cfg.log.figures:  # drift.png, cosine.png (matplotlib)
         figures.run_diagnostics(workdir)
     if preempted:
         return summary
@@ -282,7 +282,8 @@ def _agree_to_stop(stop: Preemption) -> bool:
 
 
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True,
-          allow_config_change: bool = False, server=None, task=None):  # fmt: skip
+          allow_config_change: bool = False, server=None, task=None,
+          since_start: float = 0.0):  # fmt: skip
     """Trains ``cfg`` into ``workdir`` (resuming from its newest readable checkpoint; keys that
     change the training must match its config unless ``allow_config_change``); returns a
     summary dict (final eval loss, steps, tokens, time, sample, and the final ``state``).
@@ -291,7 +292,9 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     ``train.checkpoint`` (``summary["preempted"]``); a second signal exits at once. With
     ``serve.port`` the run serves its status and control (:mod:`diloco_jax.serve`), through
     ``server`` if given (a sweep's). ``task``: a user's ArrayTask or GrainTask (else
-    ``task.factory``'s or the built-in task of ``data.corpus``)."""
+    ``task.factory``'s or the built-in task of ``data.corpus``). ``since_start``: seconds the
+    process spent before this call (the command's imports), in ``summary["phases"]["start"]``."""
+    entered, phases = time.perf_counter(), reporting.Phases()
     s, t = (
         build(cfg, task=task),
         cfg.train,
@@ -316,8 +319,11 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
         s.layout.replicas * cfg.data.batch_size * s.tokens_per_row, s.unit,
     )  # fmt: skip
     log.info("compiling %d steps per call ...", t.log_every)
+    phases.seconds["start"] = since_start + time.perf_counter() - entered
     t0, hits = time.time(), compile_cache.hits()
-    run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS, chunk_control(cfg, s, 0)).compile()
+    with phases("compile"):
+        run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS,
+                                chunk_control(cfg, s, 0)).compile()  # fmt: skip
     entropy = f"; validation unigram entropy {s.unigram_nats:.3f} nats" * (s.unigram_nats > 0)
     how = "loaded from the compilation cache" if compile_cache.hits() > hits else "compiled"
     log.info("%s in %.1fs%s", how, time.time() - t0, entropy)
@@ -341,12 +347,13 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
             distributed.check_replicated(s, state, step)
             asked = live.agree(runlog, stop, step)  # HTTP controls, as every process agrees
             if _crossed(step, t.log_every, t.eval_every) or step >= total or "eval" in asked:
-                eval_loss = _evaluate(s, runlog, state, step, total)
+                with phases("eval"):
+                    eval_loss = _evaluate(s, runlog, state, step, total)
             if mngr is not None and (_crossed(step, t.log_every, t.checkpoint_every)
                                      or "checkpoint" in asked):  # fmt: skip
-                # written in the background
-                checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False,
-                                controls=live.changed, data=s.data_states())  # fmt: skip
+                with phases("checkpoint"):  # written in the background
+                    checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False,
+                                    controls=live.changed, data=s.data_states())  # fmt: skip
                 runlog.write("checkpoint", step)
             host_seconds.append(time.time() - tick - call_seconds[-1])
         bar.close()
@@ -354,13 +361,26 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
             log.warning("%s: stopping at step %d %s", stop.requested, step, saving(t.checkpoint))
         elif eval_loss is None:  # resumed a run that had already finished
             eval_loss = _evaluate(s, runlog, state, step, total)
-        summary = _finish(s, state, step, eval_loss, time.time() - train_start, mngr, workdir,
-                          preempted=stop.requested, controls=live.changed)  # fmt: skip
+        with phases("finish"):
+            summary = _finish(
+                s,
+                state,
+                step,
+                eval_loss,
+                time.time() - train_start,
+                mngr,
+                workdir,
+                preempted=stop.requested,
+                controls=live.changed,
+            )
     # the first call can include one-off work; the median of the rest is the steady state
     steady = call_seconds[1:] or call_seconds
     summary["step_seconds"] = float(np.median(steady)) / t.log_every if steady else None
     # the loop's own work between calls (logs, bar, checks); the median skips evals and saves
     summary["host_seconds"] = float(np.median(host_seconds)) if host_seconds else None
+    phases.seconds["steps"] = float(sum(call_seconds))
+    summary["phases"] = phases.rounded()
+    log.info("time: %s", phases.line())
     runlog.write(
         "done", step, **{k: v for k, v in summary.items() if k not in ("sample", "params")}
     )
@@ -402,7 +422,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
             raise config_lib.ConfigError(
                 "a run of several processes needs --workdir (a directory every process can reach)"
             )
-        summary = train(cfg, workdir, allow_config_change=args.allow_config_change)
+        summary = train(cfg, workdir, allow_config_change=args.allow_config_change,
+                        since_start=reporting.process_seconds() or 0.0)  # fmt: skip
     except (config_lib.ConfigError, DataError, checkpoint.CheckpointError, MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -54,6 +54,12 @@ def test_outputs(tiny_run):
     assert record["step"] == 0 and record["packages"]["jax"] and record["command"]
     assert record["git"] is None or isinstance(record["git"]["dirty"], bool)  # CI: a checkout
     assert (record["devices"]["platform"], record["devices"]["count"]) == ("cpu", 8)
+    # where the time went (issue 28): every phase, each within the run's own time
+    phases, done = summary["phases"], events[-1]
+    assert list(phases) == ["start", "compile", "steps", "eval", "checkpoint", "finish"]
+    assert done["event"] == "done" and done["phases"] == phases
+    assert all(v >= 0 for v in phases.values()) and phases["steps"] > 0 < phases["compile"]
+    assert sum(phases.values()) - phases["start"] <= done["time_s"] + 0.1
 
 
 def test_checkpoint_restores_the_final_state(tiny_run):
@@ -69,7 +75,10 @@ def test_rerun_resumes_and_does_not_retrain(tiny_run, capsys, monkeypatch):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     capsys.readouterr()
     # show_progress is on: the key turns the bar off (and may change on a resume)
-    again = train(tiny(**{"parallel.runtime": "sim", "log.progress_bar": False}), workdir)
+    drawn = (workdir / "drift.png").stat().st_mtime_ns
+    again = train(tiny(**{"parallel.runtime": "sim", "log.progress_bar": False,
+                          "log.figures": False}), workdir)  # fmt: skip
+    assert (workdir / "drift.png").stat().st_mtime_ns == drawn  # not drawn again
     assert BAR not in capsys.readouterr().err
     assert again["steps"] == 20 and again["final_eval_loss"] == pytest.approx(
         summary["final_eval_loss"]
@@ -77,7 +86,10 @@ def test_rerun_resumes_and_does_not_retrain(tiny_run, capsys, monkeypatch):
     # the finished run's eval and done events are not written again; the resume is recorded
     assert (workdir / "metrics.jsonl").read_text() == metrics
     [entry] = map(json.loads, (workdir / "config_history.jsonl").read_text().splitlines())
-    assert entry["step"] == 20 and entry["changes"] == {"log.progress_bar": [True, False]}
+    assert entry["step"] == 20 and entry["changes"] == {
+        "log.progress_bar": [True, False],
+        "log.figures": [True, False],
+    }
     assert [r["step"] for r in run_records(workdir)] == [0, 20]  # one record per start
     assert len(tb_hparams(tf_events(workdir))) == 1  # the first start's only
 
