@@ -11,6 +11,7 @@ if there is one (a config that changes the training is refused: see ``diloco_jax
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import sys
 import time
@@ -41,7 +42,7 @@ from diloco_jax.extras import MissingExtra
 from diloco_jax.live import Live
 from diloco_jax.preemption import Preemption, saving, stopped, watch_launcher
 from diloco_jax.reporting import log
-from diloco_jax.runtime import checkpoint, compile_cache, parallel
+from diloco_jax.runtime import checkpoint, compile_cache, evaluation, parallel
 from diloco_jax.runtime.step import StepControl
 from diloco_jax.tasks import Task
 from diloco_jax.tasks import model as model_lib
@@ -60,7 +61,8 @@ class Setup:
     run_chunk: Any  # (state, replicas_R, shards_RxS, control_NxR) -> (state, metrics_NxR)
     replicas_R: jax.Array
     shards_RxS: jax.Array  # each replica's training tokens; a process holds only its replicas'
-    eval_windows: jax.Array
+    eval_windows: jax.Array  # replicated, or in blocks over the devices (runtime/evaluation.py)
+    evaluate: Any  # params (replicated) -> {"eval_loss", ...}: runtime/evaluation.py
     unigram_nats: float
     algorithm: Any  # diloco_jax.algorithm.diloco(...) or a baseline
     task: Task
@@ -156,6 +158,16 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup
     run_chunk, outer_fn, fingerprints = placement.steps(
         cfg, layout, algorithm, problem, mesh, state
     )
+    devices = [] if mesh is None else list(mesh.devices.flat)
+    if evaluation.applies(problem.task.eval_mean, problem.eval_data, devices):
+        # each device holds and evaluates a block of the examples
+        eval_windows = evaluation.place(problem.eval_data, devices, abstract=abstract)
+        count = jax.tree.leaves(problem.eval_data)[0].shape[0]
+        split = evaluation.split if not abstract else lambda *args: None
+        evaluate = split(problem.task.eval_fn, eval_windows, count, devices)
+    else:
+        eval_windows = parallel.on_devices(problem.eval_data, mesh, P(), abstract=abstract)
+        evaluate = functools.partial(_on_every_device, problem.task.eval_fn, eval_windows)
     return Setup(
         cfg=cfg,
         layout=layout,
@@ -167,7 +179,8 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup
             np.arange(replicas, dtype=np.int32), mesh, P(REPLICA), abstract=abstract
         ),
         shards_RxS=_training_data(shards_RxS, stream, mesh, abstract),
-        eval_windows=parallel.on_devices(problem.eval_data, mesh, P(), abstract=abstract),
+        eval_windows=eval_windows,
+        evaluate=evaluate,
         unigram_nats=problem.baseline_nats,
         algorithm=algorithm,
         task=problem.task,
@@ -177,6 +190,12 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup
         tokenizer=problem.tokenizer,
         stream=stream,
     )
+
+
+def _on_every_device(eval_fn, eval_windows, params):
+    """The evaluation with its data replicated: one device (the simulator), or every device
+    evaluating every example (an evaluation that is not a mean over examples)."""
+    return eval_fn(params, eval_windows)
 
 
 def chunk_control(cfg: config_lib.Config, s: Setup, start: int,
@@ -260,7 +279,7 @@ def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float)
 
 def _evaluate(s: Setup, runlog, state, step: int, total: int) -> float:
     cfg = s.cfg
-    result = jax.device_get(s.task.eval_fn(s.outer_fn(state), s.eval_windows))
+    result = jax.device_get(s.evaluate(s.outer_fn(state)))
     values = {k: float(v) for k, v in result.items()}
     eval_loss = values.pop("eval_loss")
     tokens = step * s.layout.replicas * cfg.data.batch_size * s.tokens_per_row

@@ -91,7 +91,7 @@ class ArrayTask:
                                                  batch_size=batch_size), first)  # fmt: skip
         aux = check_loss(self.loss, self.params, batch)
         task = Task(_sample, self.loss, self._eval_fn(aux), self.unit, self.tokens_per_row,
-                    rng=True, aux=aux)  # fmt: skip
+                    rng=True, aux=aux, eval_mean=self.evaluate is None)  # fmt: skip
         check_eval(task.eval_fn, self.params, eval_data)
         return Problem(shards, eval_data, None, self.params, task, math.nan)
 

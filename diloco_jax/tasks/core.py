@@ -34,6 +34,9 @@ class Task(NamedTuple):
     tokens_per_row: int = 1
     rng: bool = False  # the loss always gets a key (else only with the model's dropout)
     aux: bool = False  # the loss returns (loss, {name: scalar}): metrics logged as aux_<name>
+    # eval_fn's values are means over the examples: blocks evaluated on several devices combine
+    # into the whole (runtime/evaluation.py)
+    eval_mean: bool = False
 
 
 class Problem(NamedTuple):
@@ -84,7 +87,7 @@ def language_model(graphdef, *, seq_len: int, chunk: int = 64) -> Task:
         return {"eval_loss": _chunked(chunk_loss, count, chunk, windows_WxL1).sum() / count}
 
     sample = functools.partial(sample_batch, seq_len=seq_len)
-    return Task(sample, loss, eval_fn, "token", seq_len)
+    return Task(sample, loss, eval_fn, "token", seq_len, eval_mean=True)
 
 
 def image_classification(graphdef, *, chunk: int = 512) -> Task:
@@ -110,4 +113,4 @@ def image_classification(graphdef, *, chunk: int = 512) -> Task:
         nll, right = _chunked(chunk_sums, count, min(chunk, count), images_NxHxWxC, labels_N)
         return {"eval_loss": nll.sum() / count, "accuracy": right.sum() / count}
 
-    return Task(sample_images, loss, eval_fn, "example", 1)
+    return Task(sample_images, loss, eval_fn, "example", 1, eval_mean=True)

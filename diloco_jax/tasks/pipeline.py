@@ -97,7 +97,8 @@ class GrainTask:
         aux = check_loss(self.loss, self.params, spec)
         task = Task(_read_on_host, self.loss,
                     eval_fn(self.loss, self.evaluate, aux=aux, chunk=self.eval_batch),
-                    self.unit, self.tokens_per_row, rng=True, aux=aux)  # fmt: skip
+                    self.unit, self.tokens_per_row, rng=True, aux=aux,
+                    eval_mean=self.evaluate is None)  # fmt: skip
         check_eval(task.eval_fn, self.params, eval_data)
         stream = functools.partial(PipelineStream, self.pipeline, replicas=replicas,
                                    batch_size=batch_size, seed=seed, spec=spec)  # fmt: skip
