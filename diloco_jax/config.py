@@ -137,7 +137,7 @@ class ParallelConfig:
     fsdp: bool = _key(False, "split each replica's parameters, inner and outer state over its "
                       "data devices (FSDP; mesh runtime)")  # fmt: skip
     cpu_devices: int = _key(0, "XLA devices the CPU is split into before JAX starts; 0: one per "
-                            "core dividing the replicas (README)")  # fmt: skip
+                            "core dividing the replicas")  # fmt: skip
     device_memory_gib: float = _key(0.0, "one device's memory for the memory plan; 0: the "
                                     "device's own (CPU: RAM / CPU devices)")  # fmt: skip
 

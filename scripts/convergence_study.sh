@@ -22,7 +22,7 @@ uv run python -m sim --config "$preset" --workdir "$out/outer_lr" $warm \
 #    only bytes and the clock are recomputed (results.csv then holds the WAN accounting)
 uv run python -m sim --config "$preset" --workdir "$out/sync_every" $warm \
     --sweep outer.sync_every=1,10,50,100 --baselines single,ddp --config.sim.network=wan_1gbit
-# 5. the figures the README shows
+# 5. the figures the README and docs/convergence.md show
 mkdir -p docs
 cp "$out/sync_every/curves.png" docs/convergence_curves.png
 cp "$out/sync_every/tradeoff.png" docs/convergence_tradeoff.png

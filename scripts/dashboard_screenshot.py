@@ -1,6 +1,7 @@
-"""The README's dashboard screenshot, taken during a real run: the default training job with
-``serve.port`` in a subprocess; once it has passed ``--at`` steps, headless chromium saves the
-page as a PNG; then the run is stopped over HTTP (``POST /control/stop``: checkpoint, exit 0).
+"""The dashboard screenshot of docs/guides/watching.md, taken during a real run: the default
+training job with ``serve.port`` in a subprocess; once it has passed ``--at`` steps, headless
+chromium saves the page as a PNG; then the run is stopped over HTTP (``POST /control/stop``:
+checkpoint, exit 0).
 
     uv run python scripts/dashboard_screenshot.py [--out docs/dashboard.png] [--at 600]
 
