@@ -21,15 +21,8 @@ import diloco_jax
 from diloco_jax.tasks import GrainTask, TaskError, replica_batches
 from diloco_jax.tasks.pipeline import PipelineStream
 from tests.test_checkpoint import assert_bitwise_equal
+from tests.test_user_task import ROOT, TINY  # the same small runs as ArrayTask's tests
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-TINY = {
-    "parallel.runtime": "sim",
-    "train.sample_chars": 0,
-    "train.checkpoint_every": 10,
-    "inner.learning_rate": 0.05,
-}
 X_NxD = np.random.default_rng(0).normal(size=(256, 3)).astype(np.float32)
 Y_N = X_NxD @ np.array([1.0, -2.0, 0.5], np.float32) + 0.3
 EXAMPLES = [{"x": x, "y": y} for x, y in zip(X_NxD, Y_N, strict=True)]
