@@ -25,9 +25,11 @@ def _simulator(module: str) -> ModuleType:
 
 
 def train() -> int:
+    from diloco_jax.reporting import exit_quickly
     from diloco_jax.train import main
 
-    return main(prog="diloco-train")
+    exit_quickly(main(prog="diloco-train"))  # as python -m diloco_jax.train ends
+    return 0  # not reached
 
 
 def simulate() -> int:

@@ -1,11 +1,13 @@
 """Figures a run draws of itself, with matplotlib (the ``plots`` extra, imported only when a
 figure is drawn): the sync diagnostics, drift and cosine against outer steps. The simulator's
-own figures (``sim/plots.py``) draw with the same :func:`pyplot`."""
+own figures (``sim/plots.py``) draw with :func:`pyplot`; these draw on bare ``Figure`` objects,
+so a run can draw them in a thread (:func:`draw_in_background`)."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import threading
 
 import numpy as np
 
@@ -43,9 +45,12 @@ def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
     runs = {name: events for name, events in runs.items() if events}
     if not runs:
         return []
-    plt = pyplot()
+    extras.require("matplotlib", "drawing figures")
+    from matplotlib.figure import Figure  # no pyplot: safe in a background thread
+
     for key, file, ylabel in DIAGNOSTICS:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig = Figure(figsize=(7, 4.5))
+        ax = fig.add_subplot()
         for name, events in runs.items():
             outer = [e["outer_step"] for e in events]
             values_SxR = _rows(e[key] for e in events)
@@ -60,7 +65,6 @@ def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(directory / file, dpi=120)
-        plt.close(fig)
     return [file for _, file, _ in DIAGNOSTICS]
 
 
@@ -92,3 +96,12 @@ def run_diagnostics(workdir: pathlib.Path) -> list[str]:
     except Exception as e:  # noqa: BLE001 - the run's results are saved; only a figure is lost
         log.warning("drift.png and cosine.png not drawn: %s: %s", type(e).__name__, e)
         return []
+
+
+def draw_in_background(workdir: pathlib.Path) -> threading.Thread:
+    """:func:`run_diagnostics` in a thread, started: a run's last outputs (its final
+    checkpoint, its exported params) are written meanwhile; ``join()`` it before the run
+    returns."""
+    thread = threading.Thread(target=run_diagnostics, args=(workdir,), name="figures")
+    thread.start()
+    return thread

@@ -251,6 +251,41 @@ def process_seconds() -> float | None:
     return max(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
 
 
+def only_installed_code(modules=None) -> bool:
+    """Whether every module loaded (``sys.modules``) comes from Python's installation, its
+    environment or this package: no user task, example or test module ran in this process."""
+    roots = {os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                    os.path.dirname(__file__))}  # fmt: skip
+    for module in list((sys.modules if modules is None else modules).values()):
+        file = getattr(module, "__file__", None)
+        if file and not any(os.path.realpath(file).startswith(r) for r in roots):
+            return False
+    return True
+
+
+def exit_quickly(code: int) -> None:
+    """Ends the command with ``code``, skipping the interpreter's teardown of its thousands of
+    modules (0.2-0.4 s after every run here, most of it flax's and jax's) when
+    :func:`only_installed_code` ran (a user's module may keep an open file that the teardown
+    would flush; then it is the usual ``sys.exit``). What the teardown does that matters is
+    done first: the other threads are joined, the ``atexit`` handlers run (jax.distributed's
+    shutdown among them), logging and the standard streams are flushed. (Not a garbage
+    collection: 0.14 s, and this package's code closes what it opens.)"""
+    if not only_installed_code():
+        sys.exit(code)
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 class Phases:
     """Where a run's time went: ``start`` (to the training loop: imports, data, state; from the
     process's start for the command, from ``train()``'s call for ``fit``), ``compile``,

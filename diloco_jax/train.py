@@ -221,16 +221,29 @@ def outer_steps(cfg: config_lib.Config, step: int) -> int:
 
 def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir, preempted,
             controls: dict):  # fmt: skip
-    """Final checkpoint, outer params and text sample; returns the run's summary
-    (``preempted``: the name of the signal that stopped the run, or None; ``controls``: what
-    was changed over HTTP, saved with the checkpoint)."""
+    """Final checkpoint, figures, outer params and text sample, the first two written in the
+    background while the others are made; returns the run's summary (``preempted``: the name
+    of the signal that stopped the run, or None; ``controls``: what was changed over HTTP,
+    saved with the checkpoint)."""
     cfg = s.cfg
-    if mngr is not None:
-        if mngr.latest_step() != step:
-            checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), controls=controls,
-                            data=s.data_states())  # fmt: skip
-        mngr.wait_until_finished()
-        log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
+    draw = jax.process_index() == 0 and cfg.log.figures  # drift.png, cosine.png (matplotlib)
+    drawing = figures.draw_in_background(workdir) if draw else None
+    if mngr is not None and mngr.latest_step() != step:  # written while the rest is made
+        checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), controls=controls,
+                        data=s.data_states(), wait=False)  # fmt: skip
+    try:
+        return _outputs(s, state, step, eval_loss, seconds, workdir, preempted)
+    finally:
+        if drawing is not None:
+            drawing.join()
+        if mngr is not None:
+            mngr.wait_until_finished()
+            log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
+
+
+def _outputs(s: Setup, state, step: int, eval_loss, seconds: float, workdir, preempted):
+    """The summary, the exported outer params and the text sample."""
+    cfg = s.cfg
     summary = {
         "final_eval_loss": eval_loss,
         "steps": step,
@@ -241,8 +254,6 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         "unigram_entropy": s.unigram_nats if s.unigram_nats > 0 else None,  # None: a user's
         "preempted": preempted,
     }
-    if jax.process_index() == 0 and cfg.log.figures:  # drift.png, cosine.png (matplotlib)
-        figures.run_diagnostics(workdir)
     if preempted:
         return summary
     summary["params"] = params = s.outer_fn(state)  # the outer parameters, on the devices
@@ -460,4 +471,4 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    reporting.exit_quickly(main())

@@ -295,3 +295,47 @@ def test_cli_allow_config_change_is_a_switch_of_train_only(tmp_path):
     assert not cli.parse(["--workdir", str(tmp_path)], prog="t", resume=True).allow_config_change
     with pytest.raises(SystemExit):
         cli.parse(["--allow_config_change"], prog="python -m sim")
+
+
+def test_checkpoints_are_orbaxs_standard_format_both_ways(full_run, uninterrupted, tmp_path):
+    """This package's saves are read by orbax's own StandardCheckpointer, and a checkpoint that
+    orbax's own handlers wrote (schema 2) is restored by this package."""
+    workdir, _ = full_run
+    like = jax.tree.map(ocp.utils.to_shape_dtype_struct, uninterrupted)
+    with ocp.StandardCheckpointer() as plain:
+        read = plain.restore((workdir / "checkpoints" / "20" / "state").resolve(), like)
+    assert_bitwise_equal(read, uninterrupted)
+    meta = checkpoint.saved_meta(checkpoint.manager(workdir), 20)
+    theirs = ocp.CheckpointManager((tmp_path / "checkpoints").resolve(),
+                                   options=ocp.CheckpointManagerOptions(create=True))  # fmt: skip
+    theirs.save(20, args=ocp.args.Composite(state=ocp.args.StandardSave(uninterrupted),
+                                            meta=ocp.args.JsonSave(meta)))  # fmt: skip
+    theirs.close()
+    assert_bitwise_equal(checkpoint.restore(checkpoint.manager(tmp_path), uninterrupted, 20),
+                         uninterrupted)  # fmt: skip
+
+
+def test_saving_a_replicated_array_compiles_nothing(tmp_path):
+    """orbax's default (replica-parallel) saving compiles a slice per shape and device that
+    holds a copy; this package's writes each array once and compiles nothing."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = {"w": jax.device_put(np.arange(6 * 14, dtype=np.float32).reshape(6, 14), replicated)}
+    compiles, listening = [], [True]
+
+    def listen(event, seconds, **kwargs):
+        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        checkpoint.save_params(tmp_path / "ours", params)
+        ours = len(compiles)
+        with ocp.StandardCheckpointer() as plain:  # the control: orbax's default slices
+            plain.save((tmp_path / "theirs").resolve(), params)
+        theirs = len(compiles) - ours
+    finally:
+        listening[0] = False
+    assert ours == 0 and theirs > 0, (ours, theirs)
+    read = checkpoint.load_params(tmp_path / "ours", params)
+    np.testing.assert_array_equal(np.asarray(read["w"]), np.asarray(params["w"]))

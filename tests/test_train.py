@@ -130,3 +130,19 @@ def test_generate_text_length_and_prompt():
     assert text.startswith("To be")
     assert text == generate_text(graphdef, params, "To be", num_chars=30, seq_len=16, seed=0)
     assert text != generate_text(graphdef, params, "To be", num_chars=30, seq_len=16, seed=1)
+
+
+def test_only_installed_code_tells_a_users_module_apart(tmp_path):
+    """The command skips the interpreter's teardown only when no user module ran in it."""
+    import sys
+    import types
+
+    from diloco_jax import reporting
+
+    assert not reporting.only_installed_code()  # this test module is loaded, from tests/
+    installed = {name: module for name, module in sys.modules.items()
+                 if name.split(".")[0] in ("json", "numpy", "jax", "diloco_jax")}  # fmt: skip
+    assert reporting.only_installed_code(installed)
+    user = types.ModuleType("users_task")
+    user.__file__ = str(tmp_path / "users_task.py")
+    assert not reporting.only_installed_code({**installed, "users_task": user})

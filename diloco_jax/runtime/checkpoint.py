@@ -44,12 +44,52 @@ class Restored(NamedTuple):
     data: dict | None = None  # each replica's pipeline state (a user's GrainTask), or None
 
 
+class _StateHandler(ocp.StandardCheckpointHandler):
+    """orbax's ``StandardCheckpointHandler``, the same on disk, that writes each array from the
+    first device holding it rather than split over every device holding a copy (orbax's
+    "replica-parallel" saving, its default off GPU). Splitting compiled a slice per array
+    shape and device on each process's first save, 0.6-1.2 s of a short run's end on a CPU,
+    to share writes of a few MiB. If the orbax installed lacks the parts used here, orbax's
+    own handler is kept."""
+
+    def __init__(self):
+        super().__init__()
+        try:
+            from orbax.checkpoint._src.metadata import array_metadata_store
+
+            arrays = ocp.type_handlers.ArrayHandler(
+                use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
+            )
+            handlers = [(t, arrays if t is jax.Array else ocp.type_handlers.get_type_handler(t))
+                        for t in ocp.type_handlers.supported_types()]  # fmt: skip
+            registry = ocp.type_handlers.create_type_handler_registry(*handlers)
+            self._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            pass
+
+
+@ocp.args.register_with_handler(_StateHandler, for_save=True)
+class _StateSave(ocp.args.StandardSave):
+    """``StandardSave`` through :class:`_StateHandler`."""
+
+
+@ocp.args.register_with_handler(_StateHandler, for_restore=True)
+class _StateRestore(ocp.args.StandardRestore):
+    """``StandardRestore`` through :class:`_StateHandler`."""
+
+
 def manager(workdir: pathlib.Path, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
     """Orbax manager of ``workdir/checkpoints``: saves are asynchronous and atomic (written to a
     temporary directory, renamed when complete), the last ``max_to_keep`` are kept."""
+    handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    state, meta = _StateHandler(), ocp.JsonCheckpointHandler()
+    for args, handler in ((_StateSave, state), (_StateRestore, state),
+                          (ocp.args.JsonSave, meta), (ocp.args.JsonRestore, meta)):  # fmt: skip
+        handlers.add(_STATE if handler is state else _META, args, handler)
     return ocp.CheckpointManager(
         (workdir / "checkpoints").resolve(),
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        handler_registry=handlers,
     )
 
 
@@ -63,7 +103,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state, config: dict, *, wait: b
     meta = {"schema_version": SCHEMA_VERSION, "config": config, "controls": controls or {}}
     if data is not None:
         meta["data"] = data
-    items = {_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)}
+    items = {_STATE: _StateSave(state), _META: ocp.args.JsonSave(meta)}
     mngr.save(step, args=ocp.args.Composite(**items))
     if wait:
         mngr.wait_until_finished()
@@ -194,7 +234,7 @@ def _fits(path: pathlib.Path, step: int, saved: dict[str, tuple], like) -> None:
 
 def _restore_state(mngr: ocp.CheckpointManager, like, step: int):
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+    args = ocp.args.Composite(**{_STATE: _StateRestore(abstract)})
     return mngr.restore(step, args=args)[_STATE]
 
 
@@ -210,8 +250,8 @@ def restore(mngr: ocp.CheckpointManager, like, step: int | None = None):
 def save_params(path: pathlib.Path, params) -> None:
     """Writes ``params`` (e.g. the final outer parameters) as a standalone orbax checkpoint."""
     path = path.resolve()
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, params, force=True)
+    with ocp.AsyncCheckpointer(_StateHandler()) as ckptr:
+        ckptr.save(path, args=_StateSave(params), force=True)
 
 
 def load_params(path: pathlib.Path, like):

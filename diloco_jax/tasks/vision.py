@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .model import split_built
+
 
 def _groups(channels: int) -> int:
     return max(g for g in (8, 4, 2, 1) if channels % g == 0)
@@ -61,8 +63,7 @@ class ResNet(nnx.Module):
 
 def init_model(seed: int, **kwargs) -> tuple[nnx.GraphDef, Any]:
     """``(graphdef, params)`` of a :class:`ResNet` built from ``kwargs``."""
-    graphdef, params = nnx.split(ResNet(**kwargs, rngs=nnx.Rngs(params=seed)), nnx.Param)
-    return graphdef, nnx.to_pure_dict(params)
+    return split_built(lambda: ResNet(**kwargs, rngs=nnx.Rngs(params=seed)))
 
 
 def apply(graphdef: nnx.GraphDef, params: Any, images_BxHxWxC: jax.Array) -> jax.Array:

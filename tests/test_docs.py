@@ -1,0 +1,185 @@
+"""The docs stay true to the code: the API page lists the package's public names, the guides
+name config keys that exist, and relative links in the README and docs/ lead to files that
+exist. Fast: the text is read, nothing is trained or built (Sphinx's -W build in .ci/run checks
+links between the site's pages; these tests cover what it does not see)."""
+
+import pathlib
+import re
+
+import diloco_jax
+from diloco_jax import config as config_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+API_PAGE = DOCS / "api.md"
+# the pages where a user reads config keys
+KEY_PAGES = [README, DOCS / "getting_started.md", *sorted((DOCS / "guides").glob("*.md"))]
+# a file name has the form section.word too (`train.py`); no config key ends in one of these
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "txt", "png", "csv", "sh", "npz", "toml", "gz"}
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+
+
+def _markdown_pages() -> list[pathlib.Path]:
+    """README.md and every Markdown page under docs/ but the build's output and generated pages."""
+    pages = [p for p in DOCS.rglob("*.md") if not {"_build", "_generated"} & set(p.parts)]
+    return [README, *sorted(pages)]
+
+
+def _without_code_blocks(text: str) -> str:
+    return FENCE.sub("", text)
+
+
+# --- (a) the API page and diloco_jax.__all__ --------------------------------------------------
+
+API_ENTRY = re.compile(r"^\.\. (?:auto\w+|py:\w+):: diloco_jax\.(\w+)\s*$", re.M)
+
+
+def _api_entries(text: str) -> dict[str, list[str]]:
+    """``{name: [members]}`` for every ``.. autoX:: diloco_jax.NAME`` (or ``.. py:X::``) entry
+    of the API page, with the names its ``:members:`` option lists."""
+    entries, name = {}, None
+    for line in text.splitlines():
+        if m := API_ENTRY.match(line):
+            name = m.group(1)
+            entries[name] = []
+        elif name and (m := re.match(r"\s+:members:\s*(.*)$", line)):
+            entries[name] += [n.strip() for n in m.group(1).split(",") if n.strip()]
+    return entries
+
+
+def test_the_api_page_lists_every_public_name_and_only_existing_ones():
+    # A failure names either a public name (in diloco_jax.__all__) that docs/api.md does not
+    # document, so the site's API reference misses it (add an entry), or an entry of docs/api.md
+    # (or a member it lists) that diloco_jax no longer has (remove or rename the entry).
+    entries = _api_entries(API_PAGE.read_text())
+    assert len(entries) > 10, "the API page's entries were not found: did its format change?"
+    undocumented = sorted(set(diloco_jax.__all__) - set(entries))
+    assert not undocumented, f"in diloco_jax.__all__ but not in docs/api.md: {undocumented}"
+    missing = sorted(n for n in entries if not hasattr(diloco_jax, n))
+    missing += sorted(
+        f"{n}.{m}" for n, members in entries.items() if hasattr(diloco_jax, n)
+        for m in members if not hasattr(getattr(diloco_jax, n), m)
+    )  # fmt: skip
+    assert not missing, f"docs/api.md documents names diloco_jax does not have: {missing}"
+
+
+# --- (b) config keys in the README and the guides ---------------------------------------------
+
+
+def _mentioned_keys(text: str, sections: set[str]) -> set[str]:
+    """The config keys ``text`` mentions: as ``--config.KEY=...`` (or ``--sweep KEY=...``)
+    anywhere, and as inline code made only of ``section.key`` or ``section.key=value`` words,
+    ``section`` being a section of the schema (``outer``, ``sim``, ...). Module paths
+    (`python -m sim.combine`), calls (`model.init(...)`), file names (`metrics.jsonl`,
+    `train.py`) and quoted error messages are not keys."""
+    found = set(re.findall(r"--config\.([a-z_]\w*(?:\.[a-z_]\w*)?)", text))
+    found |= set(re.findall(r"--sweep[ =]\"?([a-z_]\w*\.[a-z_]\w*)=", text))
+    word = re.compile(rf"({'|'.join(sorted(sections))})\.([a-z_]\w*|\*)(=\S*)?")
+    for span in re.findall(r"`([^`\n]+)`", _without_code_blocks(text)):
+        matches = [word.fullmatch(w) for w in span.split()]
+        if not all(matches):
+            continue
+        for m in matches:
+            if not (m.group(3) is None and m.group(2) in FILE_SUFFIXES):
+                found.add(f"{m.group(1)}.{m.group(2)}")
+    return found
+
+
+def _unknown(mentioned: set[str], keys: dict) -> list[str]:
+    sections = {k.split(".")[0] for k in keys if "." in k}
+    return sorted(
+        k for k in mentioned
+        if k not in keys and not (k.endswith(".*") and k.split(".")[0] in sections)
+    )  # fmt: skip
+
+
+def test_every_config_key_the_readme_and_guides_name_exists():
+    # A failure names `page: key` for each config key that README.md, docs/getting_started.md or
+    # a guide (docs/guides/*.md) writes as --config.KEY=... or as `section.key` but that the
+    # config schema (diloco_jax/config.py) does not have: a misspelt or renamed key, which a
+    # user copying it would see refused. Fix the page (or the schema, if the key was lost).
+    keys = config_lib.keys()
+    assert not any(k.rsplit(".", 1)[-1] in FILE_SUFFIXES for k in keys)
+    sections = {k.split(".")[0] for k in keys if "." in k}
+    bad, seen = [], set()
+    for page in KEY_PAGES:
+        mentioned = _mentioned_keys(page.read_text(), sections)
+        seen |= mentioned
+        bad += [f"{page.relative_to(ROOT)}: {k}" for k in _unknown(mentioned, keys)]
+    assert len(seen) > 50, f"only {len(seen)} keys found: did the pattern stop matching?"
+    assert not bad, f"config keys that do not exist: {bad}"
+
+
+def test_the_key_scan_finds_keys_and_skips_what_only_looks_like_one():
+    sections = {"outer", "train", "sim", "model"}
+    text = (
+        "`outer.sync_evry` and `outer.momentum=0 outer.nesterov=false`, --config.train.bogus=1,\n"
+        '--sweep "sim.speeds=[],[1,1]"; not: `train.py`, `metrics.jsonl`, `diloco_jax.train`,\n'
+        "`python -m sim.combine`, `model.init(...)`, `error: unknown key 'outer.nope'`\n"
+        "```bash\n--config.sim.in_a_block=1\n```\n"
+    )
+    assert _mentioned_keys(text, sections) == {
+        "outer.sync_evry", "outer.momentum", "outer.nesterov", "train.bogus", "sim.speeds",
+        "sim.in_a_block",
+    }  # fmt: skip
+    assert _unknown({"outer.sync_evry", "log.*", "nope.*"}, config_lib.keys()) == [
+        "nope.*",
+        "outer.sync_evry",
+    ]
+
+
+# --- (c) relative links -----------------------------------------------------------------------
+
+LINK = re.compile(r"!?\[[^\]]*\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as MyST (``myst_heading_anchors``) and GitHub write it."""
+    text = re.sub(r"`|\*\*?|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    text = _without_code_blocks(page.read_text())
+    return {_slug(h) for h in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M)}
+
+
+def _broken_links(page: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """The relative links of ``page`` whose file does not exist, or whose #fragment names no
+    heading of the Markdown page it points to."""
+    broken = []
+    for target in LINK.findall(_without_code_blocks(page.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # http(s):, mailto:, ... and anchors within the page (Sphinx checks those)
+        path, _, fragment = target.partition("#")
+        file = (page.parent / path).resolve()
+        if not file.exists():
+            broken.append(f"{page.relative_to(root)}: {target} (no such file)")
+        elif fragment and file.suffix == ".md" and fragment not in _anchors(file):
+            broken.append(f"{page.relative_to(root)}: {target} (no such heading)")
+    return broken
+
+
+def test_relative_links_in_the_readme_and_docs_lead_somewhere():
+    # A failure names `page: target (why)` for a link of README.md or a docs/ page that points
+    # into the repository at a file that does not exist (moved, renamed, or a wrong number of
+    # ../), or at a #heading the target page does not have. Sphinx -W sees neither README.md
+    # (not part of the site) nor links from docs/ to files outside it (../examples/x.py).
+    pages = _markdown_pages()
+    assert README in pages and DOCS / "guides" / "methods.md" in pages
+    broken = [b for page in pages for b in _broken_links(page)]
+    assert not broken, f"broken relative links: {broken}"
+
+
+def test_the_link_check_reports_a_missing_file_and_a_missing_heading(tmp_path):
+    (tmp_path / "a.md").write_text("# A page: `with code`\n\n## Second\n")
+    page = tmp_path / "b.md"
+    page.write_text(
+        "[ok](a.md) [ok](a.md#a-page-with-code) [ok](a.md#second) [web](https://x.org/y)\n"
+        "[gone](c.md) [no heading](a.md#third) [ok](#local)\n```\n[in code](d.md)\n```\n"
+    )
+    assert _broken_links(page, root=tmp_path) == [
+        "b.md: c.md (no such file)",
+        "b.md: a.md#third (no such heading)",
+    ]
