@@ -267,7 +267,7 @@ def check_same(values, devices, what: str) -> None:
 
 def check_replicated(s, state, step: int) -> None:
     """Every device must hold bitwise the same copy of the shared state of ``s`` (a
-    ``train.Setup``) after ``step``; raises :class:`ConsistencyError` naming the field and the
+    ``run_setup.Setup``) after ``step``; raises :class:`ConsistencyError` naming the field and the
     processes otherwise.
 
     By default (cheap) the anchor is compared after a call in which a sync started (streaming

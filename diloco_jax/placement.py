@@ -110,7 +110,8 @@ def cpu_simulation() -> bool:
 
 
 def memory_plan(s, compiled) -> memory.MemoryPlan:
-    """The memory plan of ``s`` (a ``train.Setup``, abstract or not) for its ``compiled`` call."""
+    """The memory plan of ``s`` (a ``run_setup.Setup``, abstract or not) for its ``compiled``
+    call."""
     limit = memory.device_limit(jax.local_devices()[0], s.cfg.parallel.device_memory_gib)
     data = {"training data": s.shards_RxS, "replica ids": s.replicas_R}
     # the chunked simulator with sim.offload holds one chunk's state on the device

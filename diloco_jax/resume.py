@@ -130,7 +130,7 @@ def check_config(cfg: config_lib.Config, saved: dict, path: pathlib.Path, *,
 
 
 def resume(mngr, s, workdir: pathlib.Path, *, allow_config_change: bool = False) -> Start:
-    """Where the run set up in ``s`` (a ``diloco_jax.train.Setup``) starts: the newest readable
+    """Where the run set up in ``s`` (a ``diloco_jax.run_setup.Setup``) starts: the newest readable
     checkpoint in ``workdir`` if there is one (its config checked by :func:`check_config`), else
     the initial state; a DiLoCo checkpoint with another replica count restarts elastically
     (:func:`elastic`)."""

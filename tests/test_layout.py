@@ -41,4 +41,5 @@ def test_folder_imports_only_what_the_layout_allows(folder):
 def test_the_check_sees_imports():
     """The parser finds both import forms, so the layout test cannot pass by seeing nothing."""
     assert _imported(PACKAGE / "runtime" / "step.py") == {"randomness", "runtime", "tasks"}
-    assert {"algorithm", "runtime", "cli"} <= _imported(PACKAGE / "train.py")
+    assert {"runtime", "cli", "run_setup"} <= _imported(PACKAGE / "train.py")
+    assert {"algorithm", "runtime", "tasks"} <= _imported(PACKAGE / "run_setup.py")
