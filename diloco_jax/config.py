@@ -158,6 +158,8 @@ class TrainConfig:
     init_from: str = _key("", "start from the final outer params of this earlier workdir")
     check_replicated: bool = _key(False, "debug: check every shared field is identical on every "
                                   "device after every call")  # fmt: skip
+    deterministic: bool = _key(True, "GPU: equal bits run to run (XLA's deterministic ops, "
+                               "set before JAX starts); CPU always is")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

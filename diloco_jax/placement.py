@@ -33,9 +33,15 @@ def runtime(cfg: config_lib.Config) -> str:
 
 
 def split_cpu(cfg: config_lib.Config) -> None:
-    """Sets the CPU's XLA device count (``parallel.cpu_devices``) and the persistent compilation
-    cache (``train.compile_cache``); call before JAX starts."""
+    """Sets the CPU's XLA device count (``parallel.cpu_devices``), the persistent compilation
+    cache (``train.compile_cache``) and deterministic GPU ops (``train.deterministic``); call
+    before JAX starts."""
     compile_cache.enable(cfg.train.compile_cache)
+    asked = parallel.deterministic_gpu(cfg.train.deterministic)
+    if asked is None and jax.default_backend() == "gpu":
+        log.warning("train.deterministic: JAX had started before this run, too late to ask XLA "
+                    "for deterministic GPU ops; set XLA_FLAGS=--xla_gpu_deterministic_ops=true "
+                    "before JAX starts for equal bits run to run")  # fmt: skip
     p = cfg.parallel
     auto = parallel.cpu_devices_for(replicas=effective_replicas(cfg), runtime=runtime(cfg),
                                     replica_devices=p.replica_devices,

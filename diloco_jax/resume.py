@@ -48,6 +48,7 @@ MAY_CHANGE = (
     "sim.network", "sim.bandwidth_gbps", "sim.latency_ms", "sim.topology", "sim.step_time_s",
     "sim.diagnostics",
     "train.check_replicated",  # a debug check of the same computation
+    "train.deterministic",  # a GPU's summation order: the same steps up to rounding
     # where the same numbers are shown: the progress bar, Weights & Biases
     "log.progress_bar", "log.figures", "log.wandb", "log.wandb_project", "log.wandb_mode",
     "serve.port", "serve.host", "serve.token_file",  # the run's HTTP view of itself

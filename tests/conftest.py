@@ -9,6 +9,11 @@ _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.ge
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.pop("JAX_NUM_CPU_DEVICES", None)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] != "cpu":  # a part of the suite on a GPU (scripts/gpu_check.sh):
+    # equal bits run to run, and fp32 matmuls in fp32 (a GPU's default, TF32, keeps 10 bits of
+    # mantissa: the equivalence tests' tolerances are for float32)
+    os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 for _name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "PMI_"))]:
     del os.environ[_name]  # JAX would join that cluster, and train refuses a multi-task salloc
 # the persistent compilation cache stays out of the suite (a test turns it on in a subprocess)

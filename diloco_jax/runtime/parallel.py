@@ -144,6 +144,36 @@ def split_cpu(devices: int, *, auto: int, environ=os.environ) -> int:
     return count
 
 
+GPU_DETERMINISTIC = "--xla_gpu_deterministic_ops"
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge  # no public way to ask; an older or newer JAX: assume not
+
+    return bool(getattr(xla_bridge, "backends_are_initialized", lambda: False)())
+
+
+def deterministic_gpu(enabled: bool, *, environ=os.environ) -> bool | None:
+    """Asks XLA for GPU programs whose bits are equal run to run, before JAX starts: adds
+    ``--xla_gpu_deterministic_ops=true`` to ``XLA_FLAGS`` (scatter-adds, such as an embedding's
+    gradient, in a fixed order; no timing-dependent choice of matmul algorithm). Without it the
+    same run twice on a GPU differs from the first steps on (seen on an H200). CPU programs are
+    deterministic anyway; with ``JAX_PLATFORMS=cpu`` nothing is added.
+
+    Returns whether the flag is in effect: the user's own ``XLA_FLAGS`` setting wins either way;
+    None when ``enabled`` but JAX's backends had started, too late to ask."""
+    flags = environ.get("XLA_FLAGS", "")
+    own = re.search(rf"{GPU_DETERMINISTIC}(=(\S+))?", flags)
+    if own:
+        return (own.group(2) or "true").lower() not in ("false", "0")
+    if not enabled or environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    if _backends_started():
+        return None
+    environ["XLA_FLAGS"] = f"{flags} {GPU_DETERMINISTIC}=true".strip()
+    return True
+
+
 def make_mesh(layout: Layout) -> Mesh:
     """A ``(REPLICA, DATA)`` mesh over the first ``replica_devices * data_devices`` devices.
 
@@ -298,7 +328,7 @@ def host_copy(tree):
 
 
 __all__ = [
-    "Layout", "cpu_devices_for", "host_copy", "make_mesh", "mesh_steps", "on_devices", "place",
-    "put", "replicated", "resolve_layout", "simulator_steps", "shapes", "split_cpu",
-    "split_over_replicas", "state_specs",
+    "Layout", "cpu_devices_for", "deterministic_gpu", "host_copy", "make_mesh", "mesh_steps",
+    "on_devices", "place", "put", "replicated", "resolve_layout", "simulator_steps", "shapes",
+    "split_cpu", "split_over_replicas", "state_specs",
 ]  # fmt: skip
