@@ -13,6 +13,7 @@ from __future__ import annotations
 import pathlib
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -137,6 +138,88 @@ def _agree_to_stop(stop: Preemption) -> bool:
     return bool(signalled)
 
 
+class _Run(NamedTuple):
+    """What a run writes to and is watched through."""
+
+    lead: bool  # the process that logs and writes files
+    mngr: object  # the checkpoint manager, or None (train.checkpoint=false)
+    runlog: reporting.RunLog
+    live: Live
+
+
+def _open(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, server):
+    """The run's logs, checkpoints and live view, and where it starts (resumed or not)."""
+    cfg, t = s.cfg, s.cfg.train
+    lead = jax.process_index() == 0
+    reporting.setup_logging(process=jax.process_index(), processes=jax.process_count())
+    mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
+    start = resume.resume(mngr, s, workdir, allow_config_change=allow_config_change)
+    s.resume_data(start)
+    if lead:
+        resume.record(workdir, cfg, start)
+    runlog = records.open_runlog(cfg, workdir, start.step, enabled=lead)  # + run_record.jsonl
+    live = Live(cfg, s, workdir, lead=lead, controls=start.controls, server=server)
+    if live.board is not None:
+        runlog.watch(live.board.event)
+    log.info(
+        "%s: %d replicas on %s (%d replica x %d data devices, %d processes), %d params, "
+        "%d %ss per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
+        s.layout.replica_devices, s.layout.data_devices, jax.process_count(), s.num_params,
+        s.layout.replicas * cfg.data.batch_size * s.tokens_per_row, s.unit,
+    )  # fmt: skip
+    return _Run(lead, mngr, runlog, live), start
+
+
+def _compile(s: Setup, state, phases: reporting.Phases):
+    """The step's executable, compiled or loaded from the persistent cache, memory checked."""
+    log.info("compiling %d steps per call ...", s.cfg.train.log_every)
+    t0, hits = time.time(), compile_cache.hits()
+    with phases("compile"):
+        run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS,
+                                chunk_control(s.cfg, s, 0)).compile()  # fmt: skip
+    entropy = f"; validation unigram entropy {s.unigram_nats:.3f} nats" * (s.unigram_nats > 0)
+    how = "loaded from the compilation cache" if compile_cache.hits() > hits else "compiled"
+    log.info("%s in %.1fs%s", how, time.time() - t0, entropy)
+    placement.check_memory(s, run)
+    return run
+
+
+def _between_calls(s: Setup, r: _Run, state, step: int, total: int, asked,
+                   phases: reporting.Phases):  # fmt: skip
+    """The evaluation and the checkpoint due after the call that ended at ``step`` (or asked
+    for over HTTP); returns the eval loss, or None when none was due."""
+    t, eval_loss = s.cfg.train, None
+    if _crossed(step, t.log_every, t.eval_every) or step >= total or "eval" in asked:
+        with phases("eval"):
+            eval_loss = _evaluate(s, r.runlog, state, step, total)
+    if r.mngr is not None and (_crossed(step, t.log_every, t.checkpoint_every)
+                               or "checkpoint" in asked):  # fmt: skip
+        with phases("checkpoint"):  # written in the background
+            checkpoint.save(r.mngr, step, state, config_lib.to_dict(s.cfg), wait=False,
+                            controls=r.live.changed, data=s.data_states())  # fmt: skip
+        r.runlog.write("checkpoint", step)
+    return eval_loss
+
+
+def _close(s: Setup, r: _Run, summary: dict, step: int, call_seconds, host_seconds,
+           phases: reporting.Phases) -> None:  # fmt: skip
+    """The steady step time, the host's share and the phases into ``summary``, its ``done``
+    event written, the logs and the live view closed."""
+    steady = call_seconds[1:] or call_seconds  # the first call can include one-off work
+    per_call = s.cfg.train.log_every
+    summary["step_seconds"] = float(np.median(steady)) / per_call if steady else None
+    # the loop's own work between calls (logs, bar, checks); the median skips evals and saves
+    summary["host_seconds"] = float(np.median(host_seconds)) if host_seconds else None
+    phases.seconds["steps"] = float(sum(call_seconds))
+    summary["phases"] = phases.rounded()
+    log.info("time: %s", phases.line())
+    r.runlog.write(
+        "done", step, **{k: v for k, v in summary.items() if k not in ("sample", "params")}
+    )
+    r.runlog.close()
+    r.live.close()
+
+
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True,
           allow_config_change: bool = False, server=None, task=None,
           since_start: float = 0.0):  # fmt: skip
@@ -151,97 +234,43 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     ``task.factory``'s or the built-in task of ``data.corpus``). ``since_start``: seconds the
     process spent before this call (the command's imports), in ``summary["phases"]["start"]``."""
     entered, phases = time.perf_counter(), reporting.Phases()
-    s, t = (
-        build(cfg, task=task),
-        cfg.train,
-    )  # first: it sets the CPU's device count before JAX starts
-    lead = jax.process_index() == 0  # the process that logs and writes files
-    reporting.setup_logging(process=jax.process_index(), processes=jax.process_count())
-    workdir = pathlib.Path(workdir)
-    mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
-    start = resume.resume(mngr, s, workdir, allow_config_change=allow_config_change)
+    s = build(cfg, task=task)  # first: it sets the CPU's device count before JAX starts
+    t, workdir = cfg.train, pathlib.Path(workdir)
+    r, start = _open(s, workdir, allow_config_change=allow_config_change, server=server)
     state = start.state
-    s.resume_data(start)
-    if lead:
-        resume.record(workdir, cfg, start)
-    runlog = records.open_runlog(cfg, workdir, start.step, enabled=lead)  # + run_record.jsonl
-    live = Live(cfg, s, workdir, lead=lead, controls=start.controls, server=server)
-    if live.board is not None:
-        runlog.watch(live.board.event)
-    log.info(
-        "%s: %d replicas on %s (%d replica x %d data devices, %d processes), %d params, "
-        "%d %ss per step", cfg.algorithm, s.layout.replicas, s.layout.runtime,
-        s.layout.replica_devices, s.layout.data_devices, jax.process_count(), s.num_params,
-        s.layout.replicas * cfg.data.batch_size * s.tokens_per_row, s.unit,
-    )  # fmt: skip
-    log.info("compiling %d steps per call ...", t.log_every)
     phases.seconds["start"] = since_start + time.perf_counter() - entered
-    t0, hits = time.time(), compile_cache.hits()
-    with phases("compile"):
-        run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS,
-                                chunk_control(cfg, s, 0)).compile()  # fmt: skip
-    entropy = f"; validation unigram entropy {s.unigram_nats:.3f} nats" * (s.unigram_nats > 0)
-    how = "loaded from the compilation cache" if compile_cache.hits() > hits else "compiled"
-    log.info("%s in %.1fs%s", how, time.time() - t0, entropy)
-    placement.check_memory(s, run)
+    run = _compile(s, state, phases)
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)
     step = int(state.step)
-    show = show_progress and lead and cfg.log.progress_bar  # TQDM_DISABLE: reporting
+    show = show_progress and r.lead and cfg.log.progress_bar  # TQDM_DISABLE: reporting
     bar = reporting.progress_bar(total, initial=step, enabled=show)
     eval_loss, train_start, call_seconds, host_seconds = None, time.time(), [], []
     with Preemption() as stop:
         while step < total and not _agree_to_stop(stop):
-            control = chunk_control(cfg, s, step, live.outer_scale)
+            control = chunk_control(cfg, s, step, r.live.outer_scale)
             tick = time.time()
             state, metrics_NxR = run(state, s.replicas_R, s.data(step), control)
             metrics_NxR = jax.device_get(metrics_NxR)
             call_seconds.append(time.time() - tick)
             step += t.log_every
-            _report_chunk(s, runlog, bar, step, metrics_NxR, call_seconds[-1])
+            _report_chunk(s, r.runlog, bar, step, metrics_NxR, call_seconds[-1])
             distributed.check_replicated(s, state, step)
-            asked = live.agree(runlog, stop, step)  # HTTP controls, as every process agrees
-            if _crossed(step, t.log_every, t.eval_every) or step >= total or "eval" in asked:
-                with phases("eval"):
-                    eval_loss = _evaluate(s, runlog, state, step, total)
-            if mngr is not None and (_crossed(step, t.log_every, t.checkpoint_every)
-                                     or "checkpoint" in asked):  # fmt: skip
-                with phases("checkpoint"):  # written in the background
-                    checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), wait=False,
-                                    controls=live.changed, data=s.data_states())  # fmt: skip
-                runlog.write("checkpoint", step)
+            asked = r.live.agree(r.runlog, stop, step)  # HTTP controls, as every process agrees
+            evaluated = _between_calls(s, r, state, step, total, asked, phases)
+            eval_loss = eval_loss if evaluated is None else evaluated
             host_seconds.append(time.time() - tick - call_seconds[-1])
         bar.close()
         if stop.requested:
             log.warning("%s: stopping at step %d %s", stop.requested, step, saving(t.checkpoint))
         elif eval_loss is None:  # resumed a run that had already finished
-            eval_loss = _evaluate(s, runlog, state, step, total)
+            eval_loss = _evaluate(s, r.runlog, state, step, total)
         with phases("finish"):
-            summary = _finish(
-                s,
-                state,
-                step,
-                eval_loss,
-                time.time() - train_start,
-                mngr,
-                workdir,
-                preempted=stop.requested,
-                controls=live.changed,
-            )
-    # the first call can include one-off work; the median of the rest is the steady state
-    steady = call_seconds[1:] or call_seconds
-    summary["step_seconds"] = float(np.median(steady)) / t.log_every if steady else None
-    # the loop's own work between calls (logs, bar, checks); the median skips evals and saves
-    summary["host_seconds"] = float(np.median(host_seconds)) if host_seconds else None
-    phases.seconds["steps"] = float(sum(call_seconds))
-    summary["phases"] = phases.rounded()
-    log.info("time: %s", phases.line())
-    runlog.write(
-        "done", step, **{k: v for k, v in summary.items() if k not in ("sample", "params")}
-    )
-    runlog.close()
-    live.close()
+            summary = _finish(s, state, step, eval_loss, time.time() - train_start, r.mngr,
+                              workdir, preempted=stop.requested,
+                              controls=r.live.changed)  # fmt: skip
+    _close(s, r, summary, step, call_seconds, host_seconds, phases)
     return {**summary, "state": state}
 
 

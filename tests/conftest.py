@@ -1,8 +1,11 @@
 """Test setup: 8 fake CPU devices so the mesh runtime can be checked against the simulator, and
 no cluster: the tests run alike inside a SLURM allocation or an MPI job."""
 
+import atexit
 import os
 import re
+import shutil
+import tempfile
 
 # a user's own XLA_FLAGS are kept, but for the device count the mesh tests need
 _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
@@ -16,5 +19,15 @@ if os.environ["JAX_PLATFORMS"] != "cpu":  # a part of the suite on a GPU (script
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 for _name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "PMI_"))]:
     del os.environ[_name]  # JAX would join that cluster, and train refuses a multi-task salloc
-# the persistent compilation cache stays out of the suite (a test turns it on in a subprocess)
-os.environ.setdefault("DILOCO_COMPILE_CACHE", "off")
+# One compilation cache for the session, fresh each time: a program compiled by one test (the
+# tiny preset's step, say) is loaded by the next test and by the commands tests run in child
+# processes, instead of compiled again. JAX keys each entry by the program, its options and the
+# versions, so a test gets the executable it would have compiled. DILOCO_COMPILE_CACHE=off
+# (or a directory) set before pytest wins.
+if "DILOCO_COMPILE_CACHE" not in os.environ:
+    os.environ["DILOCO_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="diloco_tests_xla_")
+    atexit.register(shutil.rmtree, os.environ["DILOCO_COMPILE_CACHE"], ignore_errors=True)
+
+from diloco_jax.runtime import compile_cache  # noqa: E402  (after the environment is set)
+
+compile_cache.enable()  # for the tests that compile through the library, not train()

@@ -22,7 +22,7 @@ def test_off_turns_the_cache_off_and_a_directory_turns_it_on(tmp_path):
         assert jax.config.jax_enable_compilation_cache and (tmp_path / "c").is_dir()
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
     finally:
-        compile_cache.enable("off")  # the suite runs without it (conftest)
+        compile_cache.enable()  # back to the suite's own (conftest)
 
 
 def test_the_directory_is_the_key_else_the_variable_else_the_user_cache(tmp_path):
