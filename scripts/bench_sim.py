@@ -284,27 +284,36 @@ def main() -> None:
         print(f"the workload's own Linear matmuls (forward + 2 gradient matmuls), R={r}: "
               f"{rate / 1e9:.1f} GFLOP/s, {rate / peak:.2f} of the 2048x2048 rate")  # fmt: skip
     print()
-    replicas = [int(x) for x in args.replicas.split(",") if x]
+    print_simulator_table([int(x) for x in args.replicas.split(",") if x], args.calls, peak)
+    for r in (int(x) for x in args.share_replicas.split(",") if x):
+        share = outer_share(r, args.calls)
+        print(f"\nouter step share of a 100-step round, R={r}: {100 * share:.2f}%")
+    print_loop_table([int(x) for x in args.loop_replicas.split(",") if x], peak)
+
+
+def print_simulator_table(replicas: list[int], calls: int, peak: float) -> None:
+    """Vmapped workers against one big model, for each R: tokens/s, MFU, XLA's memory."""
     if replicas:
         print("| R | vmapped tok/s | one model (batch 8R) tok/s | ratio | MFU | XLA MiB vmapped | "
               "XLA MiB one model | state MiB: R(params+inner)+anchor+outer |")  # fmt: skip
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in replicas:
-        row = bench_replicas(r, args.calls, peak)
+        row = bench_replicas(r, calls, peak)
         print(f"| {r} | {row['vmap_tok_s']:,.0f} | {row['big_tok_s']:,.0f} | {row['ratio']:.2f} | "
               f"{row['mfu']:.3f} | {row['vmap_mib']:.1f} | {row['big_mib']:.1f} | "
               f"{row['state_mib']:.2f} |")  # fmt: skip
-    for r in (int(x) for x in args.share_replicas.split(",") if x):
-        share = outer_share(r, args.calls)
-        print(f"\nouter step share of a 100-step round, R={r}: {100 * share:.2f}%")
-    loops = [int(x) for x in args.loop_replicas.split(",") if x]
-    if loops:
-        vm = build(config(**{"parallel.replicas": loops[0]}))
-        flops = flops_per_token(vm, config())
-        print("\ntraining loop (python -m diloco_jax.train, standard workload, 300 steps):\n")
-        print("| R | parallel.cpu_devices | runtime | command (s) | steady tok/s | model GFLOP/s "
-              "| of matmul rate | host ms per call | peak RSS (MiB) |")  # fmt: skip
-        print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+
+
+def print_loop_table(loops: list[int], peak: float) -> None:
+    """The training command itself, for each R, with the CPU as one device and split."""
+    if not loops:
+        return
+    vm = build(config(**{"parallel.replicas": loops[0]}))
+    flops = flops_per_token(vm, config())
+    print("\ntraining loop (python -m diloco_jax.train, standard workload, 300 steps):\n")
+    print("| R | parallel.cpu_devices | runtime | command (s) | steady tok/s | model GFLOP/s "
+          "| of matmul rate | host ms per call | peak RSS (MiB) |")  # fmt: skip
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for r, devices in ((r, d) for r in loops for d in (1, 0)):
         row = training_loop(r, devices)
         rate = row["tok_s"] * flops

@@ -41,7 +41,7 @@ print(jax.devices())'"
 
 # the tests compile per test; two-process tests must not take 75% of the GPU each
 part tests 100 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  "$py" -m pytest -p no:cacheprovider -rfE -v tests/test_diloco.py tests/test_dtypes.py
+  "$py" -m pytest -p no:cacheprovider -n 0 -rfE -v tests/test_diloco.py tests/test_dtypes.py
 
 determinism() {  # determinism [false]: train.deterministic
   for codec in sparseloco int8; do
