@@ -13,9 +13,8 @@ os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".s
 os.environ.pop("JAX_NUM_CPU_DEVICES", None)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] != "cpu":  # a part of the suite on a GPU (scripts/gpu_check.sh):
-    # equal bits run to run, and fp32 matmuls in fp32 (a GPU's default, TF32, keeps 10 bits of
-    # mantissa: the equivalence tests' tolerances are for float32)
-    os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
+    # fp32 matmuls in fp32 (a GPU's default, TF32, keeps 10 bits of mantissa: the equivalence
+    # tests' tolerances are for float32); deterministic ops: below, as train() asks for them
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 for _name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "PMI_"))]:
     del os.environ[_name]  # JAX would join that cluster, and train refuses a multi-task salloc
@@ -28,6 +27,7 @@ if "DILOCO_COMPILE_CACHE" not in os.environ:
     os.environ["DILOCO_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="diloco_tests_xla_")
     atexit.register(shutil.rmtree, os.environ["DILOCO_COMPILE_CACHE"], ignore_errors=True)
 
-from diloco_jax.runtime import compile_cache  # noqa: E402  (after the environment is set)
+from diloco_jax.runtime import compile_cache, parallel  # noqa: E402  (after the environment)
 
 compile_cache.enable()  # for the tests that compile through the library, not train()
+parallel.deterministic_gpu(True)  # equal bits run to run on a GPU; nothing under JAX_PLATFORMS=cpu
