@@ -265,6 +265,28 @@ def check_same(values, devices, what: str) -> None:
     )
 
 
+def _compared(s, state) -> dict:
+    """The shared fields :func:`check_replicated` compares: every one with
+    ``train.check_replicated``, else the anchor when a sync plan moves a shared one."""
+    if s.fingerprints is None:
+        return {}
+    kinds = s.algorithm.kinds
+    shared = state_lib.shared_part(state, kinds)._asdict()
+    if s.cfg.train.check_replicated:
+        return shared
+    if getattr(s.algorithm, "plan", None) is None or kinds.anchor == PER_REPLICA:
+        return {}
+    return {"anchor": shared["anchor"]}
+
+
+def compile_checks(s, state) -> None:
+    """Compiles (or loads from the persistent cache) the fingerprints that
+    :func:`check_replicated` computes, ahead of its first call."""
+    for value in _compared(s, state).values():
+        if jax.tree.leaves(value):
+            s.fingerprints.lower(value).compile()
+
+
 def check_replicated(s, state, step: int) -> None:
     """Every device must hold bitwise the same copy of the shared state of ``s`` (a
     ``run_setup.Setup``) after ``step``; raises :class:`ConsistencyError` naming the field and the
@@ -273,15 +295,11 @@ def check_replicated(s, state, step: int) -> None:
     By default (cheap) the anchor is compared after a call in which a sync started (streaming
     fragments' syncs included); with ``train.check_replicated`` every shared field (anchor,
     outer state, step, pending mean) after every call."""
-    if s.fingerprints is None:
+    shared, n = _compared(s, state), s.cfg.train.log_every
+    if not shared:
         return
-    n, kinds = s.cfg.train.log_every, s.algorithm.kinds
-    shared = state_lib.shared_part(state, kinds)._asdict()
-    if not s.cfg.train.check_replicated:
-        plan = getattr(s.algorithm, "plan", None)
-        if plan is None or kinds.anchor == PER_REPLICA or not plan.sync_steps(step - n + 1, step):
-            return
-        shared = {"anchor": shared["anchor"]}
+    if not s.cfg.train.check_replicated and not s.algorithm.plan.sync_steps(step - n + 1, step):
+        return
     devices = np.asarray(s.mesh.devices)
     # with FSDP a device holds one part of each leaf: compare the devices holding the same part
     columns = range(devices.shape[1]) if s.layout.fsdp else [slice(None)]

@@ -1,18 +1,24 @@
 """Figures a run draws of itself, with matplotlib (the ``plots`` extra, imported only when a
-figure is drawn): the sync diagnostics, drift and cosine against outer steps. The simulator's
-own figures (``sim/plots.py``) draw with :func:`pyplot`; these draw on bare ``Figure`` objects,
-so a run can draw them in a thread (:func:`draw_in_background`)."""
+figure is drawn): the sync diagnostics, drift and cosine against outer steps
+(:mod:`diloco_jax.drawing`). The simulator's own figures (``sim/plots.py``) draw with
+:func:`pyplot`; a run's are drawn by a helper process (:func:`start_helper`), or in a thread."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import threading
 
-import numpy as np
-
-from diloco_jax import extras
+from diloco_jax import drawing, extras
+from diloco_jax.drawing import DIAGNOSTICS, sync_events
 from diloco_jax.reporting import log
+
+__all__ = ["DIAGNOSTICS", "diagnostics", "draw_in_background", "pyplot", "run_diagnostics",
+           "start_helper", "sync_events"]  # fmt: skip
 
 
 def pyplot():
@@ -24,64 +30,13 @@ def pyplot():
     return plt
 
 
-DIAGNOSTICS = (("drift", "drift.png", "drift |anchor - params| at the sync"),
-               ("cosine_to_mean", "cosine.png", "cosine to the mean pseudo-gradient"))  # fmt: skip
-
-
-def sync_events(metrics_path: pathlib.Path) -> list[dict]:
-    """The ``sync`` events of a run's ``metrics.jsonl`` (none for the baselines)."""
-    if not metrics_path.exists():
-        return []
-    events = (json.loads(line) for line in metrics_path.read_text().splitlines() if line)
-    return [e for e in events if e["event"] == "sync"]
-
-
 def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
                 per_replica: bool) -> list[str]:  # fmt: skip
-    """``drift.png`` and ``cosine.png`` in ``directory``: the sync diagnostics against outer
-    steps. ``runs[name]``: a run's :func:`sync_events`; ``per_replica``: one run, a line per
-    replica; else a line per run, the mean over its replicas (NaN, a left-out replica's cosine,
-    skipped). Returns the files written (none if no run synced)."""
-    runs = {name: events for name, events in runs.items() if events}
-    if not runs:
-        return []
-    extras.require("matplotlib", "drawing figures")
-    from matplotlib.figure import Figure  # no pyplot: safe in a background thread
-
-    for key, file, ylabel in DIAGNOSTICS:
-        fig = Figure(figsize=(7, 4.5))
-        ax = fig.add_subplot()
-        for name, events in runs.items():
-            outer = [e["outer_step"] for e in events]
-            values_SxR = _rows(e[key] for e in events)
-            if per_replica:
-                for r in range(values_SxR.shape[1]):
-                    ax.plot(outer, values_SxR[:, r], marker=".", label=f"replica {r}")
-            else:
-                ax.plot(outer, _nanmean_rows(values_SxR), marker=".", label=name)
-        ax.set_xlabel("outer step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(directory / file, dpi=120)
-    return [file for _, file, _ in DIAGNOSTICS]
-
-
-def _rows(lists) -> np.ndarray:
-    """float ``[S, R]`` of per-replica lists (None as NaN), short ones padded with NaN: an
-    elastic restart changes the replica count within a run."""
-    lists = [[np.nan if v is None else v for v in values] for values in lists]
-    width = max(len(values) for values in lists)
-    return np.array([values + [np.nan] * (width - len(values)) for values in lists], float)
-
-
-def _nanmean_rows(values_SxR: np.ndarray) -> np.ndarray:
-    """Each row's mean over its finite entries (NaN where it has none)."""
-    finite = np.isfinite(values_SxR)
-    count = finite.sum(axis=1)
-    total = np.where(finite, values_SxR, 0.0).sum(axis=1)
-    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    """:func:`diloco_jax.drawing.diagnostics`, with one line naming the extra if a run synced
+    and matplotlib is not installed."""
+    if any(runs.values()):
+        extras.require("matplotlib", "drawing figures")
+    return drawing.diagnostics(runs, directory, per_replica=per_replica)
 
 
 def run_diagnostics(workdir: pathlib.Path) -> list[str]:
@@ -91,17 +46,94 @@ def run_diagnostics(workdir: pathlib.Path) -> list[str]:
     if extras.missing("matplotlib"):
         return []
     try:
-        return diagnostics({"run": sync_events(workdir / "metrics.jsonl")}, workdir,
-                           per_replica=True)  # fmt: skip
+        return drawing.run_figures(workdir)
     except Exception as e:  # noqa: BLE001 - the run's results are saved; only a figure is lost
-        log.warning("drift.png and cosine.png not drawn: %s: %s", type(e).__name__, e)
+        _not_drawn(f"{type(e).__name__}: {e}")
         return []
 
 
+def _not_drawn(why: str) -> None:
+    log.warning("drift.png and cosine.png not drawn: %s", why)
+
+
+class _Helper:
+    """``python diloco_jax/drawing.py`` in a process of its own, asked for a run's figures
+    over its standard input, one request at a time."""
+
+    def __init__(self):
+        # -P: the script's directory (this package's) stays off sys.path, so none of its
+        # modules' names can shadow one of matplotlib's imports
+        self.process = subprocess.Popen(
+            [sys.executable, "-P", drawing.__file__], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, "MPLBACKEND": "Agg"},
+        )  # fmt: skip
+        self.lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def draw(self, workdir: pathlib.Path) -> list[str] | None:
+        """The files drawn ([] with a warning if drawing failed), or None if the helper is
+        gone."""
+        with self.lock:
+            try:
+                self.process.stdin.write(json.dumps({"workdir": str(workdir.resolve())}) + "\n")
+                self.process.stdin.flush()
+                line = self.process.stdout.readline()
+            except (OSError, ValueError):  # a broken pipe, or closed
+                return None
+        if not line:
+            return None
+        reply = json.loads(line)
+        if "error" in reply:
+            _not_drawn(reply["error"])
+            return []
+        return reply["files"]
+
+    def stop(self) -> None:
+        """Closes its input: it exits then, on its own (not waited for: its interpreter's
+        teardown would add 0.2 s to the command's end)."""
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+
+
+_helper: _Helper | None = None
+_helper_lock = threading.Lock()
+
+
+def start_helper() -> _Helper | None:
+    """The process that draws runs' figures, started if none runs (and matplotlib is
+    installed); None if it cannot start. A run calls it as it starts, so that the helper's
+    imports (0.6 s of matplotlib) take the time the run spends building and compiling on one
+    core; runs in one process (a sweep's) share it. Closed at exit."""
+    global _helper
+    with _helper_lock:
+        if _helper is not None and _helper.alive():
+            return _helper
+        if extras.missing("matplotlib"):
+            return None
+        try:
+            _helper = _Helper()
+        except OSError as e:
+            log.info("figures drawn in this process: the helper did not start (%s)", e)
+            return None
+        atexit.register(_helper.stop)
+        return _helper
+
+
 def draw_in_background(workdir: pathlib.Path) -> threading.Thread:
-    """:func:`run_diagnostics` in a thread, started: a run's last outputs (its final
-    checkpoint, its exported params) are written meanwhile; ``join()`` it before the run
-    returns."""
-    thread = threading.Thread(target=run_diagnostics, args=(workdir,), name="figures")
+    """:func:`run_diagnostics`, started: by the helper process (:func:`start_helper`), or in
+    this process if it is gone, while the run writes its last outputs (its final checkpoint,
+    its exported params); ``join()`` the thread returned before the run returns."""
+
+    def draw():
+        helper = start_helper()
+        if helper is None or helper.draw(workdir) is None:
+            run_diagnostics(workdir)
+
+    thread = threading.Thread(target=draw, name="figures")
     thread.start()
     return thread

@@ -7,7 +7,6 @@ step."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -144,7 +143,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup
         evaluate = split(problem.task.eval_fn, eval_windows, count, devices)
     else:
         eval_windows = parallel.on_devices(problem.eval_data, mesh, P(), abstract=abstract)
-        evaluate = functools.partial(_on_every_device, problem.task.eval_fn, eval_windows)
+        evaluate = evaluation.Replicated(problem.task.eval_fn, eval_windows)
     return Setup(
         cfg=cfg,
         layout=layout,
@@ -167,12 +166,6 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup
         tokenizer=problem.tokenizer,
         stream=stream,
     )
-
-
-def _on_every_device(eval_fn, eval_windows, params):
-    """The evaluation with its data replicated: one device (the simulator), or every device
-    evaluating every example (an evaluation that is not a mean over examples)."""
-    return eval_fn(params, eval_windows)
 
 
 def chunk_control(cfg: config_lib.Config, s: Setup, start: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+import threading
 import time
 from typing import NamedTuple
 
@@ -52,11 +53,9 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
     background while the others are made; returns the run's summary (``preempted``: the name
     of the signal that stopped the run, or None; ``controls``: what was changed over HTTP,
     saved with the checkpoint)."""
-    cfg = s.cfg
-    draw = jax.process_index() == 0 and cfg.log.figures  # drift.png, cosine.png (matplotlib)
-    drawing = figures.draw_in_background(workdir) if draw else None
+    drawing = figures.draw_in_background(workdir) if _draws(s) else None
     if mngr is not None and mngr.latest_step() != step:  # written while the rest is made
-        checkpoint.save(mngr, step, state, config_lib.to_dict(cfg), controls=controls,
+        checkpoint.save(mngr, step, state, config_lib.to_dict(s.cfg), controls=controls,
                         data=s.data_states(), wait=False)  # fmt: skip
     try:
         return _outputs(s, state, step, eval_loss, seconds, workdir, preempted)
@@ -66,6 +65,11 @@ def _finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir
         if mngr is not None:
             mngr.wait_until_finished()
             log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
+
+
+def _draws(s: Setup) -> bool:
+    """Whether this process draws the run's drift.png and cosine.png (matplotlib)."""
+    return jax.process_index() == 0 and s.cfg.log.figures
 
 
 def _outputs(s: Setup, state, step: int, eval_loss, seconds: float, workdir, preempted):
@@ -175,13 +179,28 @@ def _compile(s: Setup, state, phases: reporting.Phases):
     log.info("compiling %d steps per call ...", s.cfg.train.log_every)
     t0, hits = time.time(), compile_cache.hits()
     with phases("compile"):
-        run = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS,
-                                chunk_control(s.cfg, s, 0)).compile()  # fmt: skip
+        lowered = s.run_chunk.lower(state, s.replicas_R, s.shards_RxS, chunk_control(s.cfg, s, 0))
+        ahead = threading.Thread(target=_compile_ahead, args=(s, state), name="compile-ahead")
+        ahead.start()  # traced while XLA compiles the step (or loads it), without the GIL
+        run = lowered.compile()
+        ahead.join()
     entropy = f"; validation unigram entropy {s.unigram_nats:.3f} nats" * (s.unigram_nats > 0)
     how = "loaded from the compilation cache" if compile_cache.hits() > hits else "compiled"
     log.info("%s in %.1fs%s", how, time.time() - t0, entropy)
     placement.check_memory(s, run)
     return run
+
+
+def _compile_ahead(s: Setup, state) -> None:
+    """The programs the loop calls after the first steps, compiled (or loaded) before them: the
+    outer parameters' extraction, the evaluation, the replicas' fingerprints. A failure here is
+    left to the call that will raise it where it belongs."""
+    try:
+        params = s.outer_fn(state)  # compiled too; placed as the evaluation will take them
+        s.evaluate.compile_ahead(params)
+        distributed.compile_checks(s, state)
+    except Exception as e:  # noqa: BLE001 - only time is at stake
+        log.debug("compiling ahead stopped: %s: %s", type(e).__name__, e)
 
 
 def _between_calls(s: Setup, r: _Run, state, step: int, total: int, asked,
@@ -236,6 +255,8 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     entered, phases = time.perf_counter(), reporting.Phases()
     s = build(cfg, task=task)  # first: it sets the CPU's device count before JAX starts
     t, workdir = cfg.train, pathlib.Path(workdir)
+    if _draws(s):
+        figures.start_helper()  # imports matplotlib on another core while this one compiles
     r, start = _open(s, workdir, allow_config_change=allow_config_change, server=server)
     state = start.state
     phases.seconds["start"] = since_start + time.perf_counter() - entered

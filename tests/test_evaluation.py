@@ -2,9 +2,12 @@
 examples, the blocks' means combined on the host; the same values as one device evaluating
 every example, to float32 rounding, and the same on every layout of the same devices."""
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
+from jax._src import dispatch
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -66,3 +69,40 @@ def test_a_mesh_splits_a_mean_and_keeps_any_other_evaluation_whole():
     assert got == pytest.approx(want, rel=1e-6)
     assert not evaluation.applies(False, sim.eval_windows, jax.devices())  # a user's evaluate
     assert not evaluation.applies(True, np.zeros((3, 2)), jax.devices()[:4])  # fewer than 4
+
+
+@contextlib.contextmanager
+def _lowered():
+    """The programs lowered to MLIR or compiled by XLA in the block (their events' names)."""
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event in (dispatch.JAXPR_TO_MLIR_MODULE_EVENT, dispatch.BACKEND_COMPILE_EVENT):
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("runtime", ["mesh", "sim"])
+def test_compiled_ahead_the_first_evaluation_and_check_lower_nothing(runtime):
+    """What train() compiles in a thread while the step compiles (issue 28): afterwards the
+    loop's first evaluation and replica check lower and compile nothing; without it they do.
+    Shapes no other test compiles (3 layers; 1 or 8 heads), so no earlier test warmed them."""
+    from diloco_jax import distributed
+    from diloco_jax.train import _compile_ahead
+
+    mesh = {"parallel.replica_devices": 2} if runtime == "mesh" else {}
+    for heads, ahead in ((1, True), (8, False)):
+        s = build(tiny(**{"parallel.runtime": runtime, "model.num_layers": 3,
+                          "model.num_heads": heads, **mesh}))  # fmt: skip
+        if ahead:
+            _compile_ahead(s, s.state)
+        with _lowered() as events:
+            loss = s.evaluate(s.outer_fn(s.state))["eval_loss"]
+            distributed.check_replicated(s, s.state, s.cfg.outer.sync_every)
+        assert np.isfinite(float(loss))
+        assert (events == []) == ahead, events

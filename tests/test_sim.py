@@ -305,7 +305,7 @@ def test_combine_sweeps_into_one_table_and_figure(tmp_path):
 
 
 def test_the_sweeps_diagnostics_average_finite_replicas():
-    from diloco_jax.figures import _nanmean_rows
+    from diloco_jax.drawing import _nanmean_rows
 
     values_SxR = np.array([[1.0, 3.0, np.nan], [np.nan, np.nan, np.nan], [2.0, 2.0, 5.0]])
     np.testing.assert_array_equal(_nanmean_rows(values_SxR), [2.0, np.nan, 3.0])
@@ -313,7 +313,8 @@ def test_the_sweeps_diagnostics_average_finite_replicas():
 
 def test_diagnostics_pad_a_replica_count_that_changed_within_a_run(tmp_path):
     """An elastic restart from 4 replicas to 2: the figure's replicas 2 and 3 end there."""
-    from diloco_jax.figures import _rows, run_diagnostics
+    from diloco_jax.drawing import _rows
+    from diloco_jax.figures import run_diagnostics
 
     rows = _rows([[1.0, 2.0, 3.0, None], [4.0, 5.0]])
     np.testing.assert_array_equal(rows, [[1, 2, 3, np.nan], [4, 5, np.nan, np.nan]])

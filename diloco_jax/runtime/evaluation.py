@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS = "eval"
@@ -48,24 +49,35 @@ def place(eval_data, devices: list, *, abstract: bool = False):
     return jax.tree.map(one, eval_data)
 
 
-def split(eval_fn: Callable, placed, count: int, devices: list) -> Callable:
+def split(eval_fn: Callable, placed, count: int, devices: list) -> Split:
     """``evaluate(params) -> {name: float}``: ``params`` replicated on ``devices`` (a mesh's, in
     its order), ``placed`` from :func:`place` holding ``count`` examples; device ``d`` evaluates
     the real rows of its block."""
-    rows = jax.tree.leaves(placed)[0].shape[0] // len(devices)
-    sizes = [max(0, min(count - d * rows, rows)) for d in range(len(devices))]
-    mine = [d for d, device in enumerate(devices)
-            if device.process_index == jax.process_index() and sizes[d]]  # fmt: skip
-    blocks = {d: jax.tree.map(lambda x, d=d: _on(x, devices[d])[: sizes[d]], placed)
-              for d in mine}  # fmt: skip
-    block_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype),
-                                placed)  # fmt: skip
+    return Split(eval_fn, placed, count, devices)
 
-    def evaluate(params) -> dict[str, float]:
-        outs = {d: eval_fn(jax.tree.map(lambda x, d=d: _on(x, devices[d]), params), blocks[d])
-                for d in mine}  # fmt: skip  # dispatched to every device before any is read
+
+class Split:
+    """The evaluation of :func:`split`: called with the parameters, or compiled ahead."""
+
+    def __init__(self, eval_fn: Callable, placed, count: int, devices: list):
+        self.eval_fn, self.count, self.devices = eval_fn, count, devices
+        rows = jax.tree.leaves(placed)[0].shape[0] // len(devices)
+        self.sizes = [max(0, min(count - d * rows, rows)) for d in range(len(devices))]
+        self.mine = [d for d, device in enumerate(devices)
+                     if device.process_index == jax.process_index() and self.sizes[d]]  # fmt: skip
+        self.blocks = {d: jax.tree.map(lambda x, d=d: _on(x, devices[d])[: self.sizes[d]], placed)
+                       for d in self.mine}  # fmt: skip
+        self.block_shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), placed
+        )
+
+    def __call__(self, params) -> dict[str, float]:
+        devices, sizes = self.devices, self.sizes
+        outs = {d: self.eval_fn(jax.tree.map(lambda x, d=d: _on(x, devices[d]), params),
+                                self.blocks[d])
+                for d in self.mine}  # fmt: skip  # dispatched to every device before any is read
         outs = jax.device_get(outs)
-        names = sorted(jax.eval_shape(eval_fn, params, block_shapes))  # every process's
+        names = self._names(params)
         sums_DxK = np.zeros((len(devices), len(names)))
         for d, out in outs.items():
             sums_DxK[d] = [float(out[k]) * sizes[d] for k in names]
@@ -73,9 +85,40 @@ def split(eval_fn: Callable, placed, count: int, devices: list) -> Callable:
             from jax.experimental import multihost_utils
 
             sums_DxK = np.asarray(multihost_utils.process_allgather(sums_DxK)).sum(axis=0)
-        return {k: float(v) / count for k, v in zip(names, sums_DxK.sum(axis=0), strict=True)}
+        return {k: float(v) / self.count for k, v in zip(names, sums_DxK.sum(axis=0), strict=True)}
 
-    return evaluate
+    def _names(self, params) -> list[str]:
+        return sorted(jax.eval_shape(self.eval_fn, params, self.block_shapes))  # every process's
+
+    def compile_ahead(self, params_like) -> None:
+        """Compiles (or loads from the persistent cache) each block's evaluation for parameters
+        shaped like ``params_like`` (arrays or ``ShapeDtypeStruct``), without running it: the
+        first call then compiles nothing. Nothing for an ``eval_fn`` that is not jitted."""
+        if not hasattr(self.eval_fn, "lower"):
+            return
+        for d in self.mine:
+            on_d = SingleDeviceSharding(self.devices[d])  # as _on gives each device its copy
+            like = jax.tree.map(
+                lambda x, s=on_d: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params_like
+            )
+            self.eval_fn.lower(like, self.blocks[d]).compile()
+        self._names(params_like)
+
+
+class Replicated(NamedTuple):
+    """The evaluation with its data replicated: one device (the simulator), or every device
+    evaluating every example (an evaluation that is not a mean over examples)."""
+
+    eval_fn: Callable
+    data: Any
+
+    def __call__(self, params) -> dict:
+        return self.eval_fn(params, self.data)
+
+    def compile_ahead(self, params_like) -> None:
+        """As :meth:`Split.compile_ahead`, for the parameters as they will come."""
+        if hasattr(self.eval_fn, "lower"):
+            self.eval_fn.lower(params_like, self.data).compile()
 
 
 def _rows(eval_data, devices: list) -> int:

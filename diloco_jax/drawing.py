@@ -1,0 +1,107 @@
+"""A run's sync diagnostics drawn from its ``metrics.jsonl`` (drift and cosine against outer
+steps), with nothing but numpy and matplotlib.
+
+The module also runs as a script: a helper process that imports matplotlib while a run builds
+and compiles, on a core that is idle then, and draws the run's figures when it ends, while the
+run writes its final checkpoint and parameters (:func:`diloco_jax.figures.draw_in_background`
+starts it and falls back to drawing in a thread). So it imports nothing of ``diloco_jax``: the
+helper must not start JAX."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import sys
+
+import numpy as np
+
+DIAGNOSTICS = (("drift", "drift.png", "drift |anchor - params| at the sync"),
+               ("cosine_to_mean", "cosine.png", "cosine to the mean pseudo-gradient"))  # fmt: skip
+
+
+def sync_events(metrics_path: pathlib.Path) -> list[dict]:
+    """The ``sync`` events of a run's ``metrics.jsonl`` (none for the baselines)."""
+    if not metrics_path.exists():
+        return []
+    events = (json.loads(line) for line in metrics_path.read_text().splitlines() if line)
+    return [e for e in events if e["event"] == "sync"]
+
+
+def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
+                per_replica: bool) -> list[str]:  # fmt: skip
+    """``drift.png`` and ``cosine.png`` in ``directory``: the sync diagnostics against outer
+    steps. ``runs[name]``: a run's :func:`sync_events`; ``per_replica``: one run, a line per
+    replica; else a line per run, the mean over its replicas (NaN, a left-out replica's cosine,
+    skipped). Returns the files written (none if no run synced)."""
+    runs = {name: events for name, events in runs.items() if events}
+    if not runs:
+        return []
+    from matplotlib.figure import Figure  # no pyplot: safe in a thread
+
+    for key, file, ylabel in DIAGNOSTICS:
+        fig = Figure(figsize=(7, 4.5))
+        ax = fig.add_subplot()
+        for name, events in runs.items():
+            outer = [e["outer_step"] for e in events]
+            values_SxR = _rows(e[key] for e in events)
+            if per_replica:
+                for r in range(values_SxR.shape[1]):
+                    ax.plot(outer, values_SxR[:, r], marker=".", label=f"replica {r}")
+            else:
+                ax.plot(outer, _nanmean_rows(values_SxR), marker=".", label=name)
+        ax.set_xlabel("outer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(directory / file, dpi=120)
+    return [file for _, file, _ in DIAGNOSTICS]
+
+
+def run_figures(workdir: pathlib.Path) -> list[str]:
+    """A finished run's ``drift.png`` and ``cosine.png`` in ``workdir`` (a line per replica);
+    the files written, none if the run never synced. Raises what drawing raised."""
+    return diagnostics({"run": sync_events(workdir / "metrics.jsonl")}, workdir, per_replica=True)
+
+
+def _rows(lists) -> np.ndarray:
+    """float ``[S, R]`` of per-replica lists (None as NaN), short ones padded with NaN: an
+    elastic restart changes the replica count within a run."""
+    lists = [[np.nan if v is None else v for v in values] for values in lists]
+    width = max(len(values) for values in lists)
+    return np.array([values + [np.nan] * (width - len(values)) for values in lists], float)
+
+
+def _nanmean_rows(values_SxR: np.ndarray) -> np.ndarray:
+    """Each row's mean over its finite entries (NaN where it has none)."""
+    finite = np.isfinite(values_SxR)
+    count = finite.sum(axis=1)
+    total = np.where(finite, values_SxR, 0.0).sum(axis=1)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def serve(requests, replies) -> None:
+    """The helper's loop: matplotlib imported first, then one JSON line per request,
+    ``{"workdir": path}``, answered with one line, ``{"files": [...]}`` or ``{"error": "Type:
+    message"}``, until ``requests`` ends (the run closed it, or its process is gone)."""
+    try:
+        from matplotlib.figure import Figure  # noqa: F401 - imported now, while the run starts
+    except Exception:  # noqa: BLE001, S110 - each request then answers with the import's error
+        pass
+    for line in requests:
+        try:
+            reply = {"files": run_figures(pathlib.Path(json.loads(line)["workdir"]))}
+        except Exception as e:  # noqa: BLE001 - the run logs it; its results are saved
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    # The run's signals are the run's: a Ctrl-C to the terminal or a scheduler's SIGTERM to the
+    # process group must not end the helper before the run has asked for its figures. The run
+    # ends it by closing its input, and so does the run's exit, however it exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    serve(sys.stdin, sys.stdout)

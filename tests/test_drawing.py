@@ -1,0 +1,78 @@
+"""A run's figures drawn by a helper process (issue 28): it imports matplotlib while the run
+compiles, and draws when the run ends, on another core than the run's last saves. The same
+figures as drawn in the run's own process; a failure is a warning; a helper that is gone is
+replaced by drawing in the run's process; it never imports JAX; it ends with its input."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from diloco_jax import drawing, figures
+
+pytest.importorskip("matplotlib")
+
+
+def _synced_run(directory, replicas=3):
+    directory.mkdir(parents=True, exist_ok=True)
+    events = [{"event": "sync", "step": 10 * k, "outer_step": k,
+               "drift": [0.1 * k + r for r in range(replicas)],
+               "cosine_to_mean": [0.9 - 0.01 * r for r in range(replicas)]}
+              for k in range(1, 6)]  # fmt: skip
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return directory
+
+
+def test_the_helper_draws_the_files_this_process_draws(tmp_path):
+    helper = figures.start_helper()
+    assert helper is not None and helper.alive()
+    assert figures.start_helper() is helper  # one per process, shared by its runs
+    there, here = _synced_run(tmp_path / "helper"), _synced_run(tmp_path / "here")
+    assert helper.draw(there) == ["drift.png", "cosine.png"]
+    assert figures.run_diagnostics(here) == ["drift.png", "cosine.png"]
+    for name in ("drift.png", "cosine.png"):
+        assert (there / name).read_bytes() == (here / name).read_bytes()
+
+
+def test_a_figure_the_helper_cannot_draw_is_a_warning(tmp_path, caplog):
+    (tmp_path / "metrics.jsonl").write_text('{"event": "sync", "outer_step": 1}\n')  # no drift
+    with caplog.at_level(logging.WARNING, logger="diloco_jax"):
+        assert figures.start_helper().draw(tmp_path) == []
+    assert "drift.png and cosine.png not drawn: KeyError" in caplog.text
+    assert figures.start_helper().alive()  # and it goes on answering
+
+
+def test_a_helper_that_is_gone_is_replaced_by_drawing_here(tmp_path):
+    helper = figures.start_helper()
+    helper.process.kill()
+    helper.process.wait(timeout=30)
+    assert helper.draw(_synced_run(tmp_path / "a")) is None  # gone: no answer
+    figures.draw_in_background(tmp_path / "a").join()  # a new helper draws it
+    assert (tmp_path / "a" / "drift.png").exists()
+    assert figures.start_helper() is not helper and figures.start_helper().alive()
+    run = _synced_run(tmp_path / "b")
+    figures.start_helper().process.kill()
+    figures.start_helper().process.wait(timeout=30)
+    # started before the kill was seen: the request finds it gone and draws in this process
+    figures._helper = helper
+    figures.draw_in_background(run).join()
+    assert (run / "drift.png").exists() and (run / "cosine.png").exists()
+
+
+def test_the_helper_ends_when_its_input_closes():
+    helper = figures._Helper()
+    helper.stop()
+    assert helper.process.wait(timeout=60) == 0
+
+
+def test_the_helper_never_imports_jax():
+    """It runs drawing.py as a script, with numpy and matplotlib alone: starting JAX there
+    would take the core and the memory that the run's compile needs."""
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); "
+            "import matplotlib.figure; print(sorted(m for m in ('jax', 'diloco_jax', 'flax') "
+            "if m in sys.modules))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-P", "-c", code, drawing.__file__],
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    assert done.stdout.strip() == "[]"
