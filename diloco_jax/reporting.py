@@ -88,8 +88,8 @@ class RunLog:
         record.update({k: _plain(v) for k, v in values.items()})
         self._jsonl.write(json.dumps(record) + "\n")
         series = scalars(record)
-        for tag, value in series.items():
-            self._tb.add_scalar(tag, value, int(step))
+        if series:  # one TensorBoard event for all of them (one each: 0.2 ms per number)
+            self._tb.file_writer.add_summary(_summary(series), int(step))
         for sink in self._sinks:
             sink.write(int(step), series)
         for watcher in self._watchers:
@@ -121,6 +121,14 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
             out.update({f"{event}/{name}/replica_{r}": float(v) for r, v in enumerate(value)})
     return out
+
+
+def _summary(series: dict[str, float]):
+    """A TensorBoard summary of the scalars ``series`` (``{tag: value}``), as ``add_scalar``
+    writes each."""
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    return Summary(value=[Summary.Value(tag=tag, simple_value=v) for tag, v in series.items()])
 
 
 HPARAM_METRICS = ("eval/eval_loss", "train/loss")  # the HParams tab's columns

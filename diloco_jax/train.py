@@ -206,16 +206,18 @@ def _compile_ahead(s: Setup, state) -> None:
 def _between_calls(s: Setup, r: _Run, state, step: int, total: int, asked,
                    phases: reporting.Phases):  # fmt: skip
     """The evaluation and the checkpoint due after the call that ended at ``step`` (or asked
-    for over HTTP); returns the eval loss, or None when none was due."""
+    for over HTTP); returns the eval loss, or None when none was due. After the last call the
+    final checkpoint is started before the last evaluation, which runs while it is written."""
     t, eval_loss = s.cfg.train, None
-    if _crossed(step, t.log_every, t.eval_every) or step >= total or "eval" in asked:
-        with phases("eval"):
-            eval_loss = _evaluate(s, r.runlog, state, step, total)
-    if r.mngr is not None and (_crossed(step, t.log_every, t.checkpoint_every)
-                               or "checkpoint" in asked):  # fmt: skip
+    due = _crossed(step, t.log_every, t.checkpoint_every) or "checkpoint" in asked
+    if r.mngr is not None and (due or step >= total):
         with phases("checkpoint"):  # written in the background
             checkpoint.save(r.mngr, step, state, config_lib.to_dict(s.cfg), wait=False,
                             controls=r.live.changed, data=s.data_states())  # fmt: skip
+    if _crossed(step, t.log_every, t.eval_every) or step >= total or "eval" in asked:
+        with phases("eval"):
+            eval_loss = _evaluate(s, r.runlog, state, step, total)
+    if r.mngr is not None and due:
         r.runlog.write("checkpoint", step)
     return eval_loss
 

@@ -91,6 +91,22 @@ def test_resume_from_a_middle_checkpoint_is_bitwise_identical(uninterrupted, tmp
     assert entry["checkpoint"] == str((tmp_path / "checkpoints" / "10").resolve())
 
 
+def test_the_final_checkpoint_written_during_the_last_evaluation_is_the_final_state(
+    uninterrupted, tmp_path
+):
+    """checkpoint_every 15 of 20 steps: step 15 is periodic (its event logged), step 20 the
+    final one, started before the last evaluation (issue 28); it holds the returned state."""
+    cfg = tiny(**{"train.checkpoint_every": 15})
+    summary = train(cfg, tmp_path, show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["15", "20"]
+    assert [e["step"] for e in events(tmp_path) if e["event"] == "checkpoint"] == [15]
+    assert [e["step"] for e in events(tmp_path) if e["event"] == "eval"] == [10, 20]
+    assert_each_event_once(tmp_path)
+    mngr = checkpoint.manager(tmp_path)
+    assert_bitwise_equal(checkpoint.restore(mngr, build(cfg).state), summary["state"])
+    assert_bitwise_equal(summary["state"], uninterrupted)
+
+
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(uninterrupted, tmp_path):
     train(tiny(), tmp_path, show_progress=False)
     latest = tmp_path / "checkpoints" / "20"
