@@ -104,4 +104,6 @@ if __name__ == "__main__":
     # ends it by closing its input, and so does the run's exit, however it exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    serve(sys.stdin, sys.stdout)
+    # the replies own standard output: anything else printed goes to standard error
+    replies, sys.stdout = sys.stdout, sys.stderr
+    serve(sys.stdin, replies)

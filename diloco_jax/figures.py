@@ -83,9 +83,11 @@ class _Helper:
                 line = self.process.stdout.readline()
             except (OSError, ValueError):  # a broken pipe, or closed
                 return None
-        if not line:
+        try:
+            reply = json.loads(line)
+        except ValueError:  # gone (""), or out of step with its requests: not asked again
+            self.process.kill()
             return None
-        reply = json.loads(line)
         if "error" in reply:
             _not_drawn(reply["error"])
             return []

@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -76,3 +77,21 @@ def test_the_helper_never_imports_jax():
     done = subprocess.run([sys.executable, "-P", "-c", code, drawing.__file__],
                           capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
     assert done.stdout.strip() == "[]"
+
+
+def test_a_helper_that_answers_out_of_protocol_is_stopped_and_replaced(tmp_path):
+    """A reply that is not the protocol's (something else printed it) ends that helper; the
+    figures are drawn in this process and the next run starts a new helper."""
+    liar = figures._Helper.__new__(figures._Helper)
+    liar.lock = threading.Lock()
+    liar.process = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.stdin.readline(); print('hello'); "
+         "sys.stdout.flush(); time.sleep(120)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    run = _synced_run(tmp_path)
+    assert liar.draw(run) is None
+    assert liar.process.wait(timeout=30) != 0  # killed
+    figures._helper = liar
+    figures.draw_in_background(run).join()
+    assert (run / "drift.png").exists() and figures.start_helper() is not liar
