@@ -83,7 +83,6 @@ def steps(cfg: config_lib.Config, layout, algorithm, problem, mesh, state):
     make_step = functools.partial(
         make_replica_step,
         task=problem.task,
-        seed=cfg.seed,
         batch_size=cfg.data.batch_size,
         data_axis=None if mesh is None else parallel.DATA,
         data_shards=layout.data_devices,

@@ -117,12 +117,35 @@ def inner_of(cfg: Config):
                                  **inner_args)  # fmt: skip
 
 
-def _optimizers(cfg: Config):
-    """The inner and outer optimizers ``cfg`` asks for (building them checks their arguments)."""
+def outer_lr_input(cfg: Config) -> float:
+    """The outer learning rate that the compiled step takes as an input rather than holding as
+    a constant, so that runs differing only in it (a sweep of ``outer.learning_rate``) share
+    one compiled step: ``outer.learning_rate`` for DiLoCo with a constant outer rate
+    (``outer.schedule = constant``, no ``outer.warmup``), else 1.0 (the rate, or its schedule,
+    is in the outer optimizer).
+
+    :func:`algorithm_from_config` (``outer_lr_as_input=True``) then builds the outer optimizer
+    with learning rate 1, and :func:`diloco_jax.run_setup.chunk_control` puts this rate in
+    ``StepControl.outer_scale``, which multiplies the outer update. Every outer optimizer's
+    update is its direction times ``-learning_rate``, so the product is the same float32 number
+    either way: ``(-u) * lr`` and ``u * (-lr)`` round alike."""
+    o = cfg.outer
+    constant = o.schedule == "constant" and not o.warmup
+    return float(o.learning_rate) if cfg.algorithm == "diloco" and constant else 1.0
+
+
+def _optimizers(cfg: Config, outer_lr_as_input: bool = False):
+    """The inner and outer optimizers ``cfg`` asks for (building them checks their arguments);
+    with ``outer_lr_as_input``, the outer one's learning rate divided by
+    :func:`outer_lr_input`."""
     inner = inner_of(cfg)
     o = cfg.outer
+    lr = o.learning_rate
+    if outer_lr_as_input:
+        optim.outer_optimizer(o.optimizer, learning_rate=lr)  # the rate checked, then divided
+        lr /= outer_lr_input(cfg)
     outer = optim.outer_optimizer(
-        o.optimizer, learning_rate=o.learning_rate, momentum=o.momentum, nesterov=o.nesterov,
+        o.optimizer, learning_rate=lr, momentum=o.momentum, nesterov=o.nesterov,
         b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, schedule=o.schedule,
         warmup=o.warmup, total=max(cfg.train.total_steps // max(o.sync_every, 1), 1),
         final_lr_fraction=o.final_lr_fraction,
@@ -137,9 +160,12 @@ def check(cfg: Config) -> None:
     check_options(**_variants(cfg))
 
 
-def algorithm_from_config(cfg: Config, axis_name, diagnostics: bool = False):
-    """The algorithm that ``cfg`` asks for, reducing over ``axis_name``."""
-    inner, outer = _optimizers(cfg)
+def algorithm_from_config(cfg: Config, axis_name, diagnostics: bool = False, *,
+                          outer_lr_as_input: bool = False):  # fmt: skip
+    """The algorithm that ``cfg`` asks for, reducing over ``axis_name``. With
+    ``outer_lr_as_input`` its outer step must be scaled by :func:`outer_lr_input` (the
+    training loop's controls do it: :func:`diloco_jax.run_setup.chunk_control`)."""
+    inner, outer = _optimizers(cfg, outer_lr_as_input)
     return optim.make_algorithm(
         cfg.algorithm, inner, outer, axis_name=axis_name, diagnostics=diagnostics, **_variants(cfg)
     )

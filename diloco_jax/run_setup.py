@@ -119,7 +119,8 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
     # 1 more all-reduce per sync: only where it stays in one machine's memory
     diagnostics = cfg.sim.diagnostics and (layout.runtime == "sim" or placement.cpu_simulation())
-    algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names, diagnostics)
+    algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names, diagnostics,
+                                             outer_lr_as_input=True)  # fmt: skip
     if cfg.train.init_from:
         params = resume.warm_start(cfg.train.init_from, params)
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
@@ -170,8 +171,10 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup
 
 def chunk_control(cfg: config_lib.Config, s: Setup, start: int,
                   outer_scale: float = 1.0) -> StepControl:  # fmt: skip
-    """Stragglers' and failures' masks for the ``log_every`` steps from ``start``, and the
-    outer learning rate's scale (changed over HTTP: :mod:`diloco_jax.live`)."""
+    """Stragglers' and failures' masks for the ``log_every`` steps from ``start``, the seed,
+    and the outer step's scale: the outer learning rate where the step takes it as an input
+    (:func:`diloco_jax.recipe.outer_lr_input`) times ``outer_scale``, its scale changed over
+    HTTP (:mod:`diloco_jax.live`)."""
     replicas = s.layout.replicas
     masks = schedule.control(
         start, cfg.train.log_every, replicas=replicas,
@@ -180,5 +183,5 @@ def chunk_control(cfg: config_lib.Config, s: Setup, start: int,
         drops=schedule.parse_drops(cfg.sim.drop, replicas), drop_prob=cfg.sim.drop_prob,
         seed=cfg.seed, quorum=cfg.sim.quorum, grace=cfg.sim.grace,
     )  # fmt: skip
-    masks["outer_scale"][:] = outer_scale
+    masks["outer_scale"][:] = recipe.outer_lr_input(cfg) * outer_scale
     return parallel.split_over_replicas(StepControl(**masks), s.mesh, axis=1)

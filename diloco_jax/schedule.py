@@ -180,7 +180,8 @@ def control(
     weight = np.ones((num_steps, replicas), np.float32)
     take_anchor = np.ones((num_steps, replicas), bool)
     masks = {"active": active, "weight": weight, "take_anchor": take_anchor,
-             "outer_scale": np.ones((num_steps, replicas), np.float32)}  # fmt: skip
+             "outer_scale": np.ones((num_steps, replicas), np.float32),
+             "seed": np.full((num_steps, replicas), seed, np.int32)}  # fmt: skip
     kw = dict(replicas=replicas, drops=drops, drop_prob=drop_prob, seed=seed)
     if quorum > 0:
         last = (start + num_steps - 1) // sync_every  # the round of the call's last step

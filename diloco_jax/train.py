@@ -175,7 +175,8 @@ def _open(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, server)
 
 
 def _compile(s: Setup, state, phases: reporting.Phases):
-    """The step's executable, compiled or loaded from the persistent cache, memory checked."""
+    """The step's executable, compiled or loaded from the persistent cache, memory checked;
+    and whether it was loaded."""
     log.info("compiling %d steps per call ...", s.cfg.train.log_every)
     t0, hits = time.time(), compile_cache.hits()
     with phases("compile"):
@@ -185,10 +186,11 @@ def _compile(s: Setup, state, phases: reporting.Phases):
         run = lowered.compile()
         ahead.join()
     entropy = f"; validation unigram entropy {s.unigram_nats:.3f} nats" * (s.unigram_nats > 0)
-    how = "loaded from the compilation cache" if compile_cache.hits() > hits else "compiled"
+    loaded = compile_cache.hits() > hits
+    how = "loaded from the compilation cache" if loaded else "compiled"
     log.info("%s in %.1fs%s", how, time.time() - t0, entropy)
     placement.check_memory(s, run)
-    return run
+    return run, loaded
 
 
 def _compile_ahead(s: Setup, state) -> None:
@@ -262,7 +264,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     r, start = _open(s, workdir, allow_config_change=allow_config_change, server=server)
     state = start.state
     phases.seconds["start"] = since_start + time.perf_counter() - entered
-    run = _compile(s, state, phases)
+    run, loaded = _compile(s, state, phases)
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)
@@ -293,6 +295,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
             summary = _finish(s, state, step, eval_loss, time.time() - train_start, r.mngr,
                               workdir, preempted=stop.requested,
                               controls=r.live.changed)  # fmt: skip
+        summary["step_from_cache"] = loaded
     _close(s, r, summary, step, call_seconds, host_seconds, phases)
     return {**summary, "state": state}
 

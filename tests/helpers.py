@@ -52,7 +52,7 @@ def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0
         state = prepare(state)
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     step = make_replica_step(
-        algorithm, task, seed=seed, batch_size=batch,
+        algorithm, task, batch_size=batch,
         data_axis=None if mesh is None else parallel.DATA, data_shards=layout.data_devices,
         auto_data=layout.fsdp,
     )  # fmt: skip
@@ -64,7 +64,7 @@ def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0
     ids = jnp.arange(layout.replicas) if replica_ids is None else jnp.asarray(replica_ids)
     if shards_RxS is None:
         shards_RxS = replica_shards(corpus_train(), shards or layout.replicas, SEQ_LEN)[ids]
-    ctrl = full_control(num_steps, layout.replicas)
+    ctrl = full_control(num_steps, layout.replicas, seed)
     if control is not None:  # the outer learning rate's scale is 1 unless given
         ctrl = StepControl(**{**ctrl._asdict(), **control})
     args = (
@@ -116,10 +116,10 @@ def run_vmapped(algorithm, params, targets_R, num_steps: int, *, control=None, g
 
     step = jax.jit(jax.vmap(one, in_axes=(axes, 0, 0), out_axes=(axes, 0), axis_name="replica"))
     if control is None:
-        control = full_control(num_steps, replicas)._asdict()
+        control = full_control(num_steps, replicas).update_masks()
     trajectory, metrics = [], []
     for t in range(num_steps):
-        ctrl = {k: jnp.asarray(v[t]) for k, v in control.items()}
+        ctrl = {k: jnp.asarray(v[t]) for k, v in control.items() if k != "seed"}  # no sampling
         state, m = step(state, targets_R, ctrl)
         trajectory.append(jax.device_get(state.params))
         metrics.append(jax.device_get(m))

@@ -38,7 +38,8 @@ def _control():
     weight[3, 2], weight[7, 3] = 0.0, 2.0
     take = np.ones((STEPS, R), bool)
     take[3, 2] = False
-    return StepControl(active, weight, take, np.ones((STEPS, R), np.float32))
+    return StepControl(active, weight, take, np.ones((STEPS, R), np.float32),
+                       np.zeros((STEPS, R), np.int32))  # fmt: skip
 
 
 def _run(tx, chunk: int = 0, offload: bool = False):
@@ -47,7 +48,7 @@ def _run(tx, chunk: int = 0, offload: bool = False):
     params = [jax.numpy.full(shape, 0.5, jax.numpy.float32) for shape in SHAPES]
     task = quadratic_task(sum(x.size for x in params))
     algorithm = tx("replica")
-    make = functools.partial(make_replica_step, task=task, seed=0, batch_size=2)
+    make = functools.partial(make_replica_step, task=task, batch_size=2)
     if chunk:
         run = chunked.ChunkedSteps(make(chunked.LocalOnly(algorithm)), algorithm, STEPS,
                                    chunk=chunk, offload=offload)  # fmt: skip

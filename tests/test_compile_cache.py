@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from diloco_jax.runtime import compile_cache
-from tests.test_checkpoint import assert_bitwise_equal
+from tests.test_checkpoint import assert_bitwise_equal, events
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -37,11 +37,12 @@ def test_the_directory_is_the_key_else_the_variable_else_the_user_cache(tmp_path
     assert home == pathlib.Path.home() / ".cache" / "diloco_jax" / "xla"
 
 
-def _train(workdir, cache):
+def _train(workdir, cache, *overrides):
     env = {**os.environ, "TQDM_DISABLE": "1", compile_cache.ENV: str(cache)}
     run = subprocess.run([sys.executable, "-m", "diloco_jax.train", "--config", "tiny",
                           "--workdir", str(workdir), "--config.train.sample_chars=0",
-                          "--config.train.total_steps=10", "--config.parallel.runtime=sim"],
+                          "--config.train.total_steps=10", "--config.parallel.runtime=sim",
+                          *overrides],
                          cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -62,3 +63,19 @@ def test_a_second_identical_command_loads_its_step_from_the_cache(tmp_path):
                                    num_heads=2, mlp_ratio=2)  # fmt: skip
     a, b = (checkpoint.load_params(tmp_path / x / "params", like) for x in "ab")
     assert_bitwise_equal(a, b)
+
+
+def test_runs_that_differ_only_in_seed_or_outer_lr_share_one_compiled_step(tmp_path):
+    """The seed and a constant outer learning rate are inputs of the compiled step, not
+    constants in it (``StepControl.seed``, :func:`diloco_jax.recipe.outer_lr_input`): a sweep
+    over them compiles once. The inner learning rate is a constant of the step (its schedule),
+    so changing it compiles anew, and the log says so although the evaluation, compiled
+    alongside the step in another thread, comes from the cache."""
+    cache = tmp_path / "cache"
+    assert "compiled in" in _train(tmp_path / "a", cache)
+    other = _train(tmp_path / "b", cache, "--config.seed=1", "--config.outer.learning_rate=0.5")
+    assert "loaded from the compilation cache in" in other
+    inner = _train(tmp_path / "c", cache, "--config.inner.learning_rate=1e-3")
+    assert "compiled in" in inner and "loaded from the compilation cache" not in inner
+    done = {x: events(tmp_path / x)[-1] for x in "abc"}  # the summaries say it too
+    assert [done[x]["step_from_cache"] for x in "abc"] == [False, True, False]

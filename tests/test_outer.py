@@ -106,6 +106,48 @@ def test_outer_adam_on_the_mesh_equals_the_simulator():
     assert int(jax.tree.leaves(sim_state.outer_state)[0]) == 2  # two outer steps counted
 
 
+@pytest.mark.parametrize("optimizer,extra", [
+    ("sgd", []), ("sgd", [("outer.nesterov", "false")]), ("adam", []),
+    ("adamw", [("outer.weight_decay", "0.1")]),
+])  # fmt: skip
+def test_the_outer_learning_rate_as_an_input_trains_the_same_bits(optimizer, extra):
+    """The training loop's outer optimizer runs at learning rate 1, its update scaled by the
+    rate passed in ``StepControl.outer_scale`` (so a sweep of ``outer.learning_rate`` shares
+    one compiled step): the same bits as the rate inside the optimizer."""
+    from diloco_jax import recipe
+    from diloco_jax.runtime.step import full_control
+    from tests.test_checkpoint import assert_bitwise_equal
+
+    overrides = [("outer.optimizer", optimizer), ("outer.learning_rate", "0.37"), *extra]
+    cfg = apply_overrides(load_preset("tiny"), overrides)
+    lr = recipe.outer_lr_input(cfg)
+    assert lr == 0.37
+    steps = 3 * cfg.outer.sync_every  # three syncs: the momentum carries the rate's effect
+    params = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+              "b": np.zeros(4, np.float32)}  # fmt: skip
+    targets_R = jax.tree.map(lambda x: np.stack([x + r for r in range(4)]), params)
+    control = full_control(steps, 4).update_masks()
+
+    def run(as_input, scale):
+        algorithm = recipe.algorithm_from_config(cfg, "replica", outer_lr_as_input=as_input)
+        ctrl = {**control, "outer_scale": np.full((steps, 4), scale, np.float32)}
+        return helpers.run_vmapped(algorithm, params, targets_R, steps, control=ctrl)[0]
+
+    baked = run(False, 1.0)
+    assert_bitwise_equal(run(True, lr), baked)
+    assert not np.allclose(run(True, 1.0)["w"], baked["w"])  # without the scale, the rate is 1
+
+
+def test_a_scheduled_outer_learning_rate_stays_in_the_optimizer():
+    from diloco_jax import recipe
+
+    base = load_preset("tiny")
+    assert recipe.outer_lr_input(base) == base.outer.learning_rate
+    for overrides in ([("outer.warmup", "2")], [("outer.schedule", "cosine")],
+                      [("algorithm", "ddp")]):  # fmt: skip
+        assert recipe.outer_lr_input(apply_overrides(base, overrides)) == 1.0
+
+
 @pytest.mark.parametrize("key,value,match", [
     ("outer.optimizer", "lamb", "outer.optimizer = 'lamb' is invalid: must be one of"),
     ("outer.b2", "1.0", r"outer.b2 = 1.0 is invalid: must be in \[0, 1\)"),

@@ -65,7 +65,7 @@ def test_jitted_step_traces_once():
     tx = diloco_tx("replica")
     shards_RxS = jax.numpy.asarray(replica_shards(helpers.corpus_train(), 2, helpers.SEQ_LEN))
     task = tasks.language_model(graphdef, seq_len=helpers.SEQ_LEN)
-    step = make_replica_step(tx, task, seed=0, batch_size=2)
+    step = make_replica_step(tx, task, batch_size=2)
     state = init_replicas(tx, params, 2)
     axes = vmap_axes(tx)
     counted = chex.assert_max_traces(step, n=1)

@@ -9,8 +9,10 @@ so a changed model or layout compiles anew and never loads a stale executable.
 
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
+import threading
 
 import jax
 
@@ -18,12 +20,12 @@ ENV = "DILOCO_COMPILE_CACHE"
 OFF = "off"
 MIN_COMPILE_SECONDS = 0.2  # cache what takes longer to compile than to read back
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
-_hits = [0]
+_hits: collections.Counter = collections.Counter()  # per thread: JAX reports on the compiling one
 
 
 def _on_event(event: str, **kwargs) -> None:
     if event == _HIT_EVENT:
-        _hits[0] += 1
+        _hits[threading.get_ident()] += 1
 
 
 jax.monitoring.register_event_listener(_on_event)
@@ -61,5 +63,7 @@ def enable(configured: str = "") -> pathlib.Path | None:
 
 
 def hits() -> int:
-    """Executables loaded from the persistent cache so far in this process."""
-    return _hits[0]
+    """Executables that the calling thread loaded from the persistent cache so far. Per thread:
+    while the step compiles, another thread compiles the evaluation (``train._compile_ahead``),
+    and its hits must not make a compiled step look loaded."""
+    return _hits[threading.get_ident()]

@@ -26,23 +26,34 @@ class StepControl(NamedTuple):
       active: bool. False: the replica skips its inner step (idle straggler).
       weight: float32. The replica's weight in the pseudo-gradient mean at a sync (0: left out).
       take_anchor: bool. False: at a sync the replica keeps its own parameters.
-      outer_scale: float32. Multiplies DiLoCo's outer step (the outer learning rate changed
-        over HTTP: :mod:`diloco_jax.serve`); the same for every replica.
+      outer_scale: float32. Multiplies DiLoCo's outer step: the outer learning rate where the
+        config passes it as an input (:func:`diloco_jax.recipe.outer_lr_input`) times its scale
+        changed over HTTP (:mod:`diloco_jax.serve`); the same for every replica.
+      seed: int32. The run's seed, from which each replica's batches and dropout masks are
+        drawn. An input rather than a constant of the compiled step, so runs that differ only
+        in their seed (a sweep's ``--seeds``) share one compiled step; the same for every
+        replica.
     """
 
     active: jax.Array
     weight: jax.Array
     take_anchor: jax.Array
     outer_scale: jax.Array
+    seed: jax.Array
+
+    def update_masks(self) -> dict:
+        """The fields that ``algorithm.update`` takes (all but the seed)."""
+        return {k: v for k, v in self._asdict().items() if k != "seed"}
 
 
-def full_control(num_steps: int, replicas: int) -> StepControl:
-    """Every replica active, weight 1, restarting from the anchor: plain DiLoCo."""
+def full_control(num_steps: int, replicas: int, seed: int = 0) -> StepControl:
+    """Every replica active, weight 1, restarting from the anchor: plain DiLoCo, with ``seed``."""
     return StepControl(
         active=jnp.ones((num_steps, replicas), bool),
         weight=jnp.ones((num_steps, replicas), jnp.float32),
         take_anchor=jnp.ones((num_steps, replicas), bool),
         outer_scale=jnp.ones((num_steps, replicas), jnp.float32),
+        seed=jnp.full((num_steps, replicas), seed, jnp.int32),
     )
 
 
@@ -50,7 +61,6 @@ def make_replica_step(
     algorithm,
     task: Task,
     *,
-    seed: int,
     batch_size: int,
     data_axis: str | None = None,
     data_shards: int = 1,
@@ -66,7 +76,8 @@ def make_replica_step(
 
     ``algorithm``: :func:`diloco_jax.algorithm.diloco` or a baseline; its state holds the
     replica's ``params`` and the shared ``step``. The replica draws ``batch = task.sample(shard,
-    seed, replica, step)``; with a ``data_axis`` each of its ``data_shards`` devices takes its
+    seed, replica, step)`` (``seed``: ``control.seed``, an input of the call); with a
+    ``data_axis`` each of its ``data_shards`` devices takes its
     ``B / data_shards`` rows and the loss and gradients are averaged over ``data_axis``
     (explicitly: the mesh runtime runs ``shard_map`` with ``check_vma=False``, so nothing is
     summed behind our back). Then ``algorithm.update`` takes the inner step and, with DiLoCo,
@@ -88,6 +99,7 @@ def make_replica_step(
     rows = batch_size // data_shards
 
     def replica_step(state, replica: jax.Array, shard, control: StepControl):
+        seed = control.seed
         batch = (
             shard
             if streamed
@@ -110,7 +122,7 @@ def make_replica_step(
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key)
         if data_axis is not None and data_shards > 1 and not auto_data:
             loss, aux, grads = lax.pmean((loss, aux, grads), data_axis)
-        extra = control._asdict() if controlled else {"outer_scale": control.outer_scale}
+        extra = control.update_masks() if controlled else {"outer_scale": control.outer_scale}
         state, metrics = algorithm.update(state, grads, **extra)
         return state, {"loss": loss, **metrics, **({"aux": aux} if task.aux else {})}
 

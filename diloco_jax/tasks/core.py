@@ -22,7 +22,9 @@ from diloco_jax.tasks import vision
 
 
 class Task(NamedTuple):
-    """``sample(shard, *, seed, replica, step, batch_size) -> batch`` (rows first);
+    """``sample(shard, *, seed, replica, step, batch_size) -> batch`` (rows first; ``seed``,
+    ``replica`` and ``step`` are int32 scalars of the compiled step, so one compiled step serves
+    every seed);
     ``loss(params, batch, dropout_key) -> mean loss``; ``eval_fn(params, eval_data) ->
     {"eval_loss", ...}`` (jitted); ``unit``: what one batch row counts as (``token``s of
     ``tokens_per_row``, or one ``example``)."""

@@ -124,25 +124,27 @@ class Transformer(nnx.Module):
         return self.embed.attend(x_BxLxD) if self.tied else self.head(x_BxLxD)
 
 
-def split_built(make: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, Any]:
-    """``(graphdef, params)`` of the module that ``make()`` builds, its parameters (a pure
-    pytree) from one compiled call, which the persistent compilation cache keeps, rather than
-    from one small compile per initialiser (about 1 s of every command's start for the default
-    Transformer). The graph definition holds no values: it is kept from the trace."""
+def split_built(make: Callable[[nnx.Rngs], nnx.Module], seed: int) -> tuple[nnx.GraphDef, Any]:
+    """``(graphdef, params)`` of the module that ``make(rngs)`` builds from ``nnx.Rngs(params=
+    seed)``, its parameters (a pure pytree) from one compiled call, which the persistent
+    compilation cache keeps, rather than from one small compile per initialiser (about 1 s of
+    every command's start for the default Transformer). The seed is an input of that call, so
+    one compiled call serves every seed. The graph definition holds no values: it is kept from
+    the trace."""
     graphdefs = []
 
-    def build():
-        graphdef, params = nnx.split(make(), nnx.Param)
+    def build(seed):
+        graphdef, params = nnx.split(make(nnx.Rngs(params=jax.random.key(seed))), nnx.Param)
         graphdefs.append(graphdef)
         return nnx.to_pure_dict(params)
 
-    params = jax.jit(build)()
+    params = jax.jit(build)(np.int32(seed))
     return graphdefs[0], params
 
 
 def init_model(seed: int, **model_kwargs) -> tuple[nnx.GraphDef, Any]:
     """Builds the model and splits it once into a graph definition and a pure params pytree."""
-    return split_built(lambda: Transformer(**model_kwargs, rngs=nnx.Rngs(params=seed)))
+    return split_built(lambda rngs: Transformer(**model_kwargs, rngs=rngs), seed)
 
 
 def apply(

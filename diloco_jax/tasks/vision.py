@@ -63,7 +63,7 @@ class ResNet(nnx.Module):
 
 def init_model(seed: int, **kwargs) -> tuple[nnx.GraphDef, Any]:
     """``(graphdef, params)`` of a :class:`ResNet` built from ``kwargs``."""
-    return split_built(lambda: ResNet(**kwargs, rngs=nnx.Rngs(params=seed)))
+    return split_built(lambda rngs: ResNet(**kwargs, rngs=rngs), seed)
 
 
 def apply(graphdef: nnx.GraphDef, params: Any, images_BxHxWxC: jax.Array) -> jax.Array:
