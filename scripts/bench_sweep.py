@@ -78,7 +78,8 @@ def main() -> None:
         how = {True: "loaded", False: "compiled", None: "?"}[r["from_cache"]]
         print(f"| {r['run']} | {how} | {r['start']:.1f} | {r['compile']:.1f} | "
               f"{r['steps']:.1f} | {r['eval']:.1f} | {r['finish']:.1f} |")  # fmt: skip
-    compiled = sum(r["from_cache"] is False for r in rows)
+    known = all(r["from_cache"] is not None for r in rows)  # older versions did not say
+    compiled = sum(r["from_cache"] is False for r in rows) if known else "?"
     compile_s = sum(r["compile"] for r in rows)
     steps_s = sum(r["steps"] for r in rows)
     print(f"\n{len(rows)} runs in {seconds:.1f} s: steps {steps_s:.1f} s, compile phases "
