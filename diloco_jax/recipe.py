@@ -129,9 +129,14 @@ def outer_lr_input(cfg: Config) -> float:
     ``StepControl.outer_scale``, which multiplies the outer update. Every outer optimizer's
     update is its direction times ``-learning_rate``, so the product is the same float32 number
     either way: ``(-u) * lr`` and ``u * (-lr)`` round alike."""
+    return float(cfg.outer.learning_rate) if outer_lr_is_input(cfg) else 1.0
+
+
+def outer_lr_is_input(cfg: Config) -> bool:
+    """Whether ``outer.learning_rate`` is an input of the compiled step rather than a constant
+    in it (see :func:`outer_lr_input`)."""
     o = cfg.outer
-    constant = o.schedule == "constant" and not o.warmup
-    return float(o.learning_rate) if cfg.algorithm == "diloco" and constant else 1.0
+    return cfg.algorithm == "diloco" and o.schedule == "constant" and not o.warmup
 
 
 def _optimizers(cfg: Config, outer_lr_as_input: bool = False):
