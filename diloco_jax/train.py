@@ -224,21 +224,22 @@ def program_material(cfg: config_lib.Config) -> dict | None:
 
 
 def _lower(s: Setup, args, material: dict | None):
-    """The step lowered for ``args``, and how: "loaded" (the kept traced program), "traced"
-    (traced and kept) or "lowered" (JAX's own lowering, where nothing is kept)."""
+    """The step lowered for ``args``; how ("loaded": the kept traced program, "traced": traced
+    and kept, "lowered": JAX's own lowering, where nothing is kept); and the kept program's
+    path (None where nothing is kept)."""
     if material is not None and hasattr(s.run_chunk, "trace"):  # one jitted call, not chunked
         path = compile_cache.program_path(
             compile_cache.directory(s.cfg.train.compile_cache), material, args
         )
         kept = compile_cache.load_program(path, args)
         if kept is not None:
-            return kept, "loaded"
+            return kept, "loaded", path
         try:
-            return compile_cache.export_program(s.run_chunk, args, path), "traced"
+            return compile_cache.export_program(s.run_chunk, args, path), "traced", path
         except Exception as e:  # noqa: BLE001 - only time is at stake
             log.warning("the step could not be kept as a traced program (%s: %s)",
                         type(e).__name__, e)  # fmt: skip
-    return s.run_chunk.lower(*args), "lowered"
+    return s.run_chunk.lower(*args), "lowered", None
 
 
 def _compile(s: Setup, state, phases: reporting.Phases, material: dict | None = None):
@@ -249,10 +250,16 @@ def _compile(s: Setup, state, phases: reporting.Phases, material: dict | None = 
     t0, hits = time.time(), compile_cache.hits()
     with phases("compile"):
         args = (state, s.replicas_R, s.shards_RxS, chunk_control(s.cfg, s, 0))
-        lowered, traced = _lower(s, args, material)
+        lowered, traced, path = _lower(s, args, material)
         ahead = threading.Thread(target=_compile_ahead, args=(s, state), name="compile-ahead")
         ahead.start()  # traced while XLA compiles the step (or loads it), without the GIL
-        run = lowered.compile()
+        try:
+            run = lowered.compile()
+        except Exception as e:
+            if path is None:
+                raise
+            compile_cache.drop(path, e)  # the exported call did not compile: JAX's own way
+            traced, run = "lowered", s.run_chunk.lower(*args).compile()
         ahead.join()
     entropy = f"; validation unigram entropy {s.unigram_nats:.3f} nats" * (s.unigram_nats > 0)
     loaded = compile_cache.hits() > hits

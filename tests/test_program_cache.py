@@ -55,6 +55,7 @@ CONFIGS = {  # where a key could reach the step: the variants that build other s
     },
     "outer_schedule": {"outer.schedule": "cosine"},  # the outer rate is a constant of the step
     "noloco": {"noloco.enabled": True},  # the seed draws the pairings, constants of the step
+    "digits": {"data.corpus": "digits"},  # the image task: its data reach the step as arguments
 }
 
 
@@ -136,11 +137,37 @@ def test_a_kept_program_computes_what_the_function_does_and_a_bad_one_is_dropped
     assert compile_cache.load_program(path, ({"w": jnp.zeros((2, 3))}, jnp.zeros(5))) is None
     with pytest.raises(TypeError, match="do not match"):
         traced({"w": jnp.zeros((2, 3))}, jnp.zeros(5))
+    # a corrupted entry (one byte of the program changed): refused by its checksum, removed
+    entry = pickle.loads(path.read_bytes())
+    blob = bytearray(entry["exported"])
+    blob[len(blob) // 2] ^= 1
+    path.write_bytes(pickle.dumps({**entry, "exported": bytes(blob)}))
+    assert compile_cache.load_program(path, args()) is None
+    assert not path.exists()
     # a damaged entry: ignored and removed, so the next run traces and keeps a sound one
-    path.write_bytes(pickle.dumps({"format": 1, "exported": b"garbage"})[:-3])
+    path.write_bytes(pickle.dumps({"format": 2, "exported": b"garbage"})[:-3])
     assert compile_cache.load_program(path, args()) is None
     assert not path.exists()
     assert compile_cache.load_program(path, args()) is None  # none there: None, quietly
+
+
+def test_a_kept_program_that_does_not_compile_falls_back_to_tracing(tmp_path, monkeypatch, capsys):
+    """Whatever fails between the kept program and the first step costs time only: the run
+    compiles its step JAX's own way, trains the same bits, and the entry is dropped."""
+    from diloco_jax.train import train
+
+    cache = tmp_path / "cache"
+    cfg = _tiny(**{"train.compile_cache": cache})
+    want = train(cfg, tmp_path / "a", show_progress=False)["state"]
+    (entry,) = (cache / compile_cache.PROGRAMS).iterdir()
+
+    def fail(self):
+        raise RuntimeError("no executable today")
+
+    monkeypatch.setattr(compile_cache.LoweredProgram, "compile", fail)
+    got = train(cfg, tmp_path / "b", show_progress=False)["state"]
+    assert_bitwise_equal(got, want)
+    assert "no executable today" in capsys.readouterr().err and not entry.exists()
 
 
 @pytest.mark.parametrize("layout", ["sim", "mesh"])

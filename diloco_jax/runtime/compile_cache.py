@@ -10,6 +10,7 @@ so a changed model or layout compiles anew and never loads a stale executable.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import json
@@ -87,13 +88,13 @@ def hits() -> int:
 # config, the task, the data; :func:`environment`: this library's files, the versions of what
 # traces, the devices, JAX's options; and the arguments' structure, shapes and shardings). A
 # key that matches loads the program (~0.01 s) and lowers its call (~0.3 s); XLA's compile of
-# that call then comes from JAX's cache as before. Anything that fails on the way (a missing or
-# damaged entry, a program that cannot be exported) falls back to tracing, so the cost of a
-# failure is time, never a wrong program: that rests on the key, whose parts
-# ``tests/test_program_cache.py`` checks.
+# that call then comes from JAX's cache as before. What fails before the first step (a missing,
+# damaged or corrupted entry, a program that cannot be exported, lowered or compiled) falls
+# back to tracing (``train._compile``), so the cost of a failure is time, never a wrong
+# program: that rests on the key, whose parts ``tests/test_program_cache.py`` checks.
 
 PROGRAMS = "programs"  # under the cache directory, beside JAX's executables
-_FORMAT = 1  # of an entry: pickle of {"format", "exported", "in_tree", "out_tree"}
+_FORMAT = 2  # of an entry: pickle of {"format", "exported", "sha256", "in_tree", "out_tree"}
 
 
 @functools.cache
@@ -126,9 +127,12 @@ def environment() -> dict[str, Any]:
     versions = {m.__name__: m.__version__ for m in (jax, jaxlib, flax, optax, np, ml_dtypes)}
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
     options = {k: repr(v) for k, v in jax.config.values.items()}
+    flax_options = {k: repr(getattr(flax.config, k)) for k in dir(flax.config)
+                    if k.startswith("flax_")}  # fmt: skip
     backend = jax.devices()[0].client
     return {"python": sys.version, "versions": versions, "library": library_digest(),
-            "jax_options": options, "devices": devices, "processes": jax.process_count(),
+            "jax_options": options, "flax_options": flax_options, "devices": devices,
+            "processes": jax.process_count(),
             "platform_version": backend.platform_version}  # fmt: skip
 
 
@@ -200,22 +204,33 @@ def _lower_call(exported, args, in_tree, out_tree, donate_argnums) -> LoweredPro
 def load_program(path: pathlib.Path, args, donate_argnums=(0,)) -> LoweredProgram | None:
     """The program kept at ``path``, lowered for ``args``; None when there is none or it cannot
     be used (a damaged entry is removed)."""
-    if not path.is_file():
-        return None
     try:
         with path.open("rb") as f:
             entry = pickle.load(f)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a damaged entry costs a trace, never the run
+        return drop(path, e)
+    try:
         if entry.get("format") != _FORMAT:
             return None
+        if hashlib.sha256(entry["exported"]).hexdigest() != entry["sha256"]:
+            raise ValueError("its contents do not match their checksum")
         if jax.tree.structure(args) != entry["in_tree"]:
             return None
         exported = jax.export.deserialize(bytearray(entry["exported"]))
         return _lower_call(exported, args, entry["in_tree"], entry["out_tree"], donate_argnums)
-    except Exception as e:  # noqa: BLE001 - a damaged entry costs a trace, never the run
-        log.warning("the traced program %s could not be used (%s: %s); tracing the step",
-                    path, type(e).__name__, e)  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        return drop(path, e)
+
+
+def drop(path: pathlib.Path, error: Exception) -> None:
+    """Logs why the kept program at ``path`` cannot be used and removes it (where it can), so
+    that the next run traces and keeps a sound one."""
+    log.warning("the traced program %s could not be used (%s: %s); tracing the step",
+                path, type(error).__name__, error)  # fmt: skip
+    with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
-        return None
 
 
 def export_program(fn, args, path: pathlib.Path | None, donate_argnums=(0,)) -> LoweredProgram:
@@ -232,11 +247,13 @@ def export_program(fn, args, path: pathlib.Path | None, donate_argnums=(0,)) -> 
         return out
 
     exported = jax.export.export(jax.jit(flat))(*leaves)
-    if path is not None:
-        entry = {"format": _FORMAT, "exported": bytes(exported.serialize()),
+    lowered = _lower_call(exported, args, in_tree, out_trees[-1], donate_argnums)
+    if path is not None:  # kept once its call lowers: a caller drops it if it fails to compile
+        blob = bytes(exported.serialize())
+        entry = {"format": _FORMAT, "exported": blob, "sha256": hashlib.sha256(blob).hexdigest(),
                  "in_tree": in_tree, "out_tree": out_trees[-1]}  # fmt: skip
         _write(path, pickle.dumps(entry))
-    return _lower_call(exported, args, in_tree, out_trees[-1], donate_argnums)
+    return lowered
 
 
 def _write(path: pathlib.Path, data: bytes) -> None:
