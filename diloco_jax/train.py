@@ -24,7 +24,7 @@ from diloco_jax import (
     distributed,
     figures,
     placement,
-    recipe,
+    programs,
     records,
     reporting,
     resume,
@@ -175,82 +175,15 @@ def _open(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, server)
     return _Run(lead, mngr, runlog, live), start
 
 
-# Config keys the traced step does not depend on (tests/test_program_cache.py lowers the step
-# with them changed and finds the same program): runs that differ only in them load one kept
-# traced program. See program_free for the configs where the set differs.
-PROGRAM_FREE = (
-    "seed",  # an input of the step (StepControl.seed)
-    "train.eval_every", "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints",
-    "train.sample_chars", "train.sample_prompt", "train.compile_cache",
-    "train.check_replicated", "data.eval_windows",
-    "sim.network", "sim.bandwidth_gbps", "sim.latency_ms", "sim.topology", "sim.step_time_s",
-    "log.progress_bar", "log.figures", "log.wandb", "log.wandb_project", "log.wandb_mode",
-    "serve.port", "serve.host", "serve.token_file",
-)  # fmt: skip
-
-
-def program_free(cfg: config_lib.Config) -> set[str]:
-    """:data:`PROGRAM_FREE` for ``cfg``: with ``outer.learning_rate`` where it is an input of the
-    step, without ``seed`` under NoLoCo (its pairings are drawn from the seed as the step is
-    built: constants in it)."""
-    free = set(PROGRAM_FREE)
-    if recipe.outer_lr_is_input(cfg):
-        free.add("outer.learning_rate")
-    if recipe.gossip_of(cfg) is not None:
-        free.discard("seed")
-    return free
-
-
-def program_material(cfg: config_lib.Config) -> dict | None:
-    """What the traced step of a built-in task depends on in ``cfg`` (its keys but
-    :func:`program_free`'s) and in the data (a corpus file's path, size and modification time;
-    the shipped corpora are part of the library's digest); None where the step is not kept as a
-    traced program: a user's task (its code is not in the key), a TFDS dataset, several
-    processes, a GPU or TPU (not yet checked there), no cache."""
-    eligible = (not cfg.task.factory and not cfg.data.corpus.startswith("tfds:")
-                and jax.process_count() == 1 and jax.default_backend() == "cpu"
-                and compile_cache.directory(cfg.train.compile_cache) is not None
-                and compile_cache.can_keep_programs())  # fmt: skip
-    if not eligible:
-        return None
-    free = program_free(cfg)
-    keys = {k: v for k, v in config_lib.keys(cfg).items() if k not in free}
-    corpus = pathlib.Path(cfg.data.corpus).expanduser()
-    data = None
-    if corpus.is_file():
-        st = corpus.stat()
-        data = (str(corpus.resolve()), st.st_size, st.st_mtime_ns)
-    return {"config": keys, "corpus": data}
-
-
-def _lower(s: Setup, args, material: dict | None):
-    """The step lowered for ``args``; how ("loaded": the kept traced program, "traced": traced
-    and kept, "lowered": JAX's own lowering, where nothing is kept); and the kept program's
-    path (None where nothing is kept)."""
-    if material is not None and hasattr(s.run_chunk, "trace"):  # one jitted call, not chunked
-        path = compile_cache.program_path(
-            compile_cache.directory(s.cfg.train.compile_cache), material, args
-        )
-        kept = compile_cache.load_program(path, args)
-        if kept is not None:
-            return kept, "loaded", path
-        try:
-            return compile_cache.export_program(s.run_chunk, args, path), "traced", path
-        except Exception as e:  # noqa: BLE001 - only time is at stake
-            log.warning("the step could not be kept as a traced program (%s: %s)",
-                        type(e).__name__, e)  # fmt: skip
-    return s.run_chunk.lower(*args), "lowered", None
-
-
 def _compile(s: Setup, state, phases: reporting.Phases, material: dict | None = None):
     """The step's executable, compiled or loaded from the persistent cache, memory checked;
-    and whether it was loaded. ``material``: :func:`program_material`, where the step's traced
-    program is kept too."""
+    and whether it was loaded. ``material``: :func:`diloco_jax.programs.material`, where the
+    step's traced program is kept too."""
     log.info("compiling %d steps per call ...", s.cfg.train.log_every)
     t0, hits = time.time(), compile_cache.hits()
     with phases("compile"):
         args = (state, s.replicas_R, s.shards_RxS, chunk_control(s.cfg, s, 0))
-        lowered, traced, path = _lower(s, args, material)
+        lowered, traced, path = programs.lower(s, args, material)
         ahead = threading.Thread(target=_compile_ahead, args=(s, state), name="compile-ahead")
         ahead.start()  # traced while XLA compiles the step (or loads it), without the GIL
         try:
@@ -341,7 +274,7 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     r, start = _open(s, workdir, allow_config_change=allow_config_change, server=server)
     state = start.state
     phases.seconds["start"] = since_start + time.perf_counter() - entered
-    run, loaded = _compile(s, state, phases, None if task is not None else program_material(cfg))
+    run, loaded = _compile(s, state, phases, None if task is not None else programs.material(cfg))
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)

@@ -10,14 +10,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from diloco_jax import train as train_lib
+from diloco_jax import programs
 from diloco_jax.config import apply_overrides, load_preset
 from diloco_jax.run_setup import build, chunk_control
 from diloco_jax.runtime import compile_cache
 from tests.test_checkpoint import assert_bitwise_equal, events
 from tests.test_compile_cache import _train
 
-# another value for every key the traced step must not depend on (train.PROGRAM_FREE)
+# another value for every key the traced step must not depend on (programs.PROGRAM_FREE)
 OTHER_VALUES = {
     "seed": 7, "train.eval_every": 5, "train.checkpoint": False, "train.checkpoint_every": 20,
     "train.keep_checkpoints": 1, "train.sample_chars": 40, "train.sample_prompt": "KING.",
@@ -61,15 +61,15 @@ CONFIGS = {  # where a key could reach the step: the variants that build other s
 
 @pytest.mark.parametrize("variant", CONFIGS)
 def test_every_program_free_key_leaves_the_traced_step_unchanged(tmp_path, variant):
-    """The key of a kept program leaves out :func:`train.program_free`'s keys; so changing all
+    """The key of a kept program leaves out :func:`programs.free_keys`'s keys; so changing all
     of them at once must trace the same program. Where a key is not free (the outer learning
     rate under a schedule, the seed under NoLoCo), changing it changes the program: it must
     stay in the key, and the comparison can fail."""
-    assert set(OTHER_VALUES) == set(train_lib.PROGRAM_FREE)  # no key left out untested
+    assert set(OTHER_VALUES) == set(programs.PROGRAM_FREE)  # no key left out untested
     (tmp_path / "token").write_text("a-token-of-sixteen-or-more-characters")
     values = {**OTHER_VALUES, "serve.token_file": tmp_path / "token", "outer.learning_rate": 0.3}
     cfg = _tiny(**CONFIGS[variant])
-    free = train_lib.program_free(cfg)
+    free = programs.free_keys(cfg)
     base = _step_text(cfg)
     assert _step_text(_tiny(**CONFIGS[variant], **{k: values[k] for k in free})) == base
     for key in set(values) - free:
@@ -78,7 +78,7 @@ def test_every_program_free_key_leaves_the_traced_step_unchanged(tmp_path, varia
 
 
 def _path(cfg, args):
-    material = train_lib.program_material(cfg)
+    material = programs.material(cfg)
     return (
         None if material is None else compile_cache.program_path(pathlib.Path("/c"), material, args)
     )
