@@ -7,8 +7,16 @@ import re
 import shutil
 import tempfile
 
+SUITE_XLA_OPT = "--xla_backend_optimization_level=0"
+
 # a user's own XLA_FLAGS are kept, but for the device count the mesh tests need
 _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+# The suite's programs are tiny: compiling them is most of its time, and LLVM's optimisation
+# passes most of that (-O0 took a third off two layout tests, docs/testing.md). Every program
+# of a test, and of the commands it runs in child processes, compiles alike, so two layouts
+# are compared under one compiler; DILOCO_TEST_XLA_OPT=default keeps XLA's own level.
+if os.environ.get("DILOCO_TEST_XLA_OPT", "0") != "default" and "optimization_level" not in _flags:
+    _flags += f" {SUITE_XLA_OPT}"
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.pop("JAX_NUM_CPU_DEVICES", None)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -23,6 +31,10 @@ for _name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "PMI_"))
 # processes, instead of compiled again. JAX keys each entry by the program, its options and the
 # versions, so a test gets the executable it would have compiled. DILOCO_COMPILE_CACHE=off
 # (or a directory) set before pytest wins.
+# Every program, however small: the eager operations of test code and of each command's set-up
+# (tens of milliseconds each to compile, hundreds of them per process) are read back by the
+# suite's other processes instead (a test ran in 13.9 s instead of 17.2 s after another had).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if "DILOCO_COMPILE_CACHE" not in os.environ:
     os.environ["DILOCO_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="diloco_tests_xla_")
     atexit.register(shutil.rmtree, os.environ["DILOCO_COMPILE_CACHE"], ignore_errors=True)

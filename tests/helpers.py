@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import pathlib
+import re
 import struct
 
 import jax
@@ -13,7 +16,7 @@ import numpy as np
 from diloco_jax import algorithm as algorithm_lib
 from diloco_jax import tasks
 from diloco_jax.algorithm import init_replicas, optim
-from diloco_jax.data import VOCAB_SIZE, load_corpus, replica_shards
+from diloco_jax.data import VOCAB_SIZE, load_corpus, replica_shards, sample_batch
 from diloco_jax.runtime import parallel
 from diloco_jax.runtime.step import StepControl, full_control, make_replica_step
 from diloco_jax.tasks import model as model_lib
@@ -30,6 +33,35 @@ def corpus_train():
     return _CORPUS["train"]
 
 
+def child_env(**extra) -> dict:
+    """The environment for a child process that picks its own devices (an example, the
+    launcher): the suite's, less its 8 fake CPU devices, so the child compiles as the suite does
+    (tests/conftest.py's XLA flags), plus ``extra``."""
+    env = {**os.environ, **extra}
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                              env.get("XLA_FLAGS", "")).strip()  # fmt: skip
+    return env
+
+
+def events(workdir: pathlib.Path, kind: str | None = None) -> list[dict]:
+    """The events of ``workdir/metrics.jsonl``, those whose ``event`` is ``kind`` if given."""
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if kind is None or e["event"] == kind]
+
+
+def died_after(workdir: pathlib.Path, step: int, dest: pathlib.Path) -> pathlib.Path:
+    """``dest``: a copy of the finished run in ``workdir`` without its checkpoints after
+    ``step``, as if the run had died after that step's checkpoint (a resume test's second run,
+    without training the same run twice)."""
+    import shutil
+
+    shutil.copytree(workdir, dest)
+    for saved in (dest / "checkpoints").iterdir():
+        if saved.name.isdigit() and int(saved.name) > step:
+            shutil.rmtree(saved)
+    return dest
+
+
 def tiny_model(seed=0):
     return model_lib.init_model(
         seed, vocab_size=VOCAB_SIZE, seq_len=SEQ_LEN, d_model=16, num_layers=1, num_heads=2,
@@ -37,15 +69,47 @@ def tiny_model(seed=0):
     )  # fmt: skip
 
 
+def bigram_model(seed=0):
+    """A bigram language model's parameters, named as the Transformer's embedding and head
+    (``embed/embedding [V, D]``, ``head/kernel [D, V]``, ``head/bias [V]``): the algorithm's
+    leaves without the Transformer's program, which compiles in about half the time."""
+    embed_key, head_key = jax.random.split(jax.random.key(seed))
+    return {
+        "embed": {"embedding": jax.random.normal(embed_key, (VOCAB_SIZE, 16)) * 0.5},
+        "head": {"kernel": jax.random.normal(head_key, (16, VOCAB_SIZE)) * 0.25,
+                 "bias": jnp.zeros(VOCAB_SIZE)},
+    }  # fmt: skip
+
+
+def bigram_loss(params, tokens_BxL1, dropout_key=None):
+    """Mean next-token nats of :func:`bigram_model`."""
+    del dropout_key
+    hidden_BxLxD = params["embed"]["embedding"][tokens_BxL1[:, :-1]]
+    logits_BxLxV = hidden_BxLxD @ params["head"]["kernel"] + params["head"]["bias"]
+    return model_lib.token_nll(logits_BxLxV, tokens_BxL1[:, 1:]).mean()
+
+
+def bigram_task() -> tasks.Task:
+    sample = functools.partial(sample_batch, seq_len=SEQ_LEN)
+    return tasks.Task(sample, bigram_loss, None)
+
+
 def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0,
           replica_ids=None, batch=BATCH, shards=None, control=None, prepare=None, task=None,
-          params=None, shards_RxS=None):  # fmt: skip
-    """The compiled-to-be call of ``num_steps`` steps of the tiny model under ``layout`` and its
+          params=None, shards_RxS=None, model="bigram"):  # fmt: skip
+    """The compiled-to-be call of ``num_steps`` steps of a tiny model under ``layout`` and its
     arguments: ``(fn, args, params)`` (see :func:`run` for the keywords; ``task``, ``params``
-    and ``shards_RxS`` replace the tiny language model, its parameters and its shards)."""
-    graphdef, tiny_params = tiny_model(seed)
-    params = tiny_params if params is None else params
-    task = tasks.language_model(graphdef, seq_len=SEQ_LEN) if task is None else task
+    and ``shards_RxS`` replace the tiny language model, its parameters and its shards).
+    ``model``: ``"bigram"`` (:func:`bigram_model`: the layout and algorithm tests, for their
+    compile time) or ``"transformer"`` (:func:`tiny_model`: where the leaves of a real model
+    matter, Muon's matrices say)."""
+    if model == "bigram":
+        default_params, default_task = bigram_model(seed), bigram_task()
+    else:
+        graphdef, default_params = tiny_model(seed)
+        default_task = tasks.language_model(graphdef, seq_len=SEQ_LEN)
+    params = default_params if params is None else params
+    task = default_task if task is None else task
     algorithm = algorithm_for_axis(layout.replica_axis_names)
     state = init_replicas(algorithm, params, layout.replicas)
     if prepare is not None:

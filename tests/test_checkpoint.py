@@ -25,6 +25,7 @@ from diloco_jax.preemption import Preemption
 from diloco_jax.runtime import checkpoint
 from diloco_jax.runtime.checkpoint import CheckpointError
 from diloco_jax.train import build, main, train
+from tests.helpers import events
 
 
 def tiny(**overrides):
@@ -36,10 +37,6 @@ def tiny(**overrides):
 def assert_bitwise_equal(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def events(workdir):
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_each_event_once(workdir):
@@ -147,7 +144,7 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_continues_exactly(tmp_path):
     stopped = int(out.split("at step ")[1].split(";")[0])
     assert 0 < stopped < 1500
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
-    done = [json.loads(x) for x in metrics.read_text().splitlines() if '"done"' in x]
+    done = events(workdir, "done")
     assert done[-1]["preempted"] == "SIGTERM"
     cfg = tiny(**{"train.checkpoint_every": 0, **over})
     resumed = train(cfg, workdir, show_progress=False)

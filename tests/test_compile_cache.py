@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 from diloco_jax.runtime import compile_cache
-from tests.test_checkpoint import assert_bitwise_equal, events
+from tests.helpers import events
+from tests.test_checkpoint import assert_bitwise_equal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -49,33 +50,34 @@ def _train(workdir, cache, *overrides):
     return run.stderr
 
 
-def test_a_second_identical_command_loads_its_step_from_the_cache(tmp_path):
+def test_warm_commands_load_their_step_and_train_what_an_uncached_command_trains(tmp_path):
+    """Four commands on one cache. The first compiles its step and keeps its traced program.
+    The second differs only in the seed and a constant outer learning rate, inputs of the
+    compiled step (``StepControl.seed``, :func:`diloco_jax.recipe.outer_lr_input`), so a sweep
+    over them compiles once: it loads both and trains the bits that the same command trains
+    with no cache (the step traced and compiled by JAX alone). The inner learning rate is a
+    constant of the step (its schedule): changing it compiles anew, and the log says so
+    although the evaluation, compiled alongside the step in another thread, comes from the
+    cache. (The mesh's warm command: tests/test_program_cache.py.)"""
     from diloco_jax.runtime import checkpoint
     from diloco_jax.tasks import model as model_lib
 
-    cache = tmp_path / "cache"
+    cache, other = tmp_path / "cache", ["--config.seed=1", "--config.outer.learning_rate=0.5"]
     first = _train(tmp_path / "a", cache)
     assert "compiled in" in first and "loaded from the compilation cache" not in first
-    assert any(cache.iterdir())
-    second = _train(tmp_path / "b", cache)
+    assert len(list((cache / compile_cache.PROGRAMS).iterdir())) == 1
+    second = _train(tmp_path / "b", cache, *other)
     assert "loaded from the compilation cache in" in second
+    assert "its kept traced program reused" in second
+    plain = _train(tmp_path / "plain", "off", *other)
+    assert "traced program reused" not in plain
     _, like = model_lib.init_model(0, vocab_size=256, seq_len=32, d_model=32, num_layers=1,
                                    num_heads=2, mlp_ratio=2)  # fmt: skip
-    a, b = (checkpoint.load_params(tmp_path / x / "params", like) for x in "ab")
-    assert_bitwise_equal(a, b)
-
-
-def test_runs_that_differ_only_in_seed_or_outer_lr_share_one_compiled_step(tmp_path):
-    """The seed and a constant outer learning rate are inputs of the compiled step, not
-    constants in it (``StepControl.seed``, :func:`diloco_jax.recipe.outer_lr_input`): a sweep
-    over them compiles once. The inner learning rate is a constant of the step (its schedule),
-    so changing it compiles anew, and the log says so although the evaluation, compiled
-    alongside the step in another thread, comes from the cache."""
-    cache = tmp_path / "cache"
-    assert "compiled in" in _train(tmp_path / "a", cache)
-    other = _train(tmp_path / "b", cache, "--config.seed=1", "--config.outer.learning_rate=0.5")
-    assert "loaded from the compilation cache in" in other
+    b, want = (checkpoint.load_params(tmp_path / x / "params", like) for x in ("b", "plain"))
+    assert_bitwise_equal(b, want)
     inner = _train(tmp_path / "c", cache, "--config.inner.learning_rate=1e-3")
     assert "compiled in" in inner and "loaded from the compilation cache" not in inner
-    done = {x: events(tmp_path / x)[-1] for x in "abc"}  # the summaries say it too
+    done = {x: events(tmp_path / x)[-1] for x in ("a", "b", "plain", "c")}  # the summaries too
     assert [done[x]["step_from_cache"] for x in "abc"] == [False, True, False]
+    losses = [done[x]["final_eval_loss"] for x in ("a", "b", "plain")]
+    assert losses[0] != losses[1] == losses[2]  # the seed is an input, not a constant

@@ -3,7 +3,6 @@ side by side on its cores (issue 13). Each split is checked in a fresh process: 
 device count when it starts, and this test process already runs with 8 fake devices."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 from diloco_jax.runtime import parallel
 from diloco_jax.train import main
+from tests.helpers import child_env
 
 CHILD = """
 import json, sys
@@ -22,8 +22,9 @@ print(json.dumps([done, jax.device_count()]))
 
 
 def _fresh_env(xla_flags: str = "") -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    return {**env, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
+    """No device count of the suite's (its compiler options kept): only ``xla_flags``'s."""
+    env = {k: v for k, v in child_env().items() if k != "JAX_NUM_CPU_DEVICES"}
+    return {**env, "XLA_FLAGS": f"{env['XLA_FLAGS']} {xla_flags}".strip(), "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.mark.parametrize(
@@ -85,6 +86,9 @@ def _train(workdir, *args) -> tuple[str, list[dict]]:
     return done.stderr, events
 
 
+@pytest.mark.slow  # ~60 s: two commands; by default the split itself before JAX starts
+# (test_split_before_jax_starts), the command applying it (test_a_count_jax_cannot_take_any_more)
+# and the mesh training what the simulator trains (test_parallel)
 def test_split_cpu_trains_like_one_device(tmp_path):
     """The entry point splits the CPU (2 devices, 2 replicas each, on the mesh runtime) and
     trains what one device trains, sync diagnostics included."""

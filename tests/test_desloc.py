@@ -95,10 +95,13 @@ def test_first_moments_averaged_without_second_ones_can_blow_up_sparse_rows():
     has not seen a gradient for yet (a token absent from its batches), and Adam's step
     ``mu / (sqrt(nu) + eps)`` explodes there. Averaging both together (or the second more often)
     keeps ``|mu| <= sqrt(nu)`` and the step bounded."""
+    # the same period for both moments (3, 3), and
+    # (3, 6): the second moments' period twice the first's; (0, 0) and (6, 3), bounded too,
+    # are left out for time
     bounded = [float(np.abs(helpers.run(functools.partial(_desloc_tx, ms=MomentSync(*ms)),
                                         helpers.sim(4), 7)[0].params["embed"]["embedding"]
-                            ).max()) for ms in ((0, 0), (3, 3), (6, 3), (3, 6))]  # fmt: skip
-    assert max(bounded[:3]) < 2 and bounded[3] > 100  # observed: 0.94 and 1.6e4
+                            ).max()) for ms in ((3, 3), (3, 6))]  # fmt: skip
+    assert bounded[0] < 2 and bounded[1] > 100  # observed: 0.94 and 1.6e4
 
 
 def test_desloc_on_the_mesh_equals_the_simulator():
@@ -120,7 +123,7 @@ def test_desloc_in_chunks_trains_what_one_vmap_trains():
 
     want, _ = _run(tx)
     assert not np.array_equal(want.inner_state[0].nu[0][0], want.inner_state[0].nu[0][1])
-    for chunk, offload in ((2, False), (1, True)):
+    for chunk, offload in ((2, True),):  # chunks of 2 and the offload at once
         got, _ = _run(tx, chunk, offload)
         # not bitwise: XLA rounds Adam's sqrt and division per vmap size in the last bit
         # (plain Adam without DES-LOC differs by 2.4e-7 too; inner SGD is bitwise,

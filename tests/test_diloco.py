@@ -147,14 +147,9 @@ def test_inner_sgd_sync1_outer_sgd1_is_synchronous_data_parallel_sgd():
 def big_batch_sgd(replicas, steps, lr):
     """One model, plain SGD on the concatenation of every replica's batch."""
     from diloco_jax.data import replica_shards, sample_batch
-    from diloco_jax.tasks import model as model_lib
 
-    graphdef, params = helpers.tiny_model()
+    params, loss = helpers.bigram_model(), jax.jit(jax.grad(helpers.bigram_loss))  # helpers.run's
     shards_RxS = jnp.asarray(replica_shards(helpers.corpus_train(), replicas, helpers.SEQ_LEN))
-
-    def loss(params, tokens):
-        logits = model_lib.apply(graphdef, params, tokens[:, :-1])
-        return model_lib.token_nll(logits, tokens[:, 1:]).mean()
 
     for step in range(steps):
         tokens = jnp.concatenate([
@@ -162,7 +157,7 @@ def big_batch_sgd(replicas, steps, lr):
                          batch_size=helpers.BATCH, seq_len=helpers.SEQ_LEN)
             for r in range(replicas)
         ])  # fmt: skip
-        grads = jax.grad(loss)(params, tokens)
+        grads = loss(params, tokens)
         params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
     return params
 
@@ -285,7 +280,7 @@ def schedule_without(*, replica, steps, replicas):
 
 def test_all_replicas_nan_discards_the_outer_step():
     state, metrics = helpers.run(_nan_tx, helpers.sim(2), 3, prepare=_poison([0, 1]))
-    _, params = helpers.tiny_model()
+    params = helpers.bigram_model()  # helpers.run's
     chex.assert_trees_all_close(state.anchor, params)  # anchor unchanged
     for leaf in jax.tree.leaves(state.outer_state):
         np.testing.assert_array_equal(leaf, 0)  # no momentum from a discarded step

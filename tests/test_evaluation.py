@@ -91,13 +91,14 @@ def _lowered():
 def test_compiled_ahead_the_first_evaluation_and_check_lower_nothing(runtime):
     """What train() compiles in a thread while the step compiles (issue 28): afterwards the
     loop's first evaluation and replica check lower and compile nothing; without it they do.
-    Shapes no other test compiles (3 layers; 1 or 8 heads), so no earlier test warmed them."""
+    Shapes no other test compiles (a width of 24; 1 or 8 heads), so no earlier test warmed
+    them."""
     from diloco_jax import distributed
     from diloco_jax.train import _compile_ahead
 
     mesh = {"parallel.replica_devices": 2} if runtime == "mesh" else {}
     for heads, ahead in ((1, True), (8, False)):
-        s = build(tiny(**{"parallel.runtime": runtime, "model.num_layers": 3,
+        s = build(tiny(**{"parallel.runtime": runtime, "model.d_model": 24,
                           "model.num_heads": heads, **mesh}))  # fmt: skip
         if ahead:
             _compile_ahead(s, s.state)

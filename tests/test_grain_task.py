@@ -2,7 +2,6 @@
 reads exactly what an uninterrupted run reads (the iterators' states ride in the checkpoint),
 the mesh trains what the simulator trains, and bad pipelines are one-line errors."""
 
-import os
 import pathlib
 import re
 import shutil
@@ -20,6 +19,7 @@ import pytest
 import diloco_jax
 from diloco_jax.tasks import GrainTask, TaskError, replica_batches
 from diloco_jax.tasks.pipeline import PipelineStream
+from tests.helpers import child_env, died_after
 from tests.test_checkpoint import assert_bitwise_equal
 from tests.test_user_task import ROOT, TINY  # the same small runs as ArrayTask's tests
 
@@ -97,9 +97,7 @@ def test_fit_on_a_pipeline_learns_and_resumes_bitwise(tmp_path, monkeypatch):
     full = diloco_jax.fit(task(iter_pipeline), "tiny", workdir=tmp_path / "full",
                           overrides=TINY, show_progress=False)  # fmt: skip
     assert full.eval_loss < 0.5 * float(np.mean(Y_N**2))  # it learned
-    diloco_jax.fit(task(iter_pipeline), "tiny", workdir=tmp_path / "cut", overrides=TINY,
-                   show_progress=False)  # fmt: skip
-    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "20")
+    died_after(tmp_path / "full", 10, tmp_path / "cut")
     resumed = diloco_jax.fit(task(iter_pipeline), "tiny", workdir=tmp_path / "cut",
                              overrides=TINY, show_progress=False)  # fmt: skip
     assert resumed.summary["steps"] == 20
@@ -175,13 +173,9 @@ def test_batches_that_change_or_run_out_are_one_line_errors(pipeline, message):
 
 
 def _example(tmp_path, workdir: str, steps: int) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "TQDM_DISABLE": "1",
-        "PYTHONPATH": str(ROOT),
-        "DILOCO_COMPILE_CACHE": str(tmp_path / "cache"),
-    }  # the later runs load their step
-    env.pop("XLA_FLAGS")  # not the suite's 8 devices: the example's own default layout
+    # not the suite's 8 devices: the example's own default layout; the later runs load their step
+    env = child_env(TQDM_DISABLE="1", PYTHONPATH=str(ROOT),
+                    DILOCO_COMPILE_CACHE=str(tmp_path / "cache"))  # fmt: skip
     return subprocess.Popen([sys.executable, str(ROOT / "examples" / "llama_grain.py"),
                              "--steps", str(steps), "--workdir", workdir], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -214,6 +208,8 @@ def _llama_shapes():
     return nnx.to_pure_dict(state)
 
 
+@pytest.mark.slow  # ~115 s: three runs; by default a pipeline resumes bitwise in-process
+# (test_fit_on_a_pipeline_learns_and_resumes_bitwise) and two examples run from outside
 def test_the_llama_example_killed_and_run_again_ends_as_an_uninterrupted_run(tmp_path):
     """From outside the repository: the Llama-style decoder on the shipped text through grain,
     30 steps (checkpoints every 10). One run goes through; another is killed (SIGKILL) once
@@ -278,8 +274,7 @@ def test_two_processes_cut_and_resumed_by_one_read_what_one_process_reads(tmp_pa
         "--config.train.checkpoint_every=10",
         "--config.task.factory=mytask:make",
     ]
-    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS")  # the launcher gives each process its devices
+    env = child_env(TQDM_DISABLE="1", PYTHONPATH=str(ROOT))  # the launcher gives the devices
 
     def launch(workdir, processes, devices):
         run = subprocess.run([sys.executable, "-m", "diloco_jax.launch", "-n", str(processes),

@@ -1,6 +1,7 @@
 """Transformer options (tied embeddings, dropout, bf16 compute, remat) and the size presets."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -15,6 +16,7 @@ SMALL = dict(vocab_size=256, seq_len=16, d_model=16, num_layers=2, num_heads=2, 
 TOKENS = jax.random.randint(jax.random.key(0), (3, 12), 0, 256)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program, not an op-by-op compile per op
 def loss_and_grads(graphdef, params, key=None):
     def loss(p):
         logits = model_lib.apply(graphdef, p, TOKENS[:, :-1], key)
@@ -152,7 +154,8 @@ def test_attention_equals_dot_product_attention_values_and_gradients(compute_dty
             y = fn(nnx.merge(graphdef, p), x)
             return (y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size).reshape(y.shape))).sum()
 
-        return fn(nnx.merge(graphdef, params), x), jax.grad(loss)(params)
+        # one compiled program each (op by op, each operation would compile on its own)
+        return jax.jit(lambda p: (fn(nnx.merge(graphdef, p), x), jax.grad(loss)(p)))(params)
 
     (y, grads), (ref, ref_grads) = run(lambda m, x: m(x)), run(_reference_attention)
     assert y.dtype == ref.dtype == dtype

@@ -16,6 +16,10 @@ from diloco_jax.tasks import vision
 from tests import helpers
 
 
+def _run(*args, **kwargs):  # Muon takes the hidden matrices: the Transformer's
+    return helpers.run(*args, model="transformer", **kwargs)
+
+
 def _muon(**kwargs):
     return optim.inner_optimizer("muon", **{"learning_rate": 1e-2, "total_steps": 20,
                                             "warmup_steps": 2, **kwargs})  # fmt: skip
@@ -80,13 +84,16 @@ def _muloco(axis):
     return diloco(_muon(), optim.outer_nesterov(), sync_every=3, axis_name=axis, codec=codec)
 
 
+@pytest.mark.slow  # ~30 s: two compiles of the Transformer; by default the int8 exchange with
+# error feedback on every layout (tests/test_compress.py) and Muon's step by hand (above): Muon
+# runs inside each replica, the layout changes only the exchange
 def test_muloco_with_int8_error_feedback_on_the_mesh_equals_the_simulator():
     """One sync (step 3) and a local step after it, in the simulator and on 2 devices x 2
     virtual replicas with the batch on 2: the same parameters, anchor, residuals and Muon state,
     but for a few values that int8 rounds a code step apart."""
     steps, layout = 4, parallel.Layout("mesh", 4, 2, 2)
-    sim_state, sim_loss = helpers.run(_muloco, helpers.sim(4), steps)
-    mesh_state, mesh_loss = helpers.run(_muloco, layout, steps)
+    sim_state, sim_loss = _run(_muloco, helpers.sim(4), steps)
+    mesh_state, mesh_loss = _run(_muloco, layout, steps)
     # Muon's Newton-Schulz matmuls and the gradient's mean over the data axis sum in another
     # order on the mesh (vmap batches of other sizes), so the pseudo-gradients at the sync are a
     # last bit apart. int8 codes them alike but for values on a code's .5: one code step q of the
@@ -95,7 +102,7 @@ def test_muloco_with_int8_error_feedback_on_the_mesh_equals_the_simulator():
     # by <= 1.25q and the anchor (Nesterov's first step: lr (1 + momentum) = 1.33) by <= 1.66q;
     # the local step after it adds float32 rounding. Observed here: 1 of 180k values, 0.92q.
     _, params = helpers.tiny_model()
-    alone, _ = helpers.run(lambda ax: single(_muon()), helpers.sim(4), 3)  # the 3 inner steps
+    alone, _ = _run(lambda ax: single(_muon()), helpers.sim(4), 3)  # the 3 inner steps
     q = max(float(np.abs(p[None] - p_R).max())
             for p, p_R in zip(jax.tree.leaves(params), jax.tree.leaves(alone.params), strict=True)
             ) / 127  # fmt: skip

@@ -21,6 +21,7 @@ from diloco_jax.preemption import LAUNCHER_ENV
 from diloco_jax.runtime import checkpoint
 from diloco_jax.tasks import model as model_lib
 from diloco_jax.train import train
+from tests.helpers import events
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # 120 steps (~5 s of training after ~10 s of start-up) leave time to signal a run mid-way
@@ -106,17 +107,24 @@ def two_processes(tmp_path_factory):
     return workdir, final_params(workdir)
 
 
-def test_two_processes_equal_one_process_two_devices_and_the_simulator(two_processes, tmp_path):
-    workdir, two = two_processes
-    events = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "eval"] == [60, 120]
-    finished(launch(tmp_path / "one", processes=1, devices=2))
+SHORT = {"train.total_steps": 40, "train.eval_every": 20, "train.checkpoint_every": 0}
+
+
+def test_two_processes_equal_one_process_two_devices_and_the_simulator(tmp_path):
+    """40 steps without checkpoints (the signal tests' 120 steps, checkpointed every 10: slow)."""
+    flags = [f"--config.{k}={v}" for k, v in SHORT.items()]
+    finished(launch(tmp_path / "two", extra=flags))
+    two = final_params(tmp_path / "two")
+    assert [e["step"] for e in events(tmp_path / "two", "eval")] == [20, 40]
+    finished(launch(tmp_path / "one", processes=1, devices=2, extra=flags))
     one = final_params(tmp_path / "one")
     # the same programs on the same values: gloo's all-reduce of two addends is exact
     chex.assert_trees_all_equal(one, two)
-    cfg = apply_overrides(tiny(), [("parallel.runtime", "sim"), ("train.checkpoint", "false")])
-    sim = jax.device_get(train(cfg, tmp_path / "sim", show_progress=False)["state"].anchor)
-    # vmap vs shard_map: float32 reassociation in the nested replica mean, 24 outer steps
+    over = [("parallel.runtime", "sim"), ("train.checkpoint", "false"),
+            *[(k, str(v)) for k, v in SHORT.items()]]  # fmt: skip
+    sim = jax.device_get(train(apply_overrides(tiny(), over), tmp_path / "sim",
+                               show_progress=False)["state"].anchor)  # fmt: skip
+    # vmap vs shard_map: float32 reassociation in the nested replica mean, 8 outer steps
     chex.assert_trees_all_close(sim, two, atol=2e-5)
 
 
@@ -151,8 +159,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_exactly(two_p
     stopped = int(outs[0].split("at step ")[1].split(";")[0])
     assert 10 <= stopped < 120
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
-    done = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()
-            if '"done"' in x]  # fmt: skip
+    done = events(workdir, "done")
     assert done[-1]["step"] == stopped and done[-1]["preempted"]
     finished(launch(workdir))
     chex.assert_trees_all_equal(final_params(workdir), two_processes[1])

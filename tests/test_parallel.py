@@ -56,15 +56,13 @@ def test_same_seed_is_bitwise_identical_and_seed_matters():
 
 
 def test_jitted_step_traces_once():
-    from diloco_jax import tasks
     from diloco_jax.algorithm import init_replicas, vmap_axes
     from diloco_jax.data import replica_shards
     from diloco_jax.runtime.step import full_control, make_replica_step, scan_steps
 
-    graphdef, params = helpers.tiny_model()
+    params, task = helpers.bigram_model(), helpers.bigram_task()
     tx = diloco_tx("replica")
     shards_RxS = jax.numpy.asarray(replica_shards(helpers.corpus_train(), 2, helpers.SEQ_LEN))
-    task = tasks.language_model(graphdef, seq_len=helpers.SEQ_LEN)
     step = make_replica_step(tx, task, batch_size=2)
     state = init_replicas(tx, params, 2)
     axes = vmap_axes(tx)

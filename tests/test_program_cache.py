@@ -2,6 +2,7 @@
 tracing it again, trains the same bits as a run that traced its own, and never loads a program
 that another config, corpus, library or argument layout would have traced differently."""
 
+import logging
 import pathlib
 import pickle
 
@@ -59,7 +60,10 @@ CONFIGS = {  # where a key could reach the step: the variants that build other s
 }
 
 
-@pytest.mark.parametrize("variant", CONFIGS)
+# plain DiLoCo on the simulator: slow (~9 s); the mesh runs the same algorithm by default
+@pytest.mark.parametrize(
+    "variant", [pytest.param(v, marks=pytest.mark.slow) if v == "diloco" else v for v in CONFIGS]
+)
 def test_every_program_free_key_leaves_the_traced_step_unchanged(tmp_path, variant):
     """The key of a kept program leaves out :func:`programs.free_keys`'s keys; so changing all
     of them at once must trace the same program. Where a key is not free (the outer learning
@@ -170,6 +174,8 @@ def test_a_kept_program_that_does_not_compile_falls_back_to_tracing(tmp_path, mo
     assert "no executable today" in capsys.readouterr().err and not entry.exists()
 
 
+@pytest.mark.slow  # ~70 s: six commands; by default the simulator's commands in
+# tests/test_compile_cache.py and the mesh's kept program in one process (below)
 @pytest.mark.parametrize("layout", ["sim", "mesh"])
 def test_a_warm_command_loads_its_traced_step_and_trains_the_same_bits(tmp_path, layout):
     """Three commands: the first traces and keeps its step; the second, with another seed (an
@@ -195,3 +201,29 @@ def test_a_warm_command_loads_its_traced_step_and_trains_the_same_bits(tmp_path,
     assert_bitwise_equal(b, want)
     losses = [events(tmp_path / x)[-1]["final_eval_loss"] for x in ("a", "b", "plain")]
     assert losses[0] != losses[1] == losses[2]  # the seed is an input, not a constant
+
+
+def test_a_kept_program_on_a_mesh_trains_the_bits_of_a_traced_one(tmp_path, capsys, caplog):
+    """The mesh's step (shardings in its arguments) in one process: kept by the first run,
+    loaded by a second with another seed, which trains the bits of the same run with no cache."""
+    from diloco_jax.train import train
+
+    caplog.set_level(logging.INFO, logger="diloco_jax")  # another test may have raised it
+
+    mesh = {"parallel.runtime": "mesh", "parallel.replicas": 2, "train.total_steps": 10}
+    cache = tmp_path / "cache"
+    try:
+        first = train(_tiny(**mesh, **{"train.compile_cache": cache}), tmp_path / "a",
+                      show_progress=False)  # fmt: skip
+        assert "traced program reused" not in capsys.readouterr().err
+        assert len(list((cache / compile_cache.PROGRAMS).iterdir())) == 1
+        second = train(_tiny(**mesh, seed=1, **{"train.compile_cache": cache}), tmp_path / "b",
+                       show_progress=False)  # fmt: skip
+        assert "its kept traced program reused" in capsys.readouterr().err
+        plain = train(_tiny(**mesh, seed=1, **{"train.compile_cache": "off"}),
+                      tmp_path / "plain", show_progress=False)  # fmt: skip
+        assert "traced program reused" not in capsys.readouterr().err
+    finally:
+        compile_cache.enable()  # back to the suite's own (conftest)
+    assert_bitwise_equal(second["state"], plain["state"])
+    assert first["final_eval_loss"] != second["final_eval_loss"]  # the seed is an input

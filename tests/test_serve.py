@@ -300,21 +300,23 @@ def test_an_outer_scale_is_the_outer_learning_rate_changed_between_syncs():
     assert np.abs(plain[-1] - got[-1]).max() > 1e-3
 
 
+@pytest.mark.slow  # ~30 s: a sweep in its own process; by default test_sim's sweep (in-process)
+# reads the same /status over HTTP as each run starts
 def test_a_sweep_serves_its_runs_and_table_so_far(tmp_path):
     """``python -m sim`` with serve.port: one server for the whole sweep; while the second run
     trains, /status is that run's, with the first run done and its table row."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sim", "--config", "tiny", "--workdir", str(tmp_path),
-         "--sweep", "outer.sync_every=1,5", f"--config.serve.port={port}",
+         "--sweep", "outer.learning_rate=0.5,0.7", f"--config.serve.port={port}",
          "--config.train.total_steps=100", "--config.train.sample_chars=0",
          "--config.train.checkpoint=false"],
         cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        # the second run's board, once it trains (sync_every=5 is its own config)
-        status = _wait_for(port, proc, lambda s: s["config"]["outer"]["sync_every"] == 5
+        # the second run's board, once it trains (its own config; the first run's step, loaded)
+        status = _wait_for(port, proc, lambda s: s["config"]["outer"]["learning_rate"] == 0.7
                            and s["step"] > 0)  # fmt: skip
     finally:
         out, err = proc.communicate(timeout=600)
@@ -323,7 +325,7 @@ def test_a_sweep_serves_its_runs_and_table_so_far(tmp_path):
     assert first["state"] == "done" and first["final_eval_loss"] is not None
     assert [row["run"] for row in status["sweep"]["table"]] == [first["run"]]
     assert second["state"] == "running" and status["state"] == "running"
-    assert "| sync_every=5 |" in out
+    assert "| learning_rate=0.7 |" in out
 
 
 @pytest.mark.slow  # ~60 s; the default suite keeps the one-process live run

@@ -157,16 +157,37 @@ def test_sim_config_errors(key, value, match):
         validate(apply_overrides(Config(), [(key, value)]))
 
 
-def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys):
+def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys, monkeypatch):
+    """The sweep, its tables and figures; with serve.port, one server for the whole sweep whose
+    /status, as each run starts, shows the runs done before it and their table rows (the same
+    from another process: test_serve's slow test); a rerun trains nothing."""
+    from diloco_jax import serve
     from sim.__main__ import main
+    from tests.test_serve import _request, free_port
 
+    seen = []  # /status as each run starts, read over HTTP from the sweep's server
+
+    class Watched(serve.SweepBoard):
+        def started(self, name):
+            super().started(name)
+            seen.append(json.loads(_request(port, "GET", "/status")[1])["sweep"])
+
+    monkeypatch.setattr(serve, "SweepBoard", Watched)
+    port = free_port()
+
+    # the outer learning rate and the seed are inputs of one compiled step (and ddp's own)
     args = ["--config", "configs/tiny.py", "--workdir", str(tmp_path), "--sweep",
-            "outer.sync_every=1,5", "--baselines", "ddp", "--seeds", "0,1",
-            "--config.train.total_steps=10", "--config.train.sample_chars=0",
-            "--config.train.checkpoint=false"]  # fmt: skip
+            "outer.learning_rate=0.5,0.7", "--baselines", "ddp", "--seeds", "0,1",
+            "--config.outer.sync_every=5", "--config.train.total_steps=10",
+            "--config.train.sample_chars=0", "--config.train.checkpoint=false",
+            f"--config.serve.port={port}"]  # fmt: skip
     assert main(args) == 0
     table = capsys.readouterr().out
-    assert "| sync_every=5 |" in table and "±" in table
+    assert "| learning_rate=0.7 |" in table and "±" in table
+    assert len(seen) == 6 and [r["state"] for r in seen[1]["runs"]][:3] == [
+        "done", "running", "pending"]  # fmt: skip
+    assert [row["run"] for row in seen[1]["table"]] == [seen[1]["runs"][0]["run"]]
+    assert seen[5]["runs"][4]["final_eval_loss"] is not None and len(seen[5]["table"]) == 5
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert len(rows) == 6
     for col in ("run", "replicas", "sync_every", "tokens", "final_eval_loss",
@@ -174,12 +195,14 @@ def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys):
         assert col in rows[0]
     by_run = {r["run"]: r for r in rows}
     assert float(by_run["ddp,seed=0"]["bytes_vs_ddp"]) == pytest.approx(1.0)
-    assert float(by_run["sync_every=5,seed=0"]["bytes_vs_ddp"]) == pytest.approx(0.2)
+    assert float(by_run["learning_rate=0.5,seed=0"]["bytes_vs_ddp"]) == pytest.approx(0.2)
+    assert by_run["learning_rate=0.5,seed=0"]["final_eval_loss"] != (
+        by_run["learning_rate=0.7,seed=0"]["final_eval_loss"])  # fmt: skip
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert (tmp_path / "tradeoff.png").stat().st_size > 0
     assert (tmp_path / "runs" / "ddp,seed=1" / "metrics.jsonl").exists()
     # the sync diagnostics: the sweep's and each DiLoCo run's (ddp has no syncs)
-    for where in (tmp_path, tmp_path / "runs" / "sync_every=5,seed=1"):
+    for where in (tmp_path, tmp_path / "runs" / "learning_rate=0.7,seed=1"):
         assert (where / "drift.png").stat().st_size > 0 and (where / "cosine.png").exists()
     assert not (tmp_path / "runs" / "ddp,seed=1" / "drift.png").exists()
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/summary.json")}

@@ -115,7 +115,7 @@ def test_sparseloco_on_the_mesh_equals_the_simulator():
     # moves a value of the sent message and of the accumulator by at most the chunk's scale,
     # the largest kept magnitude <= the largest pseudo-gradient x; the mean of 4 (outer
     # sgd(1.0)) moves the anchor by <= x / 4. Observed here: no value off.
-    _, params = helpers.tiny_model()
+    params = helpers.bigram_model()  # helpers.run's
     alone, _ = helpers.run(lambda ax: single(helpers.adamw()), helpers.sim(4), 3)
     x = max(float(np.abs(p[None] - p_R).max())
             for p, p_R in zip(jax.tree.leaves(params), jax.tree.leaves(alone.params), strict=True)

@@ -2,7 +2,6 @@
 a TFDS builder like mnist's, read back exactly, trained on; chunked evaluation; clear errors."""
 
 import io
-import json
 import pathlib
 
 import chex
@@ -18,6 +17,7 @@ from diloco_jax.data.images import load_digits, load_images, sample_images
 from diloco_jax.data.prepare import main as prepare_main
 from diloco_jax.tasks import vision
 from diloco_jax.train import train
+from tests.helpers import events
 
 
 def png(pixels_HxWxC: np.ndarray) -> bytes:
@@ -165,8 +165,7 @@ def test_train_on_a_prepared_image_folder(data_dir, tmp_path):
     cfg = apply_overrides(load_preset("configs/digits.py"),
                           [(k, str(v)) for k, v in overrides.items()])  # fmt: skip
     done = train(cfg, tmp_path, show_progress=False)
-    evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
-             if '"eval"' in x]  # fmt: skip
+    evals = events(tmp_path, "eval")
     # 10 classes: chance is 0.1 accuracy and log(10) = 2.30 nats
     assert evals[-1]["accuracy"] > 0.3 and done["final_eval_loss"] < np.log(10)
     assert done["unit"] == "example"

@@ -5,7 +5,6 @@ task reproduced through the public interface, and a one-line error for each kind
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ from diloco_jax import tasks
 from diloco_jax.config import ConfigError
 from diloco_jax.runtime import checkpoint
 from diloco_jax.tasks import ArrayTask, TaskError
+from tests.helpers import child_env, died_after
 from tests.test_checkpoint import assert_bitwise_equal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -78,8 +78,7 @@ def test_fit_learns_and_resumes_bitwise(tmp_path):
     assert full.eval_loss < 0.5 * float(np.mean(task.train_data["y"] ** 2))  # it learned
     assert [e["step"] for e in full.history if e["event"] == "eval"] == [10, 20]
     chex.assert_trees_all_close(full.params["w"], full.summary["state"].anchor["w"])
-    diloco_jax.fit(task, "tiny", workdir=tmp_path / "cut", overrides=TINY, show_progress=False)
-    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "20")  # as if it died after step 10
+    died_after(tmp_path / "full", 10, tmp_path / "cut")
     resumed = diloco_jax.fit(task, "tiny", workdir=tmp_path / "cut", overrides=TINY,
                              show_progress=False)  # fmt: skip
     assert resumed.summary["steps"] == 20
@@ -107,7 +106,15 @@ def test_the_digits_through_the_public_interface_train_what_the_built_in_task_tr
     from diloco_jax.tasks import vision
     from tests.test_checkpoint import tiny
 
-    cfg = tiny(**{"data.corpus": "digits", "data.batch_size": 8, "train.checkpoint": False})
+    cfg = tiny(
+        **{
+            "data.corpus": "digits",
+            "data.batch_size": 8,
+            "train.checkpoint": False,
+            "resnet.width": 4,
+            "resnet.stages": 1,
+        }
+    )  # the smallest ResNet: its compile
     built_in = problems.load(cfg, 4)
     images_RxS, labels_RxS = built_in.shards
 
@@ -288,8 +295,7 @@ def test_tasks_exports_the_public_interface():
 
 
 def test_the_linen_example_trains_on_a_2x2_mesh_from_outside_the_repository(tmp_path):
-    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS")  # the suite's 8 devices: the example splits the CPU itself
+    env = child_env(TQDM_DISABLE="1", PYTHONPATH=str(ROOT))  # the example splits the CPU itself
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "linen_cnn_digits.py"), "40"],
                          cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
@@ -325,8 +331,7 @@ def test_two_processes_train_a_factory_as_one_process_does(tmp_path):
     flags = ["--config", "tiny", "--config.train.sample_chars=0",
              "--config.parallel.runtime=mesh", "--config.parallel.replicas=2",
              "--config.task.factory=mytask:make"]  # fmt: skip
-    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS")  # the launcher gives each process its devices
+    env = child_env(TQDM_DISABLE="1", PYTHONPATH=str(ROOT))  # the launcher gives the devices
     finals = {}
     for name, processes, devices in (("two", 2, 1), ("one", 1, 2)):
         run = subprocess.run([sys.executable, "-m", "diloco_jax.launch", "-n", str(processes),

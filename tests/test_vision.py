@@ -1,7 +1,6 @@
 """Image classification: the ResNet, the digits data, and DiLoCo training it (sim and mesh)."""
 
 import hashlib
-import json
 
 import chex
 import jax
@@ -13,6 +12,7 @@ from diloco_jax.config import apply_overrides, load_preset
 from diloco_jax.data.images import image_shards, load_digits, load_images, sample_images
 from diloco_jax.tasks import vision
 from diloco_jax.train import train
+from tests.helpers import events
 
 
 def test_resnet_shapes_and_strides():
@@ -81,8 +81,7 @@ def digits(**extra):
 @pytest.mark.slow  # 9 s; test_tfds_images trains the same preset above chance on the mesh
 def test_digits_preset_trains_above_chance(tmp_path):
     done = train(digits(**{"parallel.runtime": "sim"}), tmp_path, show_progress=False)
-    evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
-             if '"eval"' in x]  # fmt: skip
+    evals = events(tmp_path, "eval")
     # 10 classes: chance is 0.1 accuracy and log(10) = 2.30 nats (this run: ~0.70 and 1.54)
     assert evals[-1]["accuracy"] > 0.3 and done["final_eval_loss"] < np.log(10)
 

@@ -28,6 +28,7 @@ import numpy as np
 ENV = "DILOCO_COMPILE_CACHE"
 OFF = "off"
 MIN_COMPILE_SECONDS = 0.2  # cache what takes longer to compile than to read back
+MIN_SECONDS_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # JAX's own variable wins
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 log = logging.getLogger("diloco_jax")
 _hits: collections.Counter = collections.Counter()  # per thread: JAX reports on the compiling one
@@ -67,7 +68,8 @@ def enable(configured: str = "") -> pathlib.Path | None:
         return None
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    minimum = float(os.environ.get(MIN_SECONDS_ENV) or MIN_COMPILE_SECONDS)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
 

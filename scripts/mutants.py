@@ -1,0 +1,613 @@
+"""Mutation testing of our own: plant a known bug, run the tests that should see it, repeat.
+
+``MUTANTS`` is a fixed list of planted bugs (an outer step with the wrong sign, a sync that
+leaves the replicas where they were, a checkpoint saved without the outer state, a validation
+rule that lets a bad value through, ...). Each replaces one exact snippet of one source file (it
+must occur there exactly once) and names the tests that should fail on it. For every mutant the
+script copies the tree into a fresh directory under /tmp, plants the bug there, runs
+
+    <python> -m pytest -x -q -p no:cacheprovider -n 2 <the mutant's tests>
+
+in that copy (its root comes first on ``sys.path``, and ``PYTHONPATH`` names it for the commands
+tests start, so the mutated ``diloco_jax`` is the one imported) and reports which test caught
+it: "caught" (a test failed: pytest exits 1, or 2 where pytest-xdist stops the run at the first
+failure; the first ``FAILED`` or ``ERROR`` line names the test), "missed" (pytest exits 0: the
+tests pass with the bug in place) or "error" (anything else: a module that fails to import, a
+timeout, every selected test skipped; the run says nothing about the bug).
+
+    uv run python scripts/mutants.py                     # every mutant, the working tree
+    uv run python scripts/mutants.py --only checkpoint sign   # names, areas or files matching
+    uv run python scripts/mutants.py --list              # the table; checks every snippet applies
+    uv run python scripts/mutants.py --baseline          # each test selection once, no bug planted
+    uv run python scripts/mutants.py --rev v0.1 --json out.json
+
+The tree is the checkout as it is (``git ls-files``: tracked and untracked files that git does
+not ignore). ``--rev REV`` takes ``git archive REV`` instead, with ``diloco_jax/``, ``sim/`` and
+``configs/`` from the working tree: an older revision's tests run against today's source, to see
+which planted bugs they would have caught. ``--baseline`` runs each distinct selection of tests
+once without a bug: a selection that fails unmutated makes its mutants' results meaningless.
+
+Prints a markdown table (``| # | area | planted bug | file | caught by | s |``) and "N of M
+caught"; ``--json OUT`` also writes the results. Exits 1 if any mutant is not caught (missed, or
+its run ended in error), so that CI or a person sees it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from typing import NamedTuple
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOURCE_DIRS = ("diloco_jax", "sim", "configs")  # with --rev: taken from the working tree
+AREAS = ("algorithm", "variants", "runtime", "checkpoint", "data", "command line", "randomness",
+         "faults")  # fmt: skip
+TAIL_LINES = 30
+
+
+class Mutant(NamedTuple):
+    """A planted bug: ``old`` (exactly once in ``path``) replaced by ``new``; ``tests``: pytest
+    paths or node ids that should fail on it."""
+
+    name: str
+    area: str
+    path: str
+    old: str
+    new: str
+    tests: list[str]
+
+
+CORE = "diloco_jax/algorithm/core.py"
+EXCHANGE = "diloco_jax/algorithm/exchange.py"
+PLAN = "diloco_jax/algorithm/plan.py"
+TIMING = "diloco_jax/algorithm/timing.py"
+STEP = "diloco_jax/runtime/step.py"
+COMMS = "diloco_jax/comms.py"
+SCHEDULE = "diloco_jax/schedule.py"
+RESUME = "diloco_jax/resume.py"
+CORPUS = "diloco_jax/data/corpus.py"
+VALIDATION = "diloco_jax/validation.py"
+
+T_DILOCO = "tests/test_diloco.py::"
+T_HAND = T_DILOCO + "test_hand_computed_quadratic_trajectory"
+T_SIGN = T_DILOCO + "test_pseudo_gradient_sign_mean_over_replicas_only_and_outer_step_not_a_noop"
+T_SYNCS = T_DILOCO + "test_syncs_happen_only_every_sync_every_steps"
+T_NAN = T_DILOCO + "test_nan_replica_is_left_out_and_restarts_from_the_anchor"
+T_MESH = "tests/test_parallel.py::test_mesh_equals_simulator"
+T_PLAN = "tests/test_variants.py::test_streaming_schedule_by_hand_on_device_and_host"
+T_STREAMING = "tests/test_variants.py::test_streaming_hand_computed"
+T_DELAYED = "tests/test_variants.py::test_delayed_and_eager_hand_computed"
+T_DROPPED = "tests/test_sim.py::test_dropped_replica_keeps_params_then_rejoins_from_anchor"
+T_HOST_BATCHES = "tests/test_stream.py::test_host_batches_equal_the_device_sampler"
+
+MUTANTS = [
+    # the algorithm
+    Mutant("outer step with the wrong sign", "algorithm", CORE,
+           "optax.apply_updates(anchor, outer_updates)",
+           "optax.apply_updates(anchor, [-u for u in outer_updates])", [T_HAND, T_SIGN]),
+    Mutant("pseudo-gradient params - anchor (points downhill)", "algorithm", CORE,
+           "delta = [a - rnd.params[i] for a, i in zip(start, idx, strict=True)]",
+           "delta = [rnd.params[i] - a for a, i in zip(start, idx, strict=True)]",
+           [T_HAND, T_SIGN]),
+    Mutant("replica mean divided by the weights' sum, not their mean", "algorithm", EXCHANGE,
+           "total_w = replica_mean(w, axis_name)", "total_w = replica_sum(w, axis_name)",
+           [T_SIGN]),
+    Mutant("Nesterov momentum dropped from the paper's outer optimizer", "algorithm",
+           "diloco_jax/algorithm/optim.py",
+           "return optax.sgd(learning_rate, momentum=momentum or None, "
+           "nesterov=nesterov and momentum > 0)",
+           "return optax.sgd(learning_rate, momentum=momentum or None, nesterov=False)", [T_SIGN]),
+    Mutant("a sync leaves each replica on its own parameters (anchor not assigned)", "algorithm",
+           CORE, "            target = a\n            if self.mix > 0:",
+           "            target = p\n            if self.mix > 0:", [T_SYNCS]),
+    Mutant("sync period off by one", "algorithm", PLAN, "return step % self.period == 0,",
+           "return (step + 1) % self.period == 0,", [T_SYNCS, T_PLAN]),
+    # variants
+    Mutant("late replica's pseudo-gradient measured from the anchor, not its base", "variants",
+           CORE, "start = [rnd.base[i] for i in idx] if self.late_merge else anchor",
+           "start = anchor", ["tests/test_quorum.py::test_late_merge_matches_a_hand_computed_run"]),
+    Mutant("error feedback keeps no residual", "variants", EXCHANGE,
+           "residual = [jnp.where(w > 0, n, jnp.where(finite, e, 0.0))",
+           "residual = [jnp.where(w > 0, 0.0 * n, jnp.where(finite, e, 0.0))",
+           ["tests/test_compress.py::test_error_feedback_keeps_exactly_what_encoding_lost"]),
+    Mutant("int8 scale is max abs / 128: the largest value clips", "variants",
+           "diloco_jax/algorithm/compress.py", '_LEVELS = {"int8": 127.0,',
+           '_LEVELS = {"int8": 128.0,', ["tests/test_compress.py::test_roundtrip_error_bounds"]),
+    Mutant("streaming: the fragment that syncs is off by one", "variants", PLAN,
+           "(step // self.period) % self.fragments", "(step // self.period + 1) % self.fragments",
+           [T_PLAN, T_STREAMING]),
+    Mutant("streaming: a fragment lands before its first sync started", "variants", PLAN,
+           "started & (step > self.overlap)", "started & (step >= self.overlap)",
+           [T_PLAN, T_STREAMING]),
+    Mutant("delayed outer step applies this sync's mean", "variants", TIMING,
+           "lambda mean, delta, w, st: (st.pending, DelayedState(mean)),",
+           "lambda mean, delta, w, st: (mean, DelayedState(mean)),", [T_DELAYED]),
+    Mutant("eager outer step keeps the stale share", "variants", TIMING,
+           "applied = [m + s - old for m, s, old in", "applied = [m + s - 0 * old for m, s, old in",
+           [T_DELAYED]),
+    Mutant("DCT momentum keeps what it sent", "variants", EXCHANGE,
+           "momentum = jnp.where(w > 0, kept, jnp.where(finite, momentum, 0.0))",
+           "momentum = jnp.where(w > 0, update, jnp.where(finite, momentum, 0.0))",
+           ["tests/test_variants.py::test_dct_momentum_keeps_the_rest_and_averages_what_was_sent"]),
+    # runtime: the simulator, the mesh, the chunked simulator, byte accounting
+    Mutant("replica mean over the virtual replicas of a device only", "runtime", EXCHANGE,
+           "    for name in names(axis_name):\n        tree = lax.pmean(tree, name)",
+           "    for name in names(axis_name)[:1]:\n        tree = lax.pmean(tree, name)", [T_MESH]),
+    Mutant("data devices' rows of a replica's batch off by one (overlap)", "runtime", STEP,
+           "start = lax.axis_index(data_axis) * rows",
+           "start = lax.axis_index(data_axis) * (rows - 1)", [T_MESH]),
+    Mutant("a replica samples the next replica's batch", "runtime", STEP,
+           "shard, seed=seed, replica=replica, step=state.step, batch_size=batch_size",
+           "shard, seed=seed, replica=replica + 1, step=state.step, batch_size=batch_size",
+           [T_DILOCO + "test_inner_sgd_sync1_outer_sgd1_is_synchronous_data_parallel_sgd"]),
+    Mutant("chunked simulator's sync counts one inner step more", "runtime",
+           "diloco_jax/runtime/chunked.py", "state = state._replace(step=state.step - 1)",
+           "state = state._replace(step=state.step)",
+           ["tests/test_chunked.py::test_chunks_train_bitwise_what_all_at_once_trains"]),
+    Mutant("ring all-reduce bytes without the all-gather half", "runtime", COMMS,
+           "return 2 * (replicas - 1) / replicas * payload",
+           "return (replicas - 1) / replicas * payload",
+           ["tests/test_sim.py::test_payload_and_bytes_hand_computed"]),
+    Mutant("ring all-reduce time without the all-gather half", "runtime", COMMS,
+           "return 2 * (replicas - 1) * (latency + payload / replicas / bytes_per_s)",
+           "return (replicas - 1) * (latency + payload / replicas / bytes_per_s)",
+           ["tests/test_sim.py::test_reduce_time_hand_computed"]),
+    Mutant("small float32 leaves counted at 2 bytes in a codec's payload", "runtime", COMMS,
+           "small = sum(4 * leaf.size for leaf in leaves if leaf.size < codec.min_size)",
+           "small = sum(2 * leaf.size for leaf in leaves if leaf.size < codec.min_size)",
+           ["tests/test_compress.py::test_sync_payload_by_hand"]),
+    Mutant("quorum sync bytes counted over every replica, late ones too", "runtime",
+           "sim/accounting.py", "comms.bytes_per_replica(payload, int(m.sum()), sim.topology)",
+           "comms.bytes_per_replica(payload, replicas, sim.topology)",
+           ["tests/test_quorum.py::test_quorum_bytes_and_clock"]),
+    # randomness
+    Mutant("batch seed depends on the data device (layout-dependent key)", "randomness", STEP,
+           "        seed = control.seed\n",
+           "        seed = control.seed if data_axis is None else control.seed + "
+           "lax.axis_index(data_axis)\n", [T_MESH]),
+    Mutant("keys depend on the devices a process holds (layout-dependent key)", "randomness",
+           "diloco_jax/randomness.py", "    for stream in streams:",
+           "    key = jax.random.fold_in(key, jax.local_device_count())\n"
+           "    for stream in streams:",
+           ["tests/test_multiprocess.py::"
+            "test_two_processes_equal_one_process_two_devices_and_the_simulator"]),
+    Mutant("batch key ignores the step (the same windows every step)", "randomness",
+           "diloco_jax/randomness.py", "jax.random.fold_in(jax.random.key(seed), step)",
+           "jax.random.fold_in(jax.random.key(seed), 0)",
+           ["tests/test_data.py::test_batch_is_a_pure_function_of_seed_replica_step"]),
+    # checkpoints
+    Mutant("checkpoint saved without the outer state (zeros)", "checkpoint",
+           "diloco_jax/runtime/checkpoint.py",
+           "    items = {_STATE: _StateSave(state), _META: ocp.args.JsonSave(meta)}",
+           "    kept = state._replace(outer_state=jax.tree.map(lambda x: x * 0, "
+           "state.outer_state)) if hasattr(state, 'outer_state') else state\n"
+           "    items = {_STATE: _StateSave(kept), _META: ocp.args.JsonSave(meta)}",
+           ["tests/test_checkpoint.py::test_resume_from_a_middle_checkpoint_is_bitwise_identical"]),
+    Mutant("resume drops the data pipelines' saved position", "checkpoint", RESUME,
+           "restored.controls, restored.data)", "restored.controls, None)",
+           ["tests/test_grain_task.py::test_fit_on_a_pipeline_learns_and_resumes_bitwise"]),
+    Mutant("resume accepts one changed training key (refuses only two)", "checkpoint", RESUME,
+           "if locked and not allow_change:", "if len(locked) > 1 and not allow_change:",
+           ["tests/test_checkpoint.py::"
+            "test_changed_training_key_stops_with_one_line_exit_2_and_changes_nothing"]),
+    Mutant("elastic restart drops the saved anchor, outer state and step", "checkpoint", RESUME,
+           "state = state_lib.replace_shared(fresh, kinds, old)", "state = fresh",
+           ["tests/test_checkpoint.py::test_elastic_restart_keeps_anchor_and_outer_state"]),
+    # faults: non-finite replicas, simulated stragglers and failures, quorum and grace
+    Mutant("NaN guard dropped: a NaN replica is averaged in", "faults", CORE,
+           "finite = jnp.isfinite(optax.tree.norm(delta))",
+           "finite = jnp.isfinite(optax.tree.norm(delta)) | True", [T_NAN]),
+    Mutant("a left-out replica weighted by multiplying (0 * NaN = NaN)", "faults", EXCHANGE,
+           "return [jnp.where(w > 0, w * d, 0.0) for d in delta]", "return [w * d for d in delta]",
+           [T_NAN]),
+    Mutant("a NaN replica restarts with its broken inner state", "faults", CORE,
+           "reset = restart if self.reset_inner_state else bad",
+           "reset = restart if self.reset_inner_state else jnp.zeros([], bool)", [T_NAN]),
+    Mutant("failure span r:a-b drops the replica at outer step b too", "faults", SCHEDULE,
+           "if a <= outer_step < b:", "if a <= outer_step <= b:", [T_DROPPED]),
+    Mutant("a rejoining replica's stale pseudo-gradient is averaged in", "faults", SCHEDULE,
+           "weight[i] = weight_R * (up & was_up)", "weight[i] = weight_R * up", [T_DROPPED]),
+    Mutant("DyLU rounds a slow replica's steps up", "faults", SCHEDULE,
+           "np.floor(sync_every * speeds / speeds.max() + 1e-9)",
+           "np.ceil(sync_every * speeds / speeds.max() + 1e-9)",
+           ["tests/test_sim.py::test_dylu_steps_and_masks"]),
+    Mutant("quorum: a late replica weighs one round, not its tokens", "faults", SCHEDULE,
+           "out.weight[k] = np.where(merged_R, done_R / H, 0.0)",
+           "out.weight[k] = np.where(merged_R, 1.0, 0.0)",
+           ["tests/test_quorum.py::test_a_slow_replica_is_late_then_merges_its_two_rounds",
+            "tests/test_quorum.py::test_masks_are_a_pure_function_of_the_step"]),
+    Mutant("quorum: grace counted in steps, not rounds", "faults", SCHEDULE,
+           "wall = min(arrive_R.max(), ready + grace * H)",
+           "wall = min(arrive_R.max(), ready + grace)",
+           ["tests/test_quorum.py::test_grace_admits_a_replica_that_arrives_within_the_window"]),
+    # data
+    Mutant("validation split overlaps the training split by one token", "data", CORPUS,
+           "return Corpus(tokens[:-num_val], tokens[-num_val:], str(path))",
+           "return Corpus(tokens[:-num_val], tokens[-num_val - 1 :], str(path))",
+           ["tests/test_data.py::test_shipped_corpus",
+            "tests/test_data.py::test_local_text_file_and_too_small"]),
+    Mutant("device sampler's windows start one token late", "data", CORPUS,
+           "idx_BxL1 = starts_B[:, None] + jnp.arange(",
+           "idx_BxL1 = starts_B[:, None] + 1 + jnp.arange(", [T_HOST_BATCHES]),
+    Mutant("streamed (host) windows start one token late", "data", "diloco_jax/data/stream.py",
+           "cols = starts[..., None] + np.arange(self.seq_len + 1, dtype=np.int64)",
+           "cols = starts[..., None] + np.arange(1, self.seq_len + 2, dtype=np.int64)",
+           [T_HOST_BATCHES]),
+    Mutant("evaluation windows start one token late", "data", CORPUS,
+           "val_M[s : s + seq_len + 1] for s in starts",
+           "val_M[s + 1 : s + seq_len + 2] for s in starts",
+           ["tests/test_data.py::test_eval_windows_spread_over_validation"]),
+    Mutant("TFDS evaluation reads the training split", "data", "diloco_jax/data/tfds_io.py",
+           "split=[train_split, eval_split]", "split=[train_split, train_split]",
+           ["tests/test_datasets.py::test_prepared_dataset_reads_back_as_the_exact_text"]),
+    # command lines and config validation
+    Mutant("validation: checkpoint_every need not be a multiple of log_every", "command line",
+           VALIDATION, "t.checkpoint_every % t.log_every == 0,",
+           "t.checkpoint_every % t.log_every >= 0,",
+           ["tests/test_config.py::test_validate_names_key_value_and_rule"]),
+    Mutant("validation: sim.drop_prob = 1 accepted", "command line", VALIDATION,
+           '("sim.drop_prob", 0 <= sim.drop_prob < 1,',
+           '("sim.drop_prob", 0 <= sim.drop_prob <= 1,',
+           ["tests/test_sim.py::test_sim_config_errors"]),
+    Mutant("override parser reads 'false' as true", "command line", "diloco_jax/config.py",
+           'if lowered in ("1", "true", "yes", "on"):',
+           'if lowered in ("1", "true", "yes", "on", "false"):',
+           ["tests/test_config.py::test_overrides_parse_by_field_type"]),
+    Mutant("command-line parser drops the last argument", "command line", "diloco_jax/cli.py",
+           "args = sys.argv[1:] if args is None else list(args)",
+           "args = sys.argv[1:] if args is None else list(args)[:-1]",
+           ["tests/test_config.py::test_overrides_on_the_command_line_equal_apply_overrides"]),
+    # what the tests moved to the slow set or merged (issue 38) caught: the default suite's
+    # stand-ins must still catch it (docs/testing.md's table)
+    Mutant("the command skips the CPU split (parallel.cpu_devices ignored)", "runtime",
+           "diloco_jax/placement.py", "parallel.split_cpu(p.cpu_devices, auto=auto)",
+           "parallel.split_cpu(0, auto=1)", ["tests/test_cpu_devices.py"]),
+    Mutant("DES-LOC averages the second moments on the first moments' period", "variants",
+           "diloco_jax/algorithm/moments.py",
+           '(("first", ms.first_every), ("second", ms.second_every))',
+           '(("first", ms.first_every), ("second", ms.first_every))',
+           ["tests/test_desloc.py::test_first_moments_averaged_without_second_ones_can_blow_up_"
+            "sparse_rows"]),
+    Mutant("a kept traced program is never loaded", "runtime",
+           "diloco_jax/runtime/compile_cache.py",
+           'if entry.get("format") != _FORMAT:\n            return None',
+           'if True:\n            return None',
+           ["tests/test_compile_cache.py", "tests/test_program_cache.py"]),
+    Mutant("the persistent compilation cache is never turned on", "runtime",
+           "diloco_jax/runtime/compile_cache.py",
+           "    path = directory(configured)\n    if path is None:",
+           "    path = None\n    if path is None:", ["tests/test_compile_cache.py"]),
+]  # fmt: skip
+
+
+class MutantError(Exception):
+    """A mutant that cannot be planted (its snippet is missing or not unique)."""
+
+
+class Result(NamedTuple):
+    mutant: Mutant
+    outcome: str  # caught | missed | error
+    caught_by: str  # the first failed test, or why the run said nothing
+    seconds: float
+    returncode: int | None  # None: timed out
+    tail: str  # the output's last lines, for an error
+
+
+def planted(source: str, m: Mutant) -> str:
+    """``source`` with ``m``'s bug; raises :class:`MutantError` unless ``m.old`` occurs exactly
+    once (a snippet found twice would plant the bug in the wrong place, or in two)."""
+    count = source.count(m.old)
+    if count != 1:
+        raise MutantError(f"{m.path}: the snippet of {m.name!r} occurs {count} times, not once:"
+                          f"\n{m.old}")  # fmt: skip
+    return source.replace(m.old, m.new)
+
+
+def _test_problems(m: Mutant, root: pathlib.Path) -> list[str]:
+    """Test paths of ``m`` that do not exist in ``root`` (a file, or a function in it)."""
+    problems = []
+    for test in [t for t in m.tests if t and not t.startswith("-")]:  # not pytest's options
+        file, _, function = test.partition("::")
+        path = root / file
+        if not file.startswith("tests/") or not path.is_file():
+            problems.append(f"{m.name!r}: no test file {file}")
+        elif function and f"def {function.split('[')[0]}(" not in path.read_text():
+            problems.append(f"{m.name!r}: no test {function} in {file}")
+    return problems
+
+
+def problems(mutants: list[Mutant], root: pathlib.Path, *, tests: bool = True) -> list[str]:
+    """Everything wrong with ``mutants`` against the source in ``root``: an unknown area, a
+    snippet that does not occur exactly once, a mutated file that does not compile, and (with
+    ``tests``) a test that does not exist there."""
+    found = []
+    for m in mutants:
+        if m.area not in AREAS:
+            found.append(f"{m.name!r}: area {m.area!r} is not one of {AREAS}")
+        if m.old == m.new or not m.tests:
+            found.append(f"{m.name!r}: plants nothing or names no test")
+        try:
+            new_source = planted((root / m.path).read_text(), m)
+            compile(new_source, m.path, "exec")
+        except (OSError, MutantError, SyntaxError) as e:
+            found.append(f"{m.name!r}: {e}")
+        if tests:
+            found += _test_problems(m, root)
+    return found
+
+
+def checkout_files(root: pathlib.Path) -> list[str]:
+    """The checkout's files: tracked, and untracked but not ignored (as they are on disk)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=root, capture_output=True, check=True).stdout  # fmt: skip
+    names = sorted(set(out.decode().split("\0")) - {""})
+    return [n for n in names if (root / n).is_file() or (root / n).is_symlink()]
+
+
+def copy_files(root: pathlib.Path, names: list[str], dest: pathlib.Path) -> None:
+    for name in names:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, target, follow_symlinks=False)
+
+
+def build_tree(dest: pathlib.Path, rev: str | None) -> None:
+    """The tree every mutant starts from: the checkout's files, or ``git archive rev`` with the
+    source directories (:data:`SOURCE_DIRS`) replaced by the working tree's."""
+    names = checkout_files(ROOT)
+    if rev is None:
+        copy_files(ROOT, names, dest)
+        return
+    archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT,
+                             capture_output=True, check=True).stdout  # fmt: skip
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    for folder in SOURCE_DIRS:
+        shutil.rmtree(dest / folder, ignore_errors=True)
+    copy_files(ROOT, [n for n in names if n.split("/", 1)[0] in SOURCE_DIRS], dest)
+
+
+def run_pytest(tree: pathlib.Path, tests: list[str], timeout: float) -> tuple[int | None, str]:
+    """``(exit status or None on timeout, output)`` of pytest on ``tests`` in ``tree``. pytest
+    runs in its own process group, so a timeout or a Ctrl-C here also ends its workers."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "2",
+           *tests]  # fmt: skip
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": path},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+def first_failure(output: str) -> str:
+    """The test named by the first ``FAILED`` line of pytest's summary, else the first
+    ``ERROR`` line ('' if none)."""
+    lines = output.splitlines()
+    for word in ("FAILED ", "ERROR "):
+        for line in lines:
+            if line.startswith(word):
+                return line[len(word) :].split(" - ", 1)[0].strip()
+    return ""
+
+
+def classify(returncode: int | None, output: str) -> tuple[str, str]:
+    """``(outcome, caught_by)`` of one pytest run with a bug planted."""
+    if returncode is None:
+        return "error", "timed out"
+    failed = first_failure(output)
+    # under xdist, -x ends the run at the first failure by raising Interrupted in the controller:
+    # exit 2 (not 1), after the same FAILED lines. A collection error takes that path too; its
+    # ERROR line names a file, not a test
+    stopped = returncode == 2 and re.search(r"stopping after \d+ failures", output)
+    if (returncode == 1 or stopped) and "::" in failed:
+        return "caught", failed
+    if returncode == 0 and re.search(r"\b\d+ passed\b", output):
+        return "missed", ""
+    if returncode == 0:  # every selected test skipped: no verdict
+        return "error", "no test ran (all skipped)"
+    return "error", f"pytest exit {returncode}" + (f": {failed}" if failed else "")
+
+
+def run_one(base: pathlib.Path, scratch: pathlib.Path, tests: list[str], timeout: float,
+            m: Mutant | None = None) -> tuple[int | None, str, float]:  # fmt: skip
+    """pytest on ``tests`` in a fresh copy of ``base`` (with ``m``'s bug planted, if given);
+    ``(exit status, output, seconds)``. The copy is removed afterwards."""
+    tree = pathlib.Path(tempfile.mkdtemp(prefix="tree-", dir=scratch))
+    try:
+        shutil.copytree(base, tree, symlinks=True, dirs_exist_ok=True)
+        if m is not None:
+            path = tree / m.path
+            path.write_text(planted(path.read_text(), m))
+        start = time.monotonic()
+        returncode, output = run_pytest(tree, tests, timeout)
+        return returncode, output, time.monotonic() - start
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+
+
+def tail(output: str) -> str:
+    return "\n".join(output.rstrip().splitlines()[-TAIL_LINES:])
+
+
+def run_mutants(mutants: list[Mutant], base: pathlib.Path, scratch: pathlib.Path,
+                timeout: float) -> list[Result]:  # fmt: skip
+    results = []
+    for i, m in enumerate(mutants, 1):
+        print(f"[{i}/{len(mutants)}] {m.name} ({m.path})", file=sys.stderr, flush=True)
+        returncode, output, seconds = run_one(base, scratch, m.tests, timeout, m)
+        outcome, caught_by = classify(returncode, output)
+        results.append(Result(m, outcome, caught_by, seconds, returncode,
+                              tail(output) if outcome == "error" else ""))  # fmt: skip
+        print(f"    {outcome} {caught_by} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    return results
+
+
+def run_baseline(mutants: list[Mutant], base: pathlib.Path, scratch: pathlib.Path,
+                 timeout: float) -> bool:  # fmt: skip
+    """Each distinct selection of tests once, no bug planted; prints a table; True if all
+    passed."""
+    selections = list(dict.fromkeys(tuple(m.tests) for m in mutants))
+    rows, ok = [], True
+    for i, tests in enumerate(selections, 1):
+        print(f"[{i}/{len(selections)}] {' '.join(tests)}", file=sys.stderr, flush=True)
+        returncode, output, seconds = run_one(base, scratch, list(tests), timeout)
+        outcome, failed = classify(returncode, output)
+        verdict = "passed" if outcome == "missed" else f"FAILS: {failed or outcome}"
+        ok &= outcome == "missed"
+        rows.append(f"| {i} | {'<br>'.join(tests)} | {verdict} | {seconds:.0f} |")
+        if outcome != "missed":
+            print(tail(output), file=sys.stderr)
+    print("| # | tests | unmutated | s |\n|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"\n{sum(r.split(' | ')[2] == 'passed' for r in rows)} of {len(rows)} selections pass")
+    return ok
+
+
+def list_table(mutants: list[Mutant]) -> str:
+    rows = ["| # | area | planted bug | file | tests |", "|---|---|---|---|---|"]
+    for i, m in enumerate(mutants, 1):
+        rows.append(f"| {i} | {m.area} | {m.name} | `{m.path}` | {'<br>'.join(m.tests)} |")
+    return "\n".join(rows)
+
+
+def results_table(results: list[Result]) -> str:
+    rows = ["| # | area | planted bug | file | caught by | s |", "|---|---|---|---|---|---|"]
+    for i, r in enumerate(results, 1):
+        by = f"`{r.caught_by}`" if r.outcome == "caught" else f"**{r.outcome}** {r.caught_by}"
+        rows.append(f"| {i} | {r.mutant.area} | {r.mutant.name} | `{r.mutant.path}` | {by} "
+                    f"| {r.seconds:.0f} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def write_json(path: str, results: list[Result], rev: str | None) -> None:
+    rows = [{**r.mutant._asdict(), "outcome": r.outcome, "caught_by": r.caught_by,
+             "seconds": round(r.seconds, 1), "returncode": r.returncode, "tail": r.tail}
+            for r in results]  # fmt: skip
+    summary = {"rev": rev or "working tree", "caught": sum(r.outcome == "caught" for r in results),
+               "total": len(results), "mutants": rows}  # fmt: skip
+    pathlib.Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def select(mutants: list[Mutant], only: list[str] | None) -> list[Mutant]:
+    """The mutants whose name, area or file contains one of ``only`` (case-insensitive)."""
+    if not only:
+        return list(mutants)
+    words = [w.lower() for w in only]
+    return [m for m in mutants
+            if any(w in f"{m.name}\n{m.area}\n{m.path}".lower() for w in words)]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rev", help="run REV's tests (git archive) against the working tree's "
+                        "diloco_jax/, sim/ and configs/")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="SUBSTR",
+        help="only mutants whose name, area or file contains one of these",
+    )
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="print the mutants and check that each applies; run nothing",
+    )
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="run each distinct test selection once without a mutation",
+    )
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--tests", nargs="+", metavar="TEST",
+                        help="run these tests for every selected mutant instead of its own (a "
+                        "test moved to the slow set, run by name: -m '' is added)")  # fmt: skip
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1200.0,
+        metavar="SECONDS",
+        help="per pytest run (default 1200)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mutants = select(MUTANTS, args.only)
+    if args.tests:
+        mutants = [m._replace(tests=["-m", "", *args.tests]) for m in mutants]
+    if not mutants:
+        print(f"no mutant matches {args.only}", file=sys.stderr)
+        return 2
+    # the tests are checked here unless they come from another revision (then in its tree)
+    found = problems(mutants, ROOT, tests=args.list or not args.rev)
+    if args.list:
+        print(list_table(mutants))
+    if found:  # before any run: a snippet that does not apply would waste the whole session
+        print("\n".join(["", "mutants that do not apply:", *found]), file=sys.stderr)
+        return 1
+    if args.list:
+        print(f"\n{len(mutants)} mutants; every snippet occurs once and compiles mutated")
+        return 0
+    if args.rev and not is_commit(args.rev):
+        print(f"--rev {args.rev}: no such commit", file=sys.stderr)
+        return 2
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="diloco_mutants_", dir="/tmp"))
+    try:
+        base = scratch / "base"
+        build_tree(base, args.rev)
+        if args.rev and (missing := [p for m in mutants for p in _test_problems(m, base)]):
+            # their runs end in error (pytest finds no such test); the others still tell
+            print("\n".join([f"tests missing at {args.rev}:", *missing]), file=sys.stderr)
+        if args.baseline:
+            return 0 if run_baseline(mutants, base, scratch, args.timeout) else 1
+        results = run_mutants(mutants, base, scratch, args.timeout)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return report(results, args)
+
+
+def is_commit(rev: str) -> bool:
+    found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           cwd=ROOT, capture_output=True)  # fmt: skip
+    return found.returncode == 0
+
+
+def report(results: list[Result], args: argparse.Namespace) -> int:
+    """Prints the table, the summary and every error's output; 1 if any mutant was not caught."""
+    print(results_table(results))
+    caught = sum(r.outcome == "caught" for r in results)
+    print(
+        f"\n{caught} of {len(results)} caught"
+        + (f" (tests of {args.rev}, source of the working tree)" if args.rev else "")
+    )
+    for r in results:
+        if r.outcome == "error":
+            print(f"\n### {r.mutant.name}: {r.caught_by}\n```\n{r.tail}\n```")
+    if args.json:
+        write_json(args.json, results, args.rev)
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
