@@ -288,6 +288,13 @@ MUTANTS = [
            "diloco_jax/runtime/compile_cache.py",
            "    path = directory(configured)\n    if path is None:",
            "    path = None\n    if path is None:", ["tests/test_compile_cache.py"]),
+    Mutant("a sweep's server never shows a run as done", "runtime", "sim/sweep.py",
+           "            server.sweep.finished(name, rows[-1])", "            pass",
+           ["tests/test_sim.py::test_sweep_cli_end_to_end_and_rerun_skips"]),
+    Mutant("a shape-changing key declared free of the kept program", "runtime",
+           "diloco_jax/programs.py", '    "seed",  # an input of the step',
+           '    "seed", "data.batch_size",  # an input of the step',
+           ["tests/test_program_cache.py"]),
 ]  # fmt: skip
 
 
