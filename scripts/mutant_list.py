@@ -1,0 +1,252 @@
+"""The planted bugs of scripts/mutants.py: each a snippet of one source file, its replacement and
+the tests that should fail on it. Add one here; ``uv run python scripts/mutants.py --list`` checks
+that every snippet applies exactly once and every named test exists."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+AREAS = ("algorithm", "variants", "runtime", "checkpoint", "data", "command line", "randomness",
+         "faults")  # fmt: skip
+
+
+class Mutant(NamedTuple):
+    """A planted bug: ``old`` (exactly once in ``path``) replaced by ``new``; ``tests``: pytest
+    paths or node ids that should fail on it."""
+
+    name: str
+    area: str
+    path: str
+    old: str
+    new: str
+    tests: list[str]
+
+
+CORE = "diloco_jax/algorithm/core.py"
+EXCHANGE = "diloco_jax/algorithm/exchange.py"
+PLAN = "diloco_jax/algorithm/plan.py"
+TIMING = "diloco_jax/algorithm/timing.py"
+STEP = "diloco_jax/runtime/step.py"
+COMMS = "diloco_jax/comms.py"
+SCHEDULE = "diloco_jax/schedule.py"
+RESUME = "diloco_jax/resume.py"
+CORPUS = "diloco_jax/data/corpus.py"
+VALIDATION = "diloco_jax/validation.py"
+
+T_DILOCO = "tests/test_diloco.py::"
+T_HAND = T_DILOCO + "test_hand_computed_quadratic_trajectory"
+T_SIGN = T_DILOCO + "test_pseudo_gradient_sign_mean_over_replicas_only_and_outer_step_not_a_noop"
+T_SYNCS = T_DILOCO + "test_syncs_happen_only_every_sync_every_steps"
+T_NAN = T_DILOCO + "test_nan_replica_is_left_out_and_restarts_from_the_anchor"
+T_MESH = "tests/test_parallel.py::test_mesh_equals_simulator"
+T_PLAN = "tests/test_variants.py::test_streaming_schedule_by_hand_on_device_and_host"
+T_STREAMING = "tests/test_variants.py::test_streaming_hand_computed"
+T_DELAYED = "tests/test_variants.py::test_delayed_and_eager_hand_computed"
+T_DROPPED = "tests/test_sim.py::test_dropped_replica_keeps_params_then_rejoins_from_anchor"
+T_HOST_BATCHES = "tests/test_stream.py::test_host_batches_equal_the_device_sampler"
+
+MUTANTS = [
+    # the algorithm
+    Mutant("outer step with the wrong sign", "algorithm", CORE,
+           "optax.apply_updates(anchor, outer_updates)",
+           "optax.apply_updates(anchor, [-u for u in outer_updates])", [T_HAND, T_SIGN]),
+    Mutant("pseudo-gradient params - anchor (points downhill)", "algorithm", CORE,
+           "delta = [a - rnd.params[i] for a, i in zip(start, idx, strict=True)]",
+           "delta = [rnd.params[i] - a for a, i in zip(start, idx, strict=True)]",
+           [T_HAND, T_SIGN]),
+    Mutant("replica mean divided by the weights' sum, not their mean", "algorithm", EXCHANGE,
+           "total_w = replica_mean(w, axis_name)", "total_w = replica_sum(w, axis_name)",
+           [T_SIGN]),
+    Mutant("Nesterov momentum dropped from the paper's outer optimizer", "algorithm",
+           "diloco_jax/algorithm/optim.py",
+           "return optax.sgd(learning_rate, momentum=momentum or None, "
+           "nesterov=nesterov and momentum > 0)",
+           "return optax.sgd(learning_rate, momentum=momentum or None, nesterov=False)", [T_SIGN]),
+    Mutant("a sync leaves each replica on its own parameters (anchor not assigned)", "algorithm",
+           CORE, "            target = a\n            if self.mix > 0:",
+           "            target = p\n            if self.mix > 0:", [T_SYNCS]),
+    Mutant("sync period off by one", "algorithm", PLAN, "return step % self.period == 0,",
+           "return (step + 1) % self.period == 0,", [T_SYNCS, T_PLAN]),
+    # variants
+    Mutant("late replica's pseudo-gradient measured from the anchor, not its base", "variants",
+           CORE, "start = [rnd.base[i] for i in idx] if self.late_merge else anchor",
+           "start = anchor", ["tests/test_quorum.py::test_late_merge_matches_a_hand_computed_run"]),
+    Mutant("error feedback keeps no residual", "variants", EXCHANGE,
+           "residual = [jnp.where(w > 0, n, jnp.where(finite, e, 0.0))",
+           "residual = [jnp.where(w > 0, 0.0 * n, jnp.where(finite, e, 0.0))",
+           ["tests/test_compress.py::test_error_feedback_keeps_exactly_what_encoding_lost"]),
+    Mutant("int8 scale is max abs / 128: the largest value clips", "variants",
+           "diloco_jax/algorithm/compress.py", '_LEVELS = {"int8": 127.0,',
+           '_LEVELS = {"int8": 128.0,', ["tests/test_compress.py::test_roundtrip_error_bounds"]),
+    Mutant("streaming: the fragment that syncs is off by one", "variants", PLAN,
+           "(step // self.period) % self.fragments", "(step // self.period + 1) % self.fragments",
+           [T_PLAN, T_STREAMING]),
+    Mutant("streaming: a fragment lands before its first sync started", "variants", PLAN,
+           "started & (step > self.overlap)", "started & (step >= self.overlap)",
+           [T_PLAN, T_STREAMING]),
+    Mutant("delayed outer step applies this sync's mean", "variants", TIMING,
+           "lambda mean, delta, w, st: (st.pending, DelayedState(mean)),",
+           "lambda mean, delta, w, st: (mean, DelayedState(mean)),", [T_DELAYED]),
+    Mutant("eager outer step keeps the stale share", "variants", TIMING,
+           "applied = [m + s - old for m, s, old in", "applied = [m + s - 0 * old for m, s, old in",
+           [T_DELAYED]),
+    Mutant("DCT momentum keeps what it sent", "variants", EXCHANGE,
+           "momentum = jnp.where(w > 0, kept, jnp.where(finite, momentum, 0.0))",
+           "momentum = jnp.where(w > 0, update, jnp.where(finite, momentum, 0.0))",
+           ["tests/test_variants.py::test_dct_momentum_keeps_the_rest_and_averages_what_was_sent"]),
+    # runtime: the simulator, the mesh, the chunked simulator, byte accounting
+    Mutant("replica mean over the virtual replicas of a device only", "runtime", EXCHANGE,
+           "    for name in names(axis_name):\n        tree = lax.pmean(tree, name)",
+           "    for name in names(axis_name)[:1]:\n        tree = lax.pmean(tree, name)", [T_MESH]),
+    Mutant("data devices' rows of a replica's batch off by one (overlap)", "runtime", STEP,
+           "start = lax.axis_index(data_axis) * rows",
+           "start = lax.axis_index(data_axis) * (rows - 1)", [T_MESH]),
+    Mutant("a replica samples the next replica's batch", "runtime", STEP,
+           "shard, seed=seed, replica=replica, step=state.step, batch_size=batch_size",
+           "shard, seed=seed, replica=replica + 1, step=state.step, batch_size=batch_size",
+           [T_DILOCO + "test_inner_sgd_sync1_outer_sgd1_is_synchronous_data_parallel_sgd"]),
+    Mutant("chunked simulator's sync counts one inner step more", "runtime",
+           "diloco_jax/runtime/chunked.py", "state = state._replace(step=state.step - 1)",
+           "state = state._replace(step=state.step)",
+           ["tests/test_chunked.py::test_chunks_train_bitwise_what_all_at_once_trains"]),
+    Mutant("ring all-reduce bytes without the all-gather half", "runtime", COMMS,
+           "return 2 * (replicas - 1) / replicas * payload",
+           "return (replicas - 1) / replicas * payload",
+           ["tests/test_sim.py::test_payload_and_bytes_hand_computed"]),
+    Mutant("ring all-reduce time without the all-gather half", "runtime", COMMS,
+           "return 2 * (replicas - 1) * (latency + payload / replicas / bytes_per_s)",
+           "return (replicas - 1) * (latency + payload / replicas / bytes_per_s)",
+           ["tests/test_sim.py::test_reduce_time_hand_computed"]),
+    Mutant("small float32 leaves counted at 2 bytes in a codec's payload", "runtime", COMMS,
+           "small = sum(4 * leaf.size for leaf in leaves if leaf.size < codec.min_size)",
+           "small = sum(2 * leaf.size for leaf in leaves if leaf.size < codec.min_size)",
+           ["tests/test_compress.py::test_sync_payload_by_hand"]),
+    Mutant("quorum sync bytes counted over every replica, late ones too", "runtime",
+           "sim/accounting.py", "comms.bytes_per_replica(payload, int(m.sum()), sim.topology)",
+           "comms.bytes_per_replica(payload, replicas, sim.topology)",
+           ["tests/test_quorum.py::test_quorum_bytes_and_clock"]),
+    # randomness
+    Mutant("batch seed depends on the data device (layout-dependent key)", "randomness", STEP,
+           "        seed = control.seed\n",
+           "        seed = control.seed if data_axis is None else control.seed + "
+           "lax.axis_index(data_axis)\n", [T_MESH]),
+    Mutant("keys depend on the devices a process holds (layout-dependent key)", "randomness",
+           "diloco_jax/randomness.py", "    for stream in streams:",
+           "    key = jax.random.fold_in(key, jax.local_device_count())\n"
+           "    for stream in streams:",
+           ["tests/test_multiprocess.py::"
+            "test_two_processes_equal_one_process_two_devices_and_the_simulator"]),
+    Mutant("batch key ignores the step (the same windows every step)", "randomness",
+           "diloco_jax/randomness.py", "jax.random.fold_in(jax.random.key(seed), step)",
+           "jax.random.fold_in(jax.random.key(seed), 0)",
+           ["tests/test_data.py::test_batch_is_a_pure_function_of_seed_replica_step"]),
+    # checkpoints
+    Mutant("checkpoint saved without the outer state (zeros)", "checkpoint",
+           "diloco_jax/runtime/checkpoint.py",
+           "    items = {_STATE: _StateSave(state), _META: ocp.args.JsonSave(meta)}",
+           "    kept = state._replace(outer_state=jax.tree.map(lambda x: x * 0, "
+           "state.outer_state)) if hasattr(state, 'outer_state') else state\n"
+           "    items = {_STATE: _StateSave(kept), _META: ocp.args.JsonSave(meta)}",
+           ["tests/test_checkpoint.py::test_resume_from_a_middle_checkpoint_is_bitwise_identical"]),
+    Mutant("resume drops the data pipelines' saved position", "checkpoint", RESUME,
+           "restored.controls, restored.data)", "restored.controls, None)",
+           ["tests/test_grain_task.py::test_fit_on_a_pipeline_learns_and_resumes_bitwise"]),
+    Mutant("resume accepts one changed training key (refuses only two)", "checkpoint", RESUME,
+           "if locked and not allow_change:", "if len(locked) > 1 and not allow_change:",
+           ["tests/test_checkpoint.py::"
+            "test_changed_training_key_stops_with_one_line_exit_2_and_changes_nothing"]),
+    Mutant("elastic restart drops the saved anchor, outer state and step", "checkpoint", RESUME,
+           "state = state_lib.replace_shared(fresh, kinds, old)", "state = fresh",
+           ["tests/test_checkpoint.py::test_elastic_restart_keeps_anchor_and_outer_state"]),
+    # faults: non-finite replicas, simulated stragglers and failures, quorum and grace
+    Mutant("NaN guard dropped: a NaN replica is averaged in", "faults", CORE,
+           "finite = jnp.isfinite(optax.tree.norm(delta))",
+           "finite = jnp.isfinite(optax.tree.norm(delta)) | True", [T_NAN]),
+    Mutant("a left-out replica weighted by multiplying (0 * NaN = NaN)", "faults", EXCHANGE,
+           "return [jnp.where(w > 0, w * d, 0.0) for d in delta]", "return [w * d for d in delta]",
+           [T_NAN]),
+    Mutant("a NaN replica restarts with its broken inner state", "faults", CORE,
+           "reset = restart if self.reset_inner_state else bad",
+           "reset = restart if self.reset_inner_state else jnp.zeros([], bool)", [T_NAN]),
+    Mutant("failure span r:a-b drops the replica at outer step b too", "faults", SCHEDULE,
+           "if a <= outer_step < b:", "if a <= outer_step <= b:", [T_DROPPED]),
+    Mutant("a rejoining replica's stale pseudo-gradient is averaged in", "faults", SCHEDULE,
+           "weight[i] = weight_R * (up & was_up)", "weight[i] = weight_R * up", [T_DROPPED]),
+    Mutant("DyLU rounds a slow replica's steps up", "faults", SCHEDULE,
+           "np.floor(sync_every * speeds / speeds.max() + 1e-9)",
+           "np.ceil(sync_every * speeds / speeds.max() + 1e-9)",
+           ["tests/test_sim.py::test_dylu_steps_and_masks"]),
+    Mutant("quorum: a late replica weighs one round, not its tokens", "faults", SCHEDULE,
+           "out.weight[k] = np.where(merged_R, done_R / H, 0.0)",
+           "out.weight[k] = np.where(merged_R, 1.0, 0.0)",
+           ["tests/test_quorum.py::test_a_slow_replica_is_late_then_merges_its_two_rounds",
+            "tests/test_quorum.py::test_masks_are_a_pure_function_of_the_step"]),
+    Mutant("quorum: grace counted in steps, not rounds", "faults", SCHEDULE,
+           "wall = min(arrive_R.max(), ready + grace * H)",
+           "wall = min(arrive_R.max(), ready + grace)",
+           ["tests/test_quorum.py::test_grace_admits_a_replica_that_arrives_within_the_window"]),
+    # data
+    Mutant("validation split overlaps the training split by one token", "data", CORPUS,
+           "return Corpus(tokens[:-num_val], tokens[-num_val:], str(path))",
+           "return Corpus(tokens[:-num_val], tokens[-num_val - 1 :], str(path))",
+           ["tests/test_data.py::test_shipped_corpus",
+            "tests/test_data.py::test_local_text_file_and_too_small"]),
+    Mutant("device sampler's windows start one token late", "data", CORPUS,
+           "idx_BxL1 = starts_B[:, None] + jnp.arange(",
+           "idx_BxL1 = starts_B[:, None] + 1 + jnp.arange(", [T_HOST_BATCHES]),
+    Mutant("streamed (host) windows start one token late", "data", "diloco_jax/data/stream.py",
+           "cols = starts[..., None] + np.arange(self.seq_len + 1, dtype=np.int64)",
+           "cols = starts[..., None] + np.arange(1, self.seq_len + 2, dtype=np.int64)",
+           [T_HOST_BATCHES]),
+    Mutant("evaluation windows start one token late", "data", CORPUS,
+           "val_M[s : s + seq_len + 1] for s in starts",
+           "val_M[s + 1 : s + seq_len + 2] for s in starts",
+           ["tests/test_data.py::test_eval_windows_spread_over_validation"]),
+    Mutant("TFDS evaluation reads the training split", "data", "diloco_jax/data/tfds_io.py",
+           "split=[train_split, eval_split]", "split=[train_split, train_split]",
+           ["tests/test_datasets.py::test_prepared_dataset_reads_back_as_the_exact_text"]),
+    # command lines and config validation
+    Mutant("validation: checkpoint_every need not be a multiple of log_every", "command line",
+           VALIDATION, "t.checkpoint_every % t.log_every == 0,",
+           "t.checkpoint_every % t.log_every >= 0,",
+           ["tests/test_config.py::test_validate_names_key_value_and_rule"]),
+    Mutant("validation: sim.drop_prob = 1 accepted", "command line", VALIDATION,
+           '("sim.drop_prob", 0 <= sim.drop_prob < 1,',
+           '("sim.drop_prob", 0 <= sim.drop_prob <= 1,',
+           ["tests/test_sim.py::test_sim_config_errors"]),
+    Mutant("override parser reads 'false' as true", "command line", "diloco_jax/config.py",
+           'if lowered in ("1", "true", "yes", "on"):',
+           'if lowered in ("1", "true", "yes", "on", "false"):',
+           ["tests/test_config.py::test_overrides_parse_by_field_type"]),
+    Mutant("command-line parser drops the last argument", "command line", "diloco_jax/cli.py",
+           "args = sys.argv[1:] if args is None else list(args)",
+           "args = sys.argv[1:] if args is None else list(args)[:-1]",
+           ["tests/test_config.py::test_overrides_on_the_command_line_equal_apply_overrides"]),
+    # what the tests moved to the slow set or merged (issue 38) caught: the default suite's
+    # stand-ins must still catch it (docs/testing.md's table)
+    Mutant("the command skips the CPU split (parallel.cpu_devices ignored)", "runtime",
+           "diloco_jax/placement.py", "parallel.split_cpu(p.cpu_devices, auto=auto)",
+           "parallel.split_cpu(0, auto=1)", ["tests/test_cpu_devices.py"]),
+    Mutant("DES-LOC averages the second moments on the first moments' period", "variants",
+           "diloco_jax/algorithm/moments.py",
+           '(("first", ms.first_every), ("second", ms.second_every))',
+           '(("first", ms.first_every), ("second", ms.first_every))',
+           ["tests/test_desloc.py::test_first_moments_averaged_without_second_ones_can_blow_up_"
+            "sparse_rows"]),
+    Mutant("a kept traced program is never loaded", "runtime",
+           "diloco_jax/runtime/compile_cache.py",
+           'if entry.get("format") != _FORMAT:\n            return None',
+           'if True:\n            return None',
+           ["tests/test_compile_cache.py", "tests/test_program_cache.py"]),
+    Mutant("the persistent compilation cache is never turned on", "runtime",
+           "diloco_jax/runtime/compile_cache.py",
+           "    path = directory(configured)\n    if path is None:",
+           "    path = None\n    if path is None:", ["tests/test_compile_cache.py"]),
+    Mutant("a sweep's server never shows a run as done", "runtime", "sim/sweep.py",
+           "            server.sweep.finished(name, rows[-1])", "            pass",
+           ["tests/test_sim.py::test_sweep_cli_end_to_end_and_rerun_skips"]),
+    Mutant("a shape-changing key declared free of the kept program", "runtime",
+           "diloco_jax/programs.py", '    "seed",  # an input of the step',
+           '    "seed", "data.batch_size",  # an input of the step',
+           ["tests/test_program_cache.py"]),
+]  # fmt: skip
