@@ -84,14 +84,12 @@ def steps(cfg: config_lib.Config, layout, algorithm, problem, mesh, state):
         make_replica_step,
         task=problem.task,
         batch_size=cfg.data.batch_size,
-        data_axis=None if mesh is None else parallel.DATA,
-        data_shards=layout.data_devices,
+        data_axis=parallel.DATA if mesh is not None and layout.data_devices > 1 else None,
         dropout=problem.task.rng or (cfg.model.dropout > 0 and problem.task.unit == "token"),
         controlled=schedule.needs_control(speeds=cfg.sim.speeds, dylu=cfg.sim.dylu,
                                           drop=cfg.sim.drop, drop_prob=cfg.sim.drop_prob,
                                           quorum=cfg.sim.quorum),
         streamed=problem.streamed,
-        auto_data=layout.fsdp,
     )  # fmt: skip
     steps, kinds, streamed = cfg.train.log_every, algorithm.kinds, problem.streamed
     if mesh is None and cfg.sim.chunk:

@@ -2,8 +2,8 @@
 
 ``replica_key(seed, step, replica)`` is ``fold_in(fold_in(key(seed), step), replica)``: the batch
 a replica draws is a pure function of ``(seed, replica, step)``, so a resumed or re-sharded run
-sees the same data. Other uses fold in a stream tag (and, for dropout on a data-split replica,
-the data shard) so their keys never coincide with the batch key.
+sees the same data. Other uses fold in a stream tag so their keys never coincide with the batch
+key. No device, process or shard index is ever folded in: a key is the same on every layout.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ T_SIGN = T_DILOCO + "test_pseudo_gradient_sign_mean_over_replicas_only_and_outer
 T_SYNCS = T_DILOCO + "test_syncs_happen_only_every_sync_every_steps"
 T_NAN = T_DILOCO + "test_nan_replica_is_left_out_and_restarts_from_the_anchor"
 T_MESH = "tests/test_parallel.py::test_mesh_equals_simulator"
+T_DROPOUT = "tests/test_randomness.py::test_a_loss_with_dropout_trains_the_same_on_every_layout"
 T_PLAN = "tests/test_variants.py::test_streaming_schedule_by_hand_on_device_and_host"
 T_STREAMING = "tests/test_variants.py::test_streaming_hand_computed"
 T_DELAYED = "tests/test_variants.py::test_delayed_and_eager_hand_computed"
@@ -98,9 +99,10 @@ MUTANTS = [
     Mutant("replica mean over the virtual replicas of a device only", "runtime", EXCHANGE,
            "    for name in names(axis_name):\n        tree = lax.pmean(tree, name)",
            "    for name in names(axis_name)[:1]:\n        tree = lax.pmean(tree, name)", [T_MESH]),
-    Mutant("data devices' rows of a replica's batch off by one (overlap)", "runtime", STEP,
-           "start = lax.axis_index(data_axis) * rows",
-           "start = lax.axis_index(data_axis) * (rows - 1)", [T_MESH]),
+    Mutant("a data split trains on half of each replica's batch", "runtime", STEP,
+           "            batch = fsdp.rows(batch, data_axis)",
+           "            batch = fsdp.rows(jax.tree.map(lambda x: x[: len(x) // 2], batch), "
+           "data_axis)", [T_MESH]),
     Mutant("a replica samples the next replica's batch", "runtime", STEP,
            "shard, seed=seed, replica=replica, step=state.step, batch_size=batch_size",
            "shard, seed=seed, replica=replica + 1, step=state.step, batch_size=batch_size",
@@ -126,10 +128,17 @@ MUTANTS = [
            "comms.bytes_per_replica(payload, replicas, sim.topology)",
            ["tests/test_quorum.py::test_quorum_bytes_and_clock"]),
     # randomness
-    Mutant("batch seed depends on the data device (layout-dependent key)", "randomness", STEP,
+    Mutant("batch seed depends on the data split (layout-dependent key)", "randomness", STEP,
            "        seed = control.seed\n",
-           "        seed = control.seed if data_axis is None else control.seed + "
-           "lax.axis_index(data_axis)\n", [T_MESH]),
+           "        seed = control.seed if data_axis is None else control.seed + 1\n",
+           [T_MESH]),
+    Mutant("dropout key folds in whether the batch is split (layout-dependent key)",
+           "randomness", STEP, "state.step, replica, randomness.DROPOUT)",
+           "state.step, replica, randomness.DROPOUT, int(data_axis is not None))",
+           [T_DROPOUT]),
+    Mutant("dropout key folds in the device's index (layout-dependent key)", "randomness",
+           STEP, "state.step, replica, randomness.DROPOUT)",
+           "state.step, replica, randomness.DROPOUT, lax.axis_index('replica'))", [T_DROPOUT]),
     Mutant("keys depend on the devices a process holds (layout-dependent key)", "randomness",
            "diloco_jax/randomness.py", "    for stream in streams:",
            "    key = jax.random.fold_in(key, jax.local_device_count())\n"
@@ -238,6 +247,10 @@ MUTANTS = [
            'if entry.get("format") != _FORMAT:\n            return None',
            'if True:\n            return None',
            ["tests/test_compile_cache.py", "tests/test_program_cache.py"]),
+    Mutant("cache hits counted over every thread (a compiled step looks loaded)", "runtime",
+           "diloco_jax/runtime/compile_cache.py", "    return _hits[threading.get_ident()]",
+           "    return sum(_hits.values())",
+           ["tests/test_compile_cache.py::test_a_load_is_counted_on_the_thread_that_loads"]),
     Mutant("the persistent compilation cache is never turned on", "runtime",
            "diloco_jax/runtime/compile_cache.py",
            "    path = directory(configured)\n    if path is None:",

@@ -62,10 +62,10 @@ def died_after(workdir: pathlib.Path, step: int, dest: pathlib.Path) -> pathlib.
     return dest
 
 
-def tiny_model(seed=0):
+def tiny_model(seed=0, dropout=0.0):
     return model_lib.init_model(
         seed, vocab_size=VOCAB_SIZE, seq_len=SEQ_LEN, d_model=16, num_layers=1, num_heads=2,
-        mlp_ratio=2,
+        mlp_ratio=2, dropout=dropout,
     )  # fmt: skip
 
 
@@ -89,24 +89,35 @@ def bigram_loss(params, tokens_BxL1, dropout_key=None):
     return model_lib.token_nll(logits_BxLxV, tokens_BxL1[:, 1:]).mean()
 
 
-def bigram_task() -> tasks.Task:
+def bigram_dropout_loss(params, tokens_BxL1, rng):
+    """:func:`bigram_loss` with dropout (rate 0.3) on the embeddings, drawn from ``rng``: a user
+    loss whose randomness covers the whole batch."""
+    hidden_BxLxD = params["embed"]["embedding"][tokens_BxL1[:, :-1]]
+    keep_BxLxD = jax.random.bernoulli(rng, 0.7, hidden_BxLxD.shape)
+    hidden_BxLxD = jnp.where(keep_BxLxD, hidden_BxLxD / 0.7, 0.0)
+    logits_BxLxV = hidden_BxLxD @ params["head"]["kernel"] + params["head"]["bias"]
+    return model_lib.token_nll(logits_BxLxV, tokens_BxL1[:, 1:]).mean()
+
+
+def bigram_task(dropout: bool = False) -> tasks.Task:
     sample = functools.partial(sample_batch, seq_len=SEQ_LEN)
-    return tasks.Task(sample, bigram_loss, None)
+    return tasks.Task(sample, bigram_dropout_loss if dropout else bigram_loss, None, rng=dropout)
 
 
 def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0,
           replica_ids=None, batch=BATCH, shards=None, control=None, prepare=None, task=None,
-          params=None, shards_RxS=None, model="bigram"):  # fmt: skip
+          params=None, shards_RxS=None, model="bigram", dropout=0.0):  # fmt: skip
     """The compiled-to-be call of ``num_steps`` steps of a tiny model under ``layout`` and its
     arguments: ``(fn, args, params)`` (see :func:`run` for the keywords; ``task``, ``params``
     and ``shards_RxS`` replace the tiny language model, its parameters and its shards).
     ``model``: ``"bigram"`` (:func:`bigram_model`: the layout and algorithm tests, for their
     compile time) or ``"transformer"`` (:func:`tiny_model`: where the leaves of a real model
-    matter, Muon's matrices say)."""
+    matter, Muon's matrices say). ``dropout``: the bigram's dropout (rate 0.3 whatever the
+    value) or the Transformer's ``model.dropout``, each keyed by the step's ``rng``."""
     if model == "bigram":
-        default_params, default_task = bigram_model(seed), bigram_task()
+        default_params, default_task = bigram_model(seed), bigram_task(bool(dropout))
     else:
-        graphdef, default_params = tiny_model(seed)
+        graphdef, default_params = tiny_model(seed, dropout)
         default_task = tasks.language_model(graphdef, seq_len=SEQ_LEN)
     params = default_params if params is None else params
     task = default_task if task is None else task
@@ -117,8 +128,8 @@ def build(algorithm_for_axis, layout: parallel.Layout, num_steps: int, *, seed=0
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     step = make_replica_step(
         algorithm, task, batch_size=batch,
-        data_axis=None if mesh is None else parallel.DATA, data_shards=layout.data_devices,
-        auto_data=layout.fsdp,
+        data_axis=parallel.DATA if mesh is not None and layout.data_devices > 1 else None,
+        dropout=bool(dropout),
     )  # fmt: skip
     if mesh is None:
         fn = parallel.simulator_steps(step, algorithm.kinds, num_steps)

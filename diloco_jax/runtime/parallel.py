@@ -4,8 +4,9 @@
   anchor, outer state) is unmapped, so 64 virtual workers hold one anchor.
 * Mesh: ``jax.shard_map`` over a ``Mesh`` with axes ``(REPLICA, DATA)``. Each replica-device holds
   ``replicas / replica_devices`` virtual replicas, run by ``vmap`` over ``LOCAL_REPLICA`` inside
-  the shard_map; each replica's batch is split over ``DATA``. DiLoCo's mean then runs over
-  ``(LOCAL_REPLICA, REPLICA)``.
+  the shard_map; each replica's batch is split over ``DATA``, an axis left to XLA's partitioner
+  (the shard_map is manual over ``REPLICA`` alone where ``DATA`` has more than one device). DiLoCo's
+  mean then runs over ``(LOCAL_REPLICA, REPLICA)``.
 
 Both compile ``num_steps`` inner steps into one call (``lax.scan``).
 """
@@ -42,7 +43,7 @@ class Layout(NamedTuple):
         """The axis (or axes, reduced in this order) that the DiLoCo mean runs over."""
         if self.runtime == "sim":
             return REPLICA
-        if self.fsdp and self.replica_devices == 1:
+        if self.data_devices > 1 and self.replica_devices == 1:
             # XLA (jax 0.10) refuses a collective over a manual axis of size 1 when the other
             # axis is left to its partitioner; there is nothing to reduce over it anyway
             return LOCAL_REPLICA
@@ -206,21 +207,26 @@ def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int, *, per_step_data
     scalars per call).
 
     ``check_vma=False``: jax 0.10 cannot ``pmean`` over a ``vmap`` axis inside a ``shard_map``
-    with vma checks on (an assertion in ``pvary``). The step therefore averages over ``DATA``
-    explicitly and differentiates only its own replica's (replica-varying) parameters.
+    with vma checks on (an assertion in ``pvary``). The step differentiates only its own
+    replica's (replica-varying) parameters, so nothing is summed over replicas behind its back.
 
-    ``fsdp_specs`` (:func:`diloco_jax.runtime.fsdp.state_specs`): each replica's state split
-    over ``DATA``. The ``shard_map`` is then manual over ``REPLICA`` only and XLA partitions the
-    ``DATA`` axis, keeping every leaf where these specs say (the step must be made with
-    ``auto_data``).
+    Where the mesh's ``DATA`` axis has more than one device, the ``shard_map`` is manual over
+    ``REPLICA`` only and XLA partitions ``DATA`` (the step must be made with ``data_axis=DATA``:
+    it constrains each batch's rows to it). The loss is then one function of the replica's
+    whole batch on every layout, and so are the random bits it draws (see
+    :func:`diloco_jax.runtime.step.make_replica_step`). ``fsdp_specs``
+    (:func:`diloco_jax.runtime.fsdp.state_specs`): each replica's state split over ``DATA`` too,
+    every leaf kept where these specs say; without them the state is whole on every ``DATA``
+    device.
     """
     axes = state_lib.vmap_axes(kinds)
     step_R = jax.vmap(
         replica_step, in_axes=(axes, 0, 0, 0), out_axes=(axes, 0), axis_name=LOCAL_REPLICA
     )
-    state_specs, manual = state_lib.specs(kinds), {REPLICA, DATA}
+    state_specs = state_lib.specs(kinds)
+    manual = {REPLICA} if mesh.shape[DATA] > 1 else {REPLICA, DATA}
     if fsdp_specs is not None:
-        local, manual, inner_step = fsdp.local_specs(fsdp_specs), {REPLICA}, step_R
+        local, inner_step = fsdp.local_specs(fsdp_specs), step_R
 
         def step_R(state, *args):
             state, metrics = inner_step(fsdp.constrain(state, local), *args)

@@ -63,11 +63,9 @@ def make_replica_step(
     *,
     batch_size: int,
     data_axis: str | None = None,
-    data_shards: int = 1,
     controlled: bool = True,
     dropout: bool = False,
     streamed: bool = False,
-    auto_data: bool = False,
 ):
     """One inner step of one replica: ``replica_step(state, replica, shard, control) ->
     (state, metrics)``, ``control`` a :class:`StepControl` for this replica. With
@@ -76,27 +74,28 @@ def make_replica_step(
 
     ``algorithm``: :func:`diloco_jax.algorithm.diloco` or a baseline; its state holds the
     replica's ``params`` and the shared ``step``. The replica draws ``batch = task.sample(shard,
-    seed, replica, step)`` (``seed``: ``control.seed``, an input of the call); with a
-    ``data_axis`` each of its ``data_shards`` devices takes its
-    ``B / data_shards`` rows and the loss and gradients are averaged over ``data_axis``
-    (explicitly: the mesh runtime runs ``shard_map`` with ``check_vma=False``, so nothing is
-    summed behind our back). Then ``algorithm.update`` takes the inner step and, with DiLoCo,
-    syncs the replicas when its plan says so. With ``dropout`` the model's dropout is active,
-    its key :func:`diloco_jax.randomness.replica_key` of ``(seed, step, replica)`` (and the
-    data shard: masks then differ from an unsharded run's).
+    seed, replica, step)`` (``seed``: ``control.seed``, an input of the call), then
+    ``algorithm.update`` takes the inner step and, with DiLoCo, syncs the replicas when its plan
+    says so.
 
-    With ``auto_data`` (FSDP, :mod:`diloco_jax.runtime.fsdp`) the ``data_axis`` belongs to XLA's
-    partitioner: the replica's whole batch is drawn, its rows constrained to ``data_axis``, and
-    nothing is sliced or averaged here (dropout masks are then those of an unsharded run).
+    ``data_axis``: the replica's batch is split over this mesh axis, which belongs to XLA's
+    partitioner (the mesh's ``shard_map`` is manual over ``REPLICA`` only): the whole batch is
+    drawn, its rows constrained to ``data_axis``, and the loss is the task's loss of the whole
+    batch, its gradient reduced by XLA. Nothing is sliced or averaged here, so a loss that is not
+    a mean of equal row groups (padding, token weights) is the same function on every layout.
+
+    With ``dropout`` the loss gets the key :func:`diloco_jax.randomness.replica_key` of
+    ``(seed, step, replica)`` and the ``DROPOUT`` stream, on every layout: no device or shard
+    index enters it. Whatever the loss draws from it for a row is then the same on one device and
+    on a data split, because JAX's random bits are partitionable (``jax_threefry_partitionable``,
+    on by default: an element's bits depend on the key and its index in the whole array, not on
+    which device computes it). Without ``dropout`` the loss gets ``None``.
 
     With ``streamed`` the ``shard`` argument is already this step's batch, read from disk by
     the host (:mod:`diloco_jax.data.stream`: the same windows ``task.sample`` would draw).
 
     Metrics: ``loss`` and whatever ``algorithm.update`` returns (DiLoCo's sync statistics).
     """
-    if batch_size % data_shards:
-        raise ValueError(f"batch_size {batch_size} is not divisible by data_shards {data_shards}")
-    rows = batch_size // data_shards
 
     def replica_step(state, replica: jax.Array, shard, control: StepControl):
         seed = control.seed
@@ -107,21 +106,13 @@ def make_replica_step(
                 shard, seed=seed, replica=replica, step=state.step, batch_size=batch_size
             )
         )
-        if auto_data:
+        if data_axis is not None:
             batch = fsdp.rows(batch, data_axis)
-        elif data_axis is not None:
-            start = lax.axis_index(data_axis) * rows
-            batch = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, rows), batch)
         key = None
         if dropout:
-            streams = (randomness.DROPOUT,)
-            if data_axis is not None and not auto_data:
-                streams += (lax.axis_index(data_axis),)
-            key = randomness.replica_key(seed, state.step, replica, *streams)
+            key = randomness.replica_key(seed, state.step, replica, randomness.DROPOUT)
         loss_fn = task.loss if task.aux else lambda *args: (task.loss(*args), {})
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key)
-        if data_axis is not None and data_shards > 1 and not auto_data:
-            loss, aux, grads = lax.pmean((loss, aux, grads), data_axis)
         extra = control.update_masks() if controlled else {"outer_scale": control.outer_scale}
         state, metrics = algorithm.update(state, grads, **extra)
         return state, {"loss": loss, **metrics, **({"aux": aux} if task.aux else {})}
