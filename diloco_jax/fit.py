@@ -9,6 +9,7 @@ import pathlib
 from typing import Any, NamedTuple
 
 import jax
+import optax
 
 from diloco_jax import config as config_lib
 from diloco_jax.tasks import UserTask
@@ -42,15 +43,22 @@ def make_config(config: config_lib.Config | str | None = None,
 
 def fit(task: UserTask, config: config_lib.Config | str | None = None, *,
         workdir: str | pathlib.Path, overrides: dict[str, Any] | None = None,
+        inner: optax.GradientTransformation | None = None,
+        outer: optax.GradientTransformation | None = None,
         show_progress: bool = True, allow_config_change: bool = False) -> FitResult:  # fmt: skip
-    """Trains ``task`` with DiLoCo under ``config`` (see :func:`make_config`) into ``workdir``,
-    resuming from its newest checkpoint as the command line does. Raises ConfigError or
+    """Trains ``task`` with DiLoCo under ``config`` into ``workdir``, resuming from its newest
+    checkpoint as the command line does. ``config``: a Config, a preset's name or path (None:
+    ``tiny``, the command line's default), with ``overrides`` (``{"outer.sync_every": 10}``,
+    each parsed as its key's type). ``inner`` / ``outer``: your own optax transforms, in place
+    of the config's AdamW and Nesterov SGD (``inner.*`` / ``outer.*`` optimizer keys then do
+    not apply; a resume with another transform is refused like a changed learning rate:
+    :mod:`diloco_jax.user_optimizers`). Raises ConfigError or
     :class:`~diloco_jax.tasks.TaskError` (one line naming what is wrong) before compiling."""
     from diloco_jax.train import train  # it sets the CPU's device count before JAX starts
 
     cfg = make_config(config, overrides)
-    summary = train(cfg, workdir, show_progress=show_progress, task=task,
-                    allow_config_change=allow_config_change)  # fmt: skip
+    summary = train(cfg, workdir, show_progress=show_progress, task=task, inner=inner,
+                    outer=outer, allow_config_change=allow_config_change)  # fmt: skip
     path = pathlib.Path(workdir) / "metrics.jsonl"
     history = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     params = summary.get("params")
@@ -61,15 +69,19 @@ def fit(task: UserTask, config: config_lib.Config | str | None = None, *,
 def sweep(task: UserTask, config: config_lib.Config | str | None = None, *,
           workdir: str | pathlib.Path, sweeps: list[str], seeds: list[int] = (0,),
           baselines: list[str] = (), overrides: dict[str, Any] | None = None,
+          inner: optax.GradientTransformation | None = None,
+          outer: optax.GradientTransformation | None = None,
           show_progress: bool = True) -> list[dict]:  # fmt: skip
     """``python -m sim``'s sweep of ``task`` from Python: one run per value of each sweep
     (``"outer.sync_every=10,50"``, as ``--sweep`` on the command line) and per seed, plus the
     ``baselines`` (``single``, ``ddp``). Returns the summary table (a row per group: the final
     eval loss's mean and spread over seeds, bytes, simulated time), also written with the
-    figures into ``workdir``. A finished run of the same config and task is reused."""
+    figures into ``workdir``. ``config``, ``overrides``, ``inner`` and ``outer`` as for
+    :func:`fit`. A finished run of the same config, task and optimizers is reused."""
     from diloco_jax.commands import _simulator
 
     base = make_config(config, overrides)
     return _simulator("sweep").sweep(base, pathlib.Path(workdir), sweeps=list(sweeps),
                                      baselines=list(baselines), seeds=list(seeds),
-                                     show_progress=show_progress, task=task)  # fmt: skip
+                                     show_progress=show_progress, task=task, inner=inner,
+                                     outer=outer)  # fmt: skip

@@ -45,9 +45,10 @@ def material(cfg: config_lib.Config) -> dict | None:
     """What the traced step of a built-in task depends on in ``cfg`` (its keys but
     :func:`free_keys`'s) and in the data (a corpus file's path, size and modification time;
     the shipped corpora are part of the library's digest); None where the step is not kept as a
-    traced program: a user's task (its code is not in the key), a TFDS dataset, several
+    traced program: a user's task or optimizer (its code is not in the key), a TFDS dataset, several
     processes, a GPU or TPU (not yet checked there), no cache."""
-    eligible = (not cfg.task.factory and not cfg.data.corpus.startswith("tfds:")
+    custom = any(":" in c.optimizer for c in (cfg.inner, cfg.outer))
+    eligible = (not cfg.task.factory and not custom and not cfg.data.corpus.startswith("tfds:")
                 and jax.process_count() == 1 and jax.default_backend() == "cpu"
                 and compile_cache.directory(cfg.train.compile_cache) is not None
                 and compile_cache.can_keep_programs())  # fmt: skip

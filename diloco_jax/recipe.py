@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from diloco_jax import user_optimizers
 from diloco_jax.algorithm import MomentSync, Streaming, check_options, optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.dct import DctConfig
@@ -110,9 +111,16 @@ def gossip_of(cfg: Config) -> Gossip | None:
     return Gossip(cfg.parallel.replicas, cfg.seed, n.pull, n.pairings) if n.enabled else None
 
 
-def inner_of(cfg: Config):
-    """The inner optimizer ``cfg`` asks for."""
+def inner_of(cfg: Config, given: user_optimizers.Given = user_optimizers.NONE):
+    """The inner optimizer ``cfg`` asks for: ``given.inner``, an import path's, or a built-in."""
+    if given.inner is not None:
+        return given.inner
+    if cfg.inner.optimizer.startswith(user_optimizers.GIVEN):
+        user_optimizers.recorded(cfg, given, {})  # the one-line error: given from Python
+    if user_optimizers.is_import_path(cfg.inner.optimizer):
+        return user_optimizers.imported(cfg.inner.optimizer, cfg.inner.args, "inner.optimizer")
     inner_args = dataclasses.asdict(cfg.inner)
+    del inner_args["args"]
     return optim.inner_optimizer(inner_args.pop("optimizer"), total_steps=cfg.train.total_steps,
                                  **inner_args)  # fmt: skip
 
@@ -136,14 +144,33 @@ def outer_lr_is_input(cfg: Config) -> bool:
     """Whether ``outer.learning_rate`` is an input of the compiled step rather than a constant
     in it (see :func:`outer_lr_input`)."""
     o = cfg.outer
-    return cfg.algorithm == "diloco" and o.schedule == "constant" and not o.warmup
+    builtin = not user_optimizers.is_custom(o.optimizer)  # a user's transform holds its own
+    return cfg.algorithm == "diloco" and builtin and o.schedule == "constant" and not o.warmup
 
 
-def _optimizers(cfg: Config, outer_lr_as_input: bool = False):
+def _optimizers(cfg: Config, outer_lr_as_input: bool = False,
+                given: user_optimizers.Given | None = None):  # fmt: skip
     """The inner and outer optimizers ``cfg`` asks for (building them checks their arguments);
     with ``outer_lr_as_input``, the outer one's learning rate divided by
-    :func:`outer_lr_input`."""
-    inner = inner_of(cfg)
+    :func:`outer_lr_input`. ``given``: the user's transforms from Python; None: only check
+    (a user's optimizers, given or imported, are checked on the parameters:
+    :func:`diloco_jax.user_optimizers.recorded`)."""
+    if given is None:
+        if not user_optimizers.is_custom(cfg.inner.optimizer):
+            inner_of(cfg)
+        if not user_optimizers.is_custom(cfg.outer.optimizer):
+            _outer_of(cfg, outer_lr_as_input)
+        return None, None
+    return inner_of(cfg, given), _outer_of(cfg, outer_lr_as_input, given)
+
+
+def _outer_of(cfg: Config, outer_lr_as_input: bool,
+              given: user_optimizers.Given = user_optimizers.NONE):  # fmt: skip
+    """The outer optimizer ``cfg`` asks for (see :func:`_optimizers`)."""
+    if given.outer is not None:
+        return given.outer
+    if user_optimizers.is_import_path(cfg.outer.optimizer):
+        return user_optimizers.imported(cfg.outer.optimizer, cfg.outer.args, "outer.optimizer")
     o = cfg.outer
     lr = o.learning_rate
     if outer_lr_as_input:
@@ -155,7 +182,7 @@ def _optimizers(cfg: Config, outer_lr_as_input: bool = False):
         warmup=o.warmup, total=max(cfg.train.total_steps // max(o.sync_every, 1), 1),
         final_lr_fraction=o.final_lr_fraction,
     )  # fmt: skip
-    return inner, outer
+    return outer
 
 
 def check(cfg: Config) -> None:
@@ -166,11 +193,13 @@ def check(cfg: Config) -> None:
 
 
 def algorithm_from_config(cfg: Config, axis_name, diagnostics: bool = False, *,
-                          outer_lr_as_input: bool = False):  # fmt: skip
+                          outer_lr_as_input: bool = False,
+                          given: user_optimizers.Given = user_optimizers.NONE):  # fmt: skip
     """The algorithm that ``cfg`` asks for, reducing over ``axis_name``. With
     ``outer_lr_as_input`` its outer step must be scaled by :func:`outer_lr_input` (the
-    training loop's controls do it: :func:`diloco_jax.run_setup.chunk_control`)."""
-    inner, outer = _optimizers(cfg, outer_lr_as_input)
+    training loop's controls do it: :func:`diloco_jax.run_setup.chunk_control`). ``given``:
+    the user's own inner and outer transforms, from Python."""
+    inner, outer = _optimizers(cfg, outer_lr_as_input, given)
     return optim.make_algorithm(
         cfg.algorithm, inner, outer, axis_name=axis_name, diagnostics=diagnostics, **_variants(cfg)
     )

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import config as config_lib
-from diloco_jax import distributed, placement, problems, recipe, resume, schedule
+from diloco_jax import distributed, placement, problems, recipe, resume, schedule, user_optimizers
 from diloco_jax.algorithm import SyncPlan, init_replicas
 from diloco_jax.axes import REPLICA
 from diloco_jax.data.stream import make_stream
@@ -106,10 +106,13 @@ def _training_data(shards_RxS, stream, mesh, abstract: bool):
     return batches if abstract else stream.on_devices(0, shardings)
 
 
-def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup:
+def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
+          given: user_optimizers.Given = user_optimizers.NONE) -> Setup:  # fmt: skip
     """Validates ``cfg``, loads data (or a user's ``task``: ArrayTask, GrainTask) and builds
     the state and the step; raises ConfigError or DataError before anything is compiled.
-    ``abstract``: the state and the data as shapes with their shardings, nothing allocated."""
+    ``abstract``: the state and the data as shapes with their shardings, nothing allocated.
+    ``given``: the user's own optax transforms (from ``fit``), recorded in the Setup's config
+    (:func:`diloco_jax.user_optimizers.recorded`)."""
     config_lib.validate(cfg)
     problems.check_extras(cfg)
     d = cfg.data
@@ -117,10 +120,11 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None) -> Setup
     layout = placement.layout(cfg, replicas)
     problem = problems.load(cfg, replicas, task)
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
+    cfg = user_optimizers.recorded(cfg, given, params)
     # 1 more all-reduce per sync: only where it stays in one machine's memory
     diagnostics = cfg.sim.diagnostics and (layout.runtime == "sim" or placement.cpu_simulation())
     algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names, diagnostics,
-                                             outer_lr_as_input=True)  # fmt: skip
+                                             outer_lr_as_input=True, given=given)  # fmt: skip
     if cfg.train.init_from:
         params = resume.warm_start(cfg.train.init_from, params)
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None

@@ -28,6 +28,7 @@ from diloco_jax import (
     records,
     reporting,
     resume,
+    user_optimizers,
 )
 from diloco_jax import config as config_lib
 from diloco_jax.data import DataError
@@ -254,7 +255,7 @@ def _close(s: Setup, r: _Run, summary: dict, step: int, call_seconds, host_secon
 
 
 def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress: bool = True,
-          allow_config_change: bool = False, server=None, task=None,
+          allow_config_change: bool = False, server=None, task=None, inner=None, outer=None,
           since_start: float = 0.0):  # fmt: skip
     """Trains ``cfg`` into ``workdir`` (resuming from its newest readable checkpoint; keys that
     change the training must match its config unless ``allow_config_change``); returns a
@@ -264,17 +265,21 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     ``train.checkpoint`` (``summary["preempted"]``); a second signal exits at once. With
     ``serve.port`` the run serves its status and control (:mod:`diloco_jax.serve`), through
     ``server`` if given (a sweep's). ``task``: a user's ArrayTask or GrainTask (else
-    ``task.factory``'s or the built-in task of ``data.corpus``). ``since_start``: seconds the
+    ``task.factory``'s or the built-in task of ``data.corpus``); ``inner``, ``outer``: the
+    user's own optax transforms (else the config's). ``since_start``: seconds the
     process spent before this call (the command's imports), in ``summary["phases"]["start"]``."""
     entered, phases = time.perf_counter(), reporting.Phases()
-    s = build(cfg, task=task)  # first: it sets the CPU's device count before JAX starts
+    given = user_optimizers.Given(inner, outer)
+    s = build(cfg, task=task, given=given)  # first: it sets the CPU's device count
+    cfg = s.cfg  # the user's optimizers recorded in it
     t, workdir = cfg.train, pathlib.Path(workdir)
     if _draws(s):
         figures.start_helper()  # imports matplotlib on another core while this one compiles
     r, start = _open(s, workdir, allow_config_change=allow_config_change, server=server)
     state = start.state
     phases.seconds["start"] = since_start + time.perf_counter() - entered
-    run, loaded = _compile(s, state, phases, None if task is not None else programs.material(cfg))
+    user_code = task is not None or given != user_optimizers.NONE
+    run, loaded = _compile(s, state, phases, None if user_code else programs.material(cfg))
     total = -(-t.total_steps // t.log_every) * t.log_every
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)

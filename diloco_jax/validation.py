@@ -83,6 +83,12 @@ def validate(cfg: Config) -> None:
         ("task.factory", not cfg.task.factory or re.fullmatch(_FACTORY, cfg.task.factory),
          "must be package.module:function"),
         ("task.args", _json_object(cfg.task.args), "must be a JSON object of keyword arguments"),
+        *[(f"{part}.args", _json_object(getattr(cfg, part).args),
+           "must be a JSON object of keyword arguments") for part in ("inner", "outer")],
+        *[(f"{part}.optimizer", ":" not in getattr(cfg, part).optimizer
+           or getattr(cfg, part).optimizer.startswith("given:")
+           or re.fullmatch(_FACTORY, getattr(cfg, part).optimizer),
+           "must be a built-in name or package.module:function") for part in ("inner", "outer")],
         ("log.wandb_mode", cfg.log.wandb_mode in WANDB_MODES, f"must be one of {WANDB_MODES}"),
         ("log.wandb_project", bool(cfg.log.wandb_project.strip()), "must name a project"),
         ("log.wandb", not cfg.log.wandb or importlib.util.find_spec("wandb") is not None,

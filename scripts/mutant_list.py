@@ -39,6 +39,7 @@ T_SIGN = T_DILOCO + "test_pseudo_gradient_sign_mean_over_replicas_only_and_outer
 T_SYNCS = T_DILOCO + "test_syncs_happen_only_every_sync_every_steps"
 T_NAN = T_DILOCO + "test_nan_replica_is_left_out_and_restarts_from_the_anchor"
 T_MESH = "tests/test_parallel.py::test_mesh_equals_simulator"
+T_OPT = "tests/test_user_optimizers.py::test_"
 T_DROPOUT = "tests/test_randomness.py::test_a_loss_with_dropout_trains_the_same_on_every_layout"
 T_PLAN = "tests/test_variants.py::test_streaming_schedule_by_hand_on_device_and_host"
 T_STREAMING = "tests/test_variants.py::test_streaming_hand_computed"
@@ -149,6 +150,21 @@ MUTANTS = [
            "diloco_jax/randomness.py", "jax.random.fold_in(jax.random.key(seed), step)",
            "jax.random.fold_in(jax.random.key(seed), 0)",
            ["tests/test_data.py::test_batch_is_a_pure_function_of_seed_replica_step"]),
+    # the user's optimizers
+    Mutant("a given inner optimizer ignored (the config's trains)", "command line",
+           "diloco_jax/recipe.py", "    if given.inner is not None:\n        return given.inner",
+           "    if False:\n        return given.inner", [T_OPT + "an_import_path_trains_what_the_"
+                                                         "given_transform_trains_and_both_resume"]),
+    Mutant("a given optimizer not recorded (a resume with another one accepted)", "checkpoint",
+           "diloco_jax/user_optimizers.py",
+           "            cfg = config_lib.override(cfg, key, GIVEN + "
+           "check_on(tx, probe_params, key))",
+           "            check_on(tx, probe_params, key)", [T_OPT + "an_import_path_trains_what_the_"
+                                                       "given_transform_trains_and_both_resume"]),
+    Mutant("the config's outer learning rate scales a user's outer optimizer too", "algorithm",
+           "diloco_jax/recipe.py", "    return cfg.algorithm == \"diloco\" and builtin and",
+           "    return cfg.algorithm == \"diloco\" and", [T_OPT + "given_transforms_equal_to_the_"
+                                                     "configs_own_train_the_same_bits"]),
     # checkpoints
     Mutant("checkpoint saved without the outer state (zeros)", "checkpoint",
            "diloco_jax/runtime/checkpoint.py",

@@ -137,10 +137,11 @@ def _training_part(cfg_dict: dict) -> dict:
 
 
 def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path, server=None,
-            task=None) -> dict:  # fmt: skip
+            task=None, given=None) -> dict:  # fmt: skip
     """Trains one variant into ``rundir`` unless it already finished there with this config
     and task (``server``: the sweep's, which shows the run while it trains; ``task``: a user's
-    ArrayTask or GrainTask, else the config's)."""
+    ArrayTask or GrainTask, else the config's; ``given``: the user's own optax transforms,
+    :class:`diloco_jax.user_optimizers.Given`, recorded in ``cfg`` already)."""
     from diloco_jax.train import train
 
     summary_path = rundir / "summary.json"
@@ -156,7 +157,9 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path, server=None
         )
     if rundir.exists():  # an unfinished attempt: start it again from scratch
         shutil.rmtree(rundir)
-    summary = train(cfg, rundir, show_progress=False, server=server, task=task)
+    inner, outer = given or (None, None)
+    summary = train(cfg, rundir, show_progress=False, server=server, task=task, inner=inner,
+                    outer=outer)  # fmt: skip
     if summary["preempted"]:
         return None  # stopped by a signal: the sweep stops; its checkpoint resumes it next time
     for key in ("state", "sample", "params"):
@@ -265,7 +268,8 @@ def _rundir(workdir: pathlib.Path, name: str) -> pathlib.Path:
     return workdir / "runs" / name.replace("/", "_")
 
 
-def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool, task=None):
+def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool, task=None,
+             given=None):  # fmt: skip
     """Each run of the plan in turn (reusing finished ones): ``(rows, dones, groups)``, or None
     if a signal (or ``POST /control/stop``) stopped one."""
     from diloco_jax.reporting import progress_bar
@@ -276,7 +280,7 @@ def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool, t
         bar.set_postfix_str(name)
         if server is not None:
             server.sweep.started(name)
-        done = run_one(name, cfg, _rundir(workdir, name), server, task)
+        done = run_one(name, cfg, _rundir(workdir, name), server, task, given)
         if done is None:
             bar.close()
             log.warning("sweep stopped during run %s; run the same command to continue", name)
@@ -292,13 +296,14 @@ def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool, t
 
 
 def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progress=True,
-          task=None) -> list:  # fmt: skip
+          task=None, inner=None, outer=None) -> list:  # fmt: skip
     """Runs the plan, writes results.csv, summary.csv and, with matplotlib (the plots extra;
     without it a note says so and the tables are still written), curves.png, tradeoff.png and
     the sync diagnostics drift.png and cosine.png (also in each run's directory); returns the
     summary table (a row per group: mean and spread over seeds). ``task``: a user's ArrayTask or
-    GrainTask trained by every run (else each config's own)."""
-    from diloco_jax import problems
+    GrainTask trained by every run (else each config's own); ``inner``, ``outer``: the user's
+    own optax transforms (else each config's)."""
+    from diloco_jax import problems, user_optimizers
     from diloco_jax.reporting import setup_logging
 
     runs = plan(base, sweeps, baselines, seeds)
@@ -311,10 +316,12 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     setup_logging(logging.WARNING)  # the sweep's bar and table say enough
     # the model's shapes give the bytes: the data decide the model (its vocabulary or classes)
     params = problems.load(base, replicas=1, task=task).params
+    given = user_optimizers.Given(inner, outer)  # recorded in each run's config: a reused run
+    runs = [(n, g, user_optimizers.recorded(c, given, params)) for n, g, c in runs]  # had them
     workdir.mkdir(parents=True, exist_ok=True)
     server = _serve(base, workdir, [name for name, _, _ in runs])
     try:
-        done_runs = _run_all(runs, workdir, params, server, show_progress, task)
+        done_runs = _run_all(runs, workdir, params, server, show_progress, task, given)
     finally:
         if server is not None:
             server.stop()

@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import diloco_jax
@@ -86,14 +87,17 @@ def test_fit_learns_and_resumes_bitwise(tmp_path):
 
 
 def test_a_user_task_on_a_2x2_mesh_trains_what_the_simulator_trains(tmp_path):
-    task = linear_task()
+    """With the user's own optimizers (a clipped AdamW inside, Adam outside: issue 39)."""
+    from tests.test_user_optimizers import clipped_adamw, outer_adam
+
+    task, mine = linear_task(), {"inner": clipped_adamw(0.05), "outer": outer_adam(0.3)}
     sim = diloco_jax.fit(task, "tiny", workdir=tmp_path / "sim", show_progress=False,
-                         overrides={**TINY, "train.checkpoint": False})  # fmt: skip
+                         overrides={**TINY, "train.checkpoint": False}, **mine)  # fmt: skip
     mesh = diloco_jax.fit(task, "tiny", workdir=tmp_path / "mesh", show_progress=False,
                           overrides={**TINY, "train.checkpoint": False, "parallel.runtime":
                                      "mesh", "parallel.replica_devices": 2,
-                                     "parallel.data_devices": 2})  # fmt: skip
-    # the same math; the data axis averages two half-batch means (float32 reassociation)
+                                     "parallel.data_devices": 2}, **mine)  # fmt: skip
+    # the same math; XLA sums the batch's halves on two devices (float32 reassociation)
     chex.assert_trees_all_close(mesh.params, sim.params, rtol=1e-5, atol=1e-6)
     assert mesh.eval_loss == pytest.approx(sim.eval_loss, rel=1e-5)
 
@@ -266,6 +270,8 @@ def test_a_python_sweep_reuses_finished_runs_of_the_same_task_only(tmp_path):
     changed = ArrayTask(task.params, task.loss, jax.tree.map(lambda x: x * 2, task.train_data))
     with pytest.raises(ConfigError, match="with another config or task"):
         diloco_jax.sweep(changed, "tiny", **kwargs)
+    with pytest.raises(ConfigError, match="with another config or task"):  # another optimizer
+        diloco_jax.sweep(task, "tiny", **kwargs, inner=optax.adamw(1e-2))
 
 
 def test_fit_refuses_a_bad_override_before_any_work(tmp_path):
