@@ -90,10 +90,8 @@ class InnerConfig:
     """The inner optimizer (``algorithm/optim.inner_optimizer``); defaults past the schedule
     are the library's."""
 
-    optimizer: str = _key(_INNER["name"].default, "adamw (the paper) | muon (MuLoCo: Muon on "
-                          "weight matrices, AdamW on the rest) | package.module:function "
-                          "returning an optax transform (called with inner.args; the other "
-                          "inner keys then do not apply)")  # fmt: skip
+    optimizer: str = _key(_INNER["name"].default, "adamw (the paper) | muon (MuLoCo) | "
+                          "package.module:function returning your optax transform")  # fmt: skip
     args: str = _key("", "keyword arguments of an import-path inner.optimizer, as a JSON object")
     learning_rate: float = _key(3e-3, "inner peak learning rate (Muon's scaled to AdamW's RMS)")
     warmup_steps: int = _key(50, "linear warmup steps, then cosine decay")
@@ -109,10 +107,8 @@ class InnerConfig:
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
     sync_every: int = _key(50, "inner steps between syncs (H)")
-    optimizer: str = _key(_OUTER["name"].default, "sgd (with momentum: the paper's Nesterov) "
-                          "| adam | adamw, on the mean pseudo-gradient | package.module:function "
-                          "returning an optax transform (called with outer.args; it holds its "
-                          "own learning rate)")  # fmt: skip
+    optimizer: str = _key(_OUTER["name"].default, "sgd (the paper's Nesterov) | adam | adamw "
+                          "| package.module:function returning your optax transform")  # fmt: skip
     args: str = _key("", "keyword arguments of an import-path outer.optimizer, as a JSON object")
     learning_rate: float = _key(_OUTER["learning_rate"].default,
                                 "outer learning rate (the paper: 0.7)")  # fmt: skip
