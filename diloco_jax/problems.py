@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import pathlib
 import sys
@@ -51,10 +52,12 @@ def check_extras(cfg: config_lib.Config) -> None:
         raise config_lib.ConfigError(str(e)) from None
 
 
-def user_task(factory: str, args: str) -> tasks.UserTask:
+def user_task(factory: str, args: str, seed: int = 0) -> tasks.UserTask:
     """Calls ``factory`` (``package.module:function``, imported with the working directory on
-    the path) with the JSON keyword arguments ``args``; ConfigError naming ``task.factory`` if
-    it does not resolve, is not callable or returns no ArrayTask or GrainTask."""
+    the path) with the JSON keyword arguments ``args``, and ``seed=seed`` where it takes a
+    ``seed`` that ``args`` do not give (the run's seed: a seed sweep varies what the factory
+    builds); ConfigError naming ``task.factory`` if it does not resolve, is not callable or
+    returns no ArrayTask or GrainTask."""
     where = f"config key task.factory = {factory!r}"
     module_name, _, name = factory.partition(":")
     if str(pathlib.Path.cwd()) not in sys.path and "" not in sys.path:
@@ -67,7 +70,14 @@ def user_task(factory: str, args: str) -> tasks.UserTask:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise config_lib.ConfigError(f"{where}: {module_name} has no function {name!r}")
-    task = fn(**(json.loads(args) if args else {}))
+    kwargs = json.loads(args) if args else {}
+    try:
+        takes_seed = "seed" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: no signature to read
+        takes_seed = False
+    if takes_seed and "seed" not in kwargs:
+        kwargs["seed"] = seed
+    task = fn(**kwargs)
     if not isinstance(task, (tasks.ArrayTask, tasks.GrainTask)):
         raise config_lib.ConfigError(f"{where} returned {type(task).__name__}, not a "
                                      "diloco_jax.ArrayTask or GrainTask")  # fmt: skip
@@ -79,7 +89,7 @@ def load(cfg: config_lib.Config, replicas: int, task: tasks.UserTask | None = No
     images for the ResNet; or a user's ``task`` (else ``task.factory``'s), cut into
     ``replicas`` shards. Raises DataError (TaskError) for missing or unusable data or code."""
     if task is None and cfg.task.factory:
-        task = user_task(cfg.task.factory, cfg.task.args)
+        task = user_task(cfg.task.factory, cfg.task.args, cfg.seed)
     if task is not None:
         return task.problem(replicas, cfg.data.batch_size, seed=cfg.seed)
     m, d = cfg.model, cfg.data

@@ -245,16 +245,50 @@ def _bad(name):
         "no eval_loss": (ArrayTask(good.params, good.loss, x, evaluate=no_eval_loss),
                          r"must return a dict with a scalar 'eval_loss'; got \{'mse'"),
         "empty data": (ArrayTask(good.params, good.loss, {}), r"train_data holds no arrays"),
+        "int params": (ArrayTask({"w": good.params["w"], "head": {"bias": np.int32(0)}},
+                                 good.loss, x),
+                       r"parameter head/bias is int32: parameters must be floating point"),
+        "init fails": (ArrayTask(lambda key: 1 / 0, good.loss, x),
+                       r"init .*<lambda> .* fails on a key: ZeroDivisionError"),
     }[name]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["vector loss", "int loss", "loss raises", "ragged data",
-                                  "too few", "no eval_loss", "empty data"])  # fmt: skip
+                                  "too few", "no eval_loss", "empty data", "int params",
+                                  "init fails"])  # fmt: skip
 def test_bad_user_code_is_one_line_before_compiling(name):
     task, message = _bad(name)
     with pytest.raises(TaskError, match=message) as info:
         task.problem(replicas=4, batch_size=16)
     assert "\n" not in str(info.value)
+
+
+def seeded_task(seed: int = 0, n: int = 256) -> ArrayTask:
+    """A task factory taking the run's seed (``task.factory`` passes it): its initialisation
+    is drawn from it."""
+    task = linear_task(n)
+    w = np.random.default_rng(seed).normal(size=3).astype(np.float32)
+    return ArrayTask({"w": w, "b": np.float32(0)}, task.loss, task.train_data)
+
+
+def test_the_runs_seed_reaches_the_users_initialisation():
+    """``ArrayTask(init(key), ...)`` and a factory with a ``seed`` argument: the run's seed
+    sets the parameters (a seed sweep varies them); the same seed, the same parameters."""
+    task = linear_task()
+    init = ArrayTask(lambda key: {"w": jax.random.normal(key, (3,)), "b": jnp.float32(0)},
+                     task.loss, task.train_data)  # fmt: skip
+    one, again, other = (init.problem(4, 16, seed=s).params["w"] for s in (1, 1, 2))
+    np.testing.assert_array_equal(one, again)
+    assert not np.array_equal(one, other)
+    assert init.fingerprint() == init.fingerprint()
+
+    from diloco_jax import problems
+
+    factory = "tests.test_user_task:seeded_task"
+    made = [problems.user_task(factory, args, seed=s).params["w"]
+            for s, args in ((1, ""), (2, ""), (2, '{"seed": 1}'))]  # fmt: skip
+    assert not np.array_equal(made[0], made[1])
+    np.testing.assert_array_equal(made[0], made[2])  # args given win
 
 
 def test_a_python_sweep_reuses_finished_runs_of_the_same_task_only(tmp_path):

@@ -44,7 +44,9 @@ class TaskError(DataError):
 class ArrayTask:
     """A task over arrays in memory.
 
-    ``params``: the initial parameters, a pytree of float arrays.
+    ``params``: the initial parameters, a pytree of float arrays; or ``init(key) -> params``,
+    called with ``jax.random.key(seed)`` (the run's ``seed``), so that a seed sweep varies the
+    initialisation too.
     ``loss(params, batch, rng) -> scalar`` (or ``(scalar, {name: scalar})``: metrics logged as
     ``aux_<name>`` in each train event): the mean loss of a batch, ``batch`` being
     ``train_data``'s pytree with ``batch_size`` rows; ``rng`` is a key, a pure function of
@@ -69,9 +71,9 @@ class ArrayTask:
 
     def problem(self, replicas: int, batch_size: int, *, seed: int = 0) -> Problem:
         """The training loop's :class:`~diloco_jax.tasks.core.Problem`: ``replicas`` shards
-        (``seed``: unused, the sampling takes it in the step); raises :class:`TaskError` for the
-        cases in the module's docstring."""
-        del seed
+        (``seed``: the initialisation's where ``params`` is ``init(key)``; the sampling takes it
+        in the step); raises :class:`TaskError` for the cases in the module's docstring."""
+        params = initial_params(self.params, seed)
         train = jax.tree.map(np.asarray, self.train_data)
         count = _examples(train, "train_data")
         per_replica = count // replicas
@@ -89,18 +91,20 @@ class ArrayTask:
         first = jax.tree.map(lambda x: x[0], shards)
         batch = jax.eval_shape(lambda s: _sample(s, seed=0, replica=0, step=0,
                                                  batch_size=batch_size), first)  # fmt: skip
-        aux = check_loss(self.loss, self.params, batch)
+        aux = check_loss(self.loss, params, batch)
         task = Task(_sample, self.loss, self._eval_fn(aux), self.unit, self.tokens_per_row,
                     rng=True, aux=aux, eval_mean=self.evaluate is None)  # fmt: skip
-        check_eval(task.eval_fn, self.params, eval_data)
-        return Problem(shards, eval_data, None, self.params, task, math.nan)
+        check_eval(task.eval_fn, params, eval_data)
+        return Problem(shards, eval_data, None, params, task, math.nan)
 
     def fingerprint(self) -> str:
         """A digest of the parameters' and data's shapes and values and the loss's and
         evaluation's names: a sweep reuses a finished run only for the same task."""
-        return fingerprint(
-            (self.params, self.train_data, self.eval_data), (self.loss, self.evaluate)
-        )
+        init = (self.params,) if callable(self.params) else ()
+        arrays = ((), self.train_data, self.eval_data) if init else (self.params,
+                                                                     self.train_data,
+                                                                     self.eval_data)  # fmt: skip
+        return fingerprint(arrays, (self.loss, self.evaluate, *init))
 
     def _eval_fn(self, aux: bool) -> Callable:
         return eval_fn(self.loss, self.evaluate, aux=aux, chunk=self.eval_batch)
@@ -141,6 +145,30 @@ def fingerprint(arrays, functions) -> str:
     for fn in functions:
         digest.update(getattr(fn, "__qualname__", repr(type(fn))).encode())
     return digest.hexdigest()[:16]
+
+
+def _leaf_name(path) -> str:
+    """``head/bias`` for the key path of ``params["head"]["bias"]`` (or an attribute's)."""
+    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return "/".join(parts) or "the parameters"
+
+
+def initial_params(params: Any, seed: int) -> Any:
+    """``params``, or ``params(jax.random.key(seed))`` where it is an ``init(key)`` function;
+    :class:`TaskError` naming a leaf that is not floating point (DiLoCo differentiates,
+    averages and moves every leaf)."""
+    if callable(params):
+        try:
+            params = params(jax.random.key(seed))
+        except Exception as e:
+            raise TaskError(f"init {_where(params)} fails on a key: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from None  # fmt: skip
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        dtype = jnp.result_type(x)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TaskError(f"parameter {_leaf_name(path)} is {dtype}: parameters must be "
+                            "floating point (keep integer state out of params)")  # fmt: skip
+    return params
 
 
 def _sample(shard, *, seed, replica, step, batch_size: int):

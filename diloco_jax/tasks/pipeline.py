@@ -38,6 +38,7 @@ from diloco_jax.tasks.arrays import (
     check_loss,
     eval_fn,
     fingerprint,
+    initial_params,
 )
 from diloco_jax.tasks.core import Problem, Task
 
@@ -94,22 +95,24 @@ class GrainTask:
         if not rows or set(rows.values()) != {batch_size}:
             raise TaskError(f"{_where(self.pipeline)} gives batches whose arrays have {rows} "
                             f"rows, not data.batch_size = {batch_size} each")  # fmt: skip
-        aux = check_loss(self.loss, self.params, spec)
+        params = initial_params(self.params, seed)
+        aux = check_loss(self.loss, params, spec)
         task = Task(_read_on_host, self.loss,
                     eval_fn(self.loss, self.evaluate, aux=aux, chunk=self.eval_batch),
                     self.unit, self.tokens_per_row, rng=True, aux=aux,
                     eval_mean=self.evaluate is None)  # fmt: skip
-        check_eval(task.eval_fn, self.params, eval_data)
+        check_eval(task.eval_fn, params, eval_data)
         stream = functools.partial(PipelineStream, self.pipeline, replicas=replicas,
                                    batch_size=batch_size, seed=seed, spec=spec)  # fmt: skip
-        return Problem(None, eval_data, None, self.params, task, math.nan, streamed=True,
+        return Problem(None, eval_data, None, params, task, math.nan, streamed=True,
                        stream=stream)  # fmt: skip
 
     def fingerprint(self) -> str:
         """A digest of the parameters, the evaluation data and the functions' names (the
         pipeline's data is the user's: a sweep reuses a run of a same-named pipeline)."""
-        return fingerprint((self.params, self.eval_data), (self.loss, self.evaluate,
-                                                           self.pipeline))  # fmt: skip
+        init = (self.params,) if callable(self.params) else ()
+        arrays = ((), self.eval_data) if init else (self.params, self.eval_data)
+        return fingerprint(arrays, (self.loss, self.evaluate, self.pipeline, *init))
 
 
 def _read_on_host(*args, **kwargs):
