@@ -149,6 +149,8 @@ class TrainConfig:
     total_steps: int = _key(1000, "inner steps per replica")
     log_every: int = _key(25, "steps between logs; also steps compiled into one call")
     eval_every: int = _key(250, "steps between evaluations")
+    eval_at_start: str = _key("auto", "evaluate the initial parameters at step 0: auto (a "
+                              "user's task) | true | false")  # fmt: skip
     sample_chars: int = _key(300, "characters sampled at the end; 0: none")
     sample_prompt: str = _key("ROMEO.\n", "prompt of the final sample")
     checkpoint: bool = _key(True, "save checkpoints (and resume from the workdir's)")

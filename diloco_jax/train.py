@@ -135,6 +135,13 @@ def _evaluate(s: Setup, runlog, state, step: int, total: int) -> float:
     return eval_loss
 
 
+def _eval_at_start(cfg: config_lib.Config, *, user_task: bool) -> bool:
+    """``train.eval_at_start``: ``auto`` evaluates a user's task at step 0 (its curves then
+    start at the initial loss); the built-in tasks' runs keep their first evaluation at
+    ``train.eval_every``."""
+    return cfg.train.eval_at_start == "true" or (cfg.train.eval_at_start == "auto" and user_task)
+
+
 def _agree_to_stop(stop: Preemption) -> bool:
     """Whether any process got SIGTERM/SIGINT; every process asks after the same call, so all
     stop at the same step (one tiny all-gather per call when there are several processes)."""
@@ -284,6 +291,9 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     if total != t.total_steps:
         log.info("running %d steps: train.total_steps rounded up to whole calls", total)
     step = int(state.step)
+    if step == 0 and _eval_at_start(cfg, user_task=task is not None or bool(cfg.task.factory)):
+        with phases("eval"):
+            _evaluate(s, r.runlog, state, 0, total)
     show = show_progress and r.lead and cfg.log.progress_bar  # TQDM_DISABLE: reporting
     bar = reporting.progress_bar(total, initial=step, enabled=show)
     eval_loss, train_start, call_seconds, host_seconds = None, time.time(), [], []

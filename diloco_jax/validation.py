@@ -83,6 +83,8 @@ def validate(cfg: Config) -> None:
         ("task.factory", not cfg.task.factory or re.fullmatch(_FACTORY, cfg.task.factory),
          "must be package.module:function"),
         ("task.args", _json_object(cfg.task.args), "must be a JSON object of keyword arguments"),
+        ("train.eval_at_start", cfg.train.eval_at_start in ("auto", "true", "false"),
+         "must be auto, true or false"),
         *[(f"{part}.args", _json_object(getattr(cfg, part).args),
            "must be a JSON object of keyword arguments") for part in ("inner", "outer")],
         *[(f"{part}.optimizer", ":" not in getattr(cfg, part).optimizer

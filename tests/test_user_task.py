@@ -77,7 +77,10 @@ def test_fit_learns_and_resumes_bitwise(tmp_path):
     full = diloco_jax.fit(task, "tiny", workdir=tmp_path / "full", overrides=TINY,
                           show_progress=False)  # fmt: skip
     assert full.eval_loss < 0.5 * float(np.mean(task.train_data["y"] ** 2))  # it learned
-    assert [e["step"] for e in full.history if e["event"] == "eval"] == [10, 20]
+    evals = [e for e in full.history if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 10, 20]  # train.eval_at_start: auto, a user task
+    mean_square = float(np.mean(task.train_data["y"] ** 2))  # the loss at w = b = 0
+    assert evals[0]["eval_loss"] == pytest.approx(mean_square, rel=1e-5)
     chex.assert_trees_all_close(full.params["w"], full.summary["state"].anchor["w"])
     died_after(tmp_path / "full", 10, tmp_path / "cut")
     resumed = diloco_jax.fit(task, "tiny", workdir=tmp_path / "cut", overrides=TINY,
