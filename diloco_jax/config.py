@@ -188,6 +188,8 @@ class SimConfig:
                       "0: all at once")  # fmt: skip
     offload: bool = _key(False, "with sim.chunk: the replicas' state waits in host memory and "
                          "syncs run on the host")  # fmt: skip
+    plot_metric: str = _key("eval_loss", "what a sweep's figures plot: eval_loss or another "
+                            "value the evaluation returns (accuracy)")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,7 +172,8 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path, server=None
 
 
 def summarize(rows: list[dict], groups: dict[str, str]) -> list[dict]:
-    """Mean and spread (std over seeds) per group."""
+    """Mean and spread (std over seeds) per group, for the final eval loss and every other
+    value the evaluation returned (``final_accuracy``, ``final_accuracy_std``, ...)."""
     by_group = defaultdict(list)
     for row in rows:
         by_group[groups[row["run"]]].append(row)
@@ -192,6 +193,9 @@ def summarize(rows: list[dict], groups: dict[str, str]) -> list[dict]:
             "sim_wallclock_s": float(np.mean([m["sim_wallclock_s"] for m in members])),
             "utilization": float(np.mean([m["utilization"] for m in members])),
         })  # fmt: skip
+        for key in [k for k in first if k.startswith("final_") and k != "final_eval_loss"]:
+            values = np.array([m[key] for m in members if key in m])
+            table[-1][key], table[-1][f"{key}_std"] = float(values.mean()), float(values.std())
     return table
 
 
@@ -216,19 +220,38 @@ def format_table(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def mean_curves(dones: list[dict], groups: dict[str, str]) -> dict[str, dict]:
+def mean_curves(dones: list[dict], groups: dict[str, str],
+                metric: str = "eval_loss") -> dict[str, dict]:  # fmt: skip
+    """Per group: ``metric`` of each evaluation, its mean over seeds (``loss``) and their
+    min-max band (``low``, ``high``), against tokens and steps."""
     by_group = defaultdict(list)
     for done in dones:
         by_group[groups[done["name"]]].append(done["evals"])
     curves = {}
     for group, runs in by_group.items():
         n = min(len(r) for r in runs)
+        values = np.array([[e[metric] for e in r[:n]] for r in runs])
         curves[group] = {
             "tokens": [e["tokens"] for e in runs[0][:n]],
             "steps": [e["step"] for e in runs[0][:n]],
-            "loss": np.mean([[e["eval_loss"] for e in r[:n]] for r in runs], axis=0).tolist(),
+            "loss": values.mean(axis=0).tolist(),
+            "low": values.min(axis=0).tolist(),
+            "high": values.max(axis=0).tolist(),
+            "seeds": len(runs),
         }
     return curves
+
+
+def plotted_metric(base: config_lib.Config, dones: list[dict]) -> str:
+    """``sim.plot_metric`` where every evaluation holds it; else ``eval_loss``, with a warning
+    naming what the evaluation holds."""
+    metric = base.sim.plot_metric
+    if all(metric in e for d in dones for e in d["evals"]):
+        return metric
+    held = sorted({k for d in dones for e in d["evals"] for k in e if k not in ("event", "step")})
+    log.warning("sim.plot_metric = %r is not in every evaluation (%s): plotting eval_loss",
+                metric, ", ".join(held))  # fmt: skip
+    return "eval_loss"
 
 
 def _serve(base: config_lib.Config, workdir: pathlib.Path, names: list[str]):
@@ -334,8 +357,10 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     written = ["results.csv", "summary.csv"]
     if draw:
         units = dict(unit=dones[0]["unit"], nats=dones[0]["unigram_entropy"] is not None)
-        plots.curves(mean_curves(dones, groups), workdir / "curves.png", **units)
-        plots.tradeoff(table, workdir / "tradeoff.png", **units)
+        metric = plotted_metric(base, dones)
+        plots.curves(mean_curves(dones, groups, metric), workdir / "curves.png", metric=metric,
+                     **units)  # fmt: skip
+        plots.tradeoff(table, workdir / "tradeoff.png", metric=metric, **units)
         written += ["curves.png", "tradeoff.png", *_diagnostics(workdir, runs)]
     log.warning("wrote %s", ", ".join(str(workdir / f) for f in written))
     return table

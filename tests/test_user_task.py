@@ -294,17 +294,36 @@ def test_the_runs_seed_reaches_the_users_initialisation():
     np.testing.assert_array_equal(made[0], made[2])  # args given win
 
 
+def _with_mae(params, data):
+    pred_N = data["x"] @ params["w"] + params["b"]
+    return {"eval_loss": jnp.mean((pred_N - data["y"]) ** 2),
+            "mae": jnp.mean(jnp.abs(pred_N - data["y"]))}  # fmt: skip
+
+
 def test_a_python_sweep_reuses_finished_runs_of_the_same_task_only(tmp_path):
-    task = linear_task()
+    """Two seeds of two settings of a task whose evaluation also returns ``mae`` and whose
+    initialisation takes the seed: the tables hold every value the evaluation returns, with
+    its spread over seeds, and the figures plot the chosen one with a band."""
+    base = linear_task()
+    task = ArrayTask(lambda key: {"w": jax.random.normal(key, (3,)), "b": jnp.float32(0)},
+                     base.loss, base.train_data, evaluate=_with_mae)  # fmt: skip
     kwargs = dict(workdir=tmp_path, sweeps=["outer.sync_every=5,10"], show_progress=False,
-                  overrides={**TINY, "train.checkpoint": False})  # fmt: skip
+                  seeds=[0, 1], overrides={**TINY, "train.checkpoint": False,
+                                           "sim.plot_metric": "mae"})  # fmt: skip
     table = diloco_jax.sweep(task, "tiny", **kwargs)
     assert [row["run"] for row in table] == ["sync_every=5", "sync_every=10"]
-    summary = tmp_path / "runs" / "sync_every=5" / "summary.json"
+    assert all(row["seeds"] == 2 and row["final_mae_std"] > 0 for row in table)
+    results = (tmp_path / "results.csv").read_text().splitlines()
+    assert "final_mae" in results[0].split(",") and len(results) == 5
+    assert "final_mae_std" in (tmp_path / "summary.csv").read_text().splitlines()[0]
+    if (tmp_path / "curves.png").exists():  # with matplotlib (the plots extra)
+        assert (tmp_path / "tradeoff.png").stat().st_size > 0
+    summary = next((tmp_path / "runs").glob("sync_every=5*")) / "summary.json"
     written = summary.stat().st_mtime_ns
     assert diloco_jax.sweep(task, "tiny", **kwargs) == table
     assert summary.stat().st_mtime_ns == written  # read back, not trained again
-    changed = ArrayTask(task.params, task.loss, jax.tree.map(lambda x: x * 2, task.train_data))
+    changed = ArrayTask(task.params, task.loss, jax.tree.map(lambda x: x * 2, task.train_data),
+                        evaluate=_with_mae)  # fmt: skip
     with pytest.raises(ConfigError, match="with another config or task"):
         diloco_jax.sweep(changed, "tiny", **kwargs)
     with pytest.raises(ConfigError, match="with another config or task"):  # another optimizer
