@@ -6,7 +6,9 @@ boundary). Each is thread-safe: the training thread writes, the server's threads
 from __future__ import annotations
 
 import collections
+import json
 import math
+import pathlib
 import threading
 import time
 from typing import Any
@@ -65,7 +67,10 @@ class Board:
             "controls": [], "outer_lr": outer_lr, "config": config,
             "aux": {}, "eval_metrics": {},  # a loss's auxiliary metrics; the eval's others
         }  # fmt: skip
-        self.history = {name: collections.deque() for name in ("train", "eval", "sync")}
+        # train: [step, tokens, loss, tokens/s]; eval: [step, tokens, eval_loss]; sync: see
+        # _on_sync; metrics: [step, tokens, {"aux name" | "eval name": value}] (a loss's
+        # auxiliary metrics and the evaluation's other values)
+        self.history = {name: collections.deque() for name in ("train", "eval", "sync", "metrics")}
         self.registry = CollectorRegistry()
         self._metrics = _prometheus(self.registry)
         self.has_outer_lr = outer_lr is not None  # only DiLoCo has one
@@ -102,6 +107,11 @@ class Board:
         self.status["aux"] = aux
         for name, value in aux.items():
             m["aux"].labels(name=name).set(value)
+        if aux:
+            _thin(self.history["metrics"])
+            self.history["metrics"].append(
+                [step, tokens, {f"train {k}": v for k, v in aux.items()}]
+            )
 
     def _on_eval(self, step: int, r: dict) -> None:
         self.status["eval_loss"] = r["eval_loss"]
@@ -114,6 +124,30 @@ class Board:
         self.status["eval_metrics"] = others
         for name, value in others.items():
             self._metrics["eval_metric"].labels(name=name).set(value)
+        if others:
+            _thin(self.history["metrics"])
+            named = {f"eval {k}": v for k, v in others.items()}
+            self.history["metrics"].append([step, step * self.tokens_per_step, named])
+
+    def replay(self, path, up_to: int) -> int:
+        """The events of ``path`` (a resumed run's ``metrics.jsonl``) up to step ``up_to``, as
+        if they had just been written, so the charts start where the run did; returns how
+        many. Records the run wrote past its checkpoint (before it died) are skipped: the
+        resumed run writes them again."""
+        count = 0
+        try:
+            lines = pathlib.Path(path).read_text().splitlines()
+        except OSError:
+            return 0
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by a crash
+                continue
+            if record.get("step", up_to + 1) <= up_to and record.get("event") != "done":
+                self.event(record)
+                count += 1
+        return count
 
     def _on_sync(self, step: int, r: dict) -> None:
         m = self._metrics

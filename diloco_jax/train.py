@@ -173,6 +173,8 @@ def _open(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, server)
     runlog = records.open_runlog(cfg, workdir, start.step, enabled=lead)  # + run_record.jsonl
     live = Live(cfg, s, workdir, lead=lead, controls=start.controls, server=server)
     if live.board is not None:
+        if start.step:  # resumed: the charts start with the run's earlier history
+            live.board.replay(workdir / "metrics.jsonl", start.step)
         runlog.watch(live.board.event)
     log.info(
         "%s: %d replicas on %s (%d replica x %d data devices, %d processes), %d params, "

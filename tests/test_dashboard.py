@@ -66,6 +66,7 @@ def test_the_dashboard_draws_the_runs_points_and_rows(tmp_path):
     assert "<b>mae</b>0.3" in dom and "<b>eval accuracy</b>0.6" in dom  # a loss's aux metric
     assert _points(dom, "loss") == {"train": 30, "eval": 3}
     assert _points(dom, "throughput") == {"tokens/s": 30}
+    assert _points(dom, "metrics") == {"train mae": 30, "eval accuracy": 3}  # issue 39
     assert _points(dom, "drift") == {f"replica {r}": 5 for r in range(3)}
     assert _points(dom, "cosine") == {f"replica {r}": 5 for r in range(3)}
     rows = re.findall(r'<tr class="([^"]*)"><td>(\d+)</td>', dom)

@@ -52,6 +52,29 @@ def test_the_board_holds_what_the_run_reported():
     assert status["aux"] == {"mae": 0.25} and status["eval_metrics"] == {"accuracy": 0.75}
 
 
+def test_a_resumed_runs_board_starts_with_its_earlier_history(tmp_path):
+    """The events of ``metrics.jsonl`` up to the resumed step are replayed (those the run
+    wrote past its checkpoint before it died are not: it writes them again), aux and eval
+    metrics included, so the charts start where the run started (issue 39)."""
+    import json
+
+    events = [{"event": "train", "step": s, "loss": 3.0 - s / 10, "replica_loss": [3.0, 3.0],
+               "tokens_per_s": 100.0, "outer_steps": s // 5, "aux_mae": s / 100}
+              for s in (5, 10, 15)]  # fmt: skip
+    events += [{"event": "eval", "step": 10, "eval_loss": 2.0, "accuracy": 0.5}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "tr')  # cut
+    board = serve.Board(config={}, total_steps=100, replicas=2, unit="example",
+                        tokens_per_step=8)  # fmt: skip
+    assert board.replay(path, up_to=10) == 3
+    history = board.history
+    assert [p[0] for p in history["train"]] == [5, 10]
+    assert [p[0] for p in history["eval"]] == [10]
+    assert [p[2] for p in history["metrics"]] == [{"train mae": 0.05}, {"train mae": 0.1},
+                                                  {"eval accuracy": 0.5}]  # fmt: skip
+    assert board.replay(tmp_path / "none.jsonl", up_to=10) == 0
+
+
 def test_metrics_parse_with_prometheus_clients_parser():
     text = generate_latest(_board().registry).decode()
     families = text_string_to_metric_families(text)

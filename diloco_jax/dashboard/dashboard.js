@@ -104,7 +104,15 @@ function render(status, history) {
     { name: "train", points: history.train.map((p) => [p[x], p[2]]) },
     { name: "eval", points: history.eval.map((p) => [p[x], p[2]]) },
   ], "legend-loss");
-  draw($("chart-throughput"), [{ name: "tokens/s", points: history.train.map((p) => [p[0], p[3]]) }]);
+  const rate = status.unit + "s/s";
+  $("throughput-title").textContent = `Throughput (${rate})`;
+  $("by-tokens-label").textContent = ` against ${status.unit}s`;
+  draw($("chart-throughput"), [{ name: rate, points: history.train.map((p) => [p[0], p[3]]) }]);
+  const names = [...new Set((history.metrics || []).flatMap((p) => Object.keys(p[2])))].sort();
+  $("metrics-card").hidden = names.length === 0;
+  draw($("chart-metrics"), names.map((name) => ({
+    name, points: history.metrics.filter((p) => name in p[2]).map((p) => [p[x], p[2][name]]),
+  })), "legend-metrics");
   draw($("chart-drift"), perReplica(history.sync, 2), "legend-drift");
   draw($("chart-cosine"), perReplica(history.sync, 3), "legend-cosine");
   const body = $("replicas").querySelector("tbody");
