@@ -1,6 +1,9 @@
-"""A Flax NNX MLP on NumPy arrays, trained with DiLoCo (4 simulated replicas) at two sync periods.
+"""A Flax NNX MLP on NumPy arrays, trained with DiLoCo (4 simulated replicas) at two sync periods,
+with your own inner optimizer (clipped AdamW on a warmup-cosine schedule) and several seeds, each
+initialising the MLP anew: the figures show the seeds' mean and a band from their min to max.
 
-python examples/nnx_mlp.py [STEPS]     # runs in ./runs/nnx_mlp_sync*; prints a table
+python examples/nnx_mlp.py [STEPS] [SEEDS]   # runs in ./runs/nnx_mlp; prints a table;
+                                             # runs/nnx_mlp/curves.png: the curves with bands
 """
 
 import sys
@@ -8,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import diloco_jax
@@ -25,7 +29,11 @@ class MLP(nnx.Module):
 rng = np.random.default_rng(0)
 x_Nx2 = rng.uniform(-2, 2, (4096, 2)).astype(np.float32)
 data = {"x": x_Nx2, "y": np.sin(x_Nx2[:, 0]) * np.cos(x_Nx2[:, 1])}
-graphdef, state = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+graphdef = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)[0]
+
+
+def init(key):  # called with the run's seed: each seed starts from its own MLP
+    return nnx.to_pure_dict(nnx.split(MLP(nnx.Rngs(params=key)), nnx.Param)[1])
 
 
 def loss(params, batch, rng):
@@ -34,12 +42,18 @@ def loss(params, batch, rng):
 
 
 train, held_out = ({k: v[s] for k, v in data.items()} for s in (np.s_[:3584], np.s_[3584:]))
-task = diloco_jax.ArrayTask(nnx.to_pure_dict(state), loss, train, eval_data=held_out)
+task = diloco_jax.ArrayTask(init, loss, train, eval_data=held_out)
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 500
+seeds = list(range(int(sys.argv[2]) if len(sys.argv) > 2 else 3))
+schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=steps // 10,
+                                              decay_steps=steps)  # fmt: skip
+inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
 table = diloco_jax.sweep(task, workdir="runs/nnx_mlp", sweeps=["outer.sync_every=10,50"],
+                         seeds=seeds, inner=inner,
                          overrides={"train.total_steps": steps, "train.log_every": 10,
                                     "train.eval_every": max(10, steps // 100 * 10),
                                     "data.batch_size": 32})  # fmt: skip
-print("sync_every | eval MSE")
+print("sync_every | eval MSE (mean ± std over seeds)")
 for row in table:
-    print(f"{row['run'].split('=')[1]:>10} | {row['final_eval_loss']:.4f}")
+    print(f"{row['run'].split('=')[1]:>10} | {row['final_eval_loss']:.4f} "
+          f"± {row['final_eval_loss_std']:.4f}")  # fmt: skip
