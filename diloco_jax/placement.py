@@ -6,6 +6,7 @@ simulator, mesh). Read at the edge (``diloco_jax.train``); the library functions
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 
@@ -47,9 +48,23 @@ def split_cpu(cfg: config_lib.Config) -> None:
                                     replica_devices=p.replica_devices,
                                     data_devices=p.data_devices)  # fmt: skip
     try:
-        parallel.split_cpu(p.cpu_devices, auto=auto)
+        split = parallel.split_cpu(p.cpu_devices, auto=auto)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
+    if not split and not p.cpu_devices and auto > 1 and _too_late_to_split(auto):
+        log.warning("JAX started before this run with %d CPU device(s), too late to split the "
+                    "CPU into %d: the replicas share what there is (parallel.runtime = auto "
+                    "picks the simulator on one device); to split it, train before other JAX "
+                    "work or set XLA_FLAGS=--xla_force_host_platform_device_count=%d first",
+                    len(jax.devices("cpu")), auto, auto)  # fmt: skip
+
+
+def _too_late_to_split(auto: int) -> bool:
+    """Whether JAX runs on the CPU with fewer devices than ``auto`` although nobody chose that
+    count (a user's own JAX work started JAX before the run)."""
+    if parallel._count_set_by_user(os.environ) or jax.distributed.is_initialized():
+        return False
+    return jax.default_backend() == "cpu" and len(jax.devices("cpu")) < auto
 
 
 def layout(cfg: config_lib.Config, replicas: int) -> parallel.Layout:

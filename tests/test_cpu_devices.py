@@ -3,6 +3,7 @@ side by side on its cores (issue 13). Each split is checked in a fresh process: 
 device count when it starts, and this test process already runs with 8 fake devices."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -74,6 +75,33 @@ def test_a_count_jax_cannot_take_any_more_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: config key parallel.cpu_devices = 3 is invalid")
     assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_split_too_late_for_auto_is_said_in_one_line(monkeypatch, caplog):
+    """``fit`` after the user's own JAX work: JAX runs with one CPU device where ``auto`` would
+    have split it in 4; the run goes on (the replicas share the device) and says why in one
+    line (issue 39)."""
+    import logging
+
+    import jax
+
+    from diloco_jax import placement
+    from tests.test_checkpoint import tiny
+
+    assert len(jax.devices()) > 1  # JAX has started (with the suite's fake devices)
+    caplog.set_level(logging.WARNING, logger="diloco_jax")
+    logger = logging.getLogger("diloco_jax")  # it does not propagate once a run set it up
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setattr(parallel, "_count_set_by_user", lambda environ: False)
+    monkeypatch.setattr(jax, "devices", lambda *kind: jax.local_devices()[:1])
+    placement.split_cpu(tiny(**{"parallel.replicas": 4, "parallel.runtime": "auto"}))
+    said = [r.getMessage() for r in caplog.records if "too late to split" in r.getMessage()]
+    assert len(said) == 1 and "with 1 CPU device(s), too late to split the CPU into 4" in said[0]
+    monkeypatch.setattr(parallel, "_count_set_by_user", lambda environ: True)  # the user's count
+    placement.split_cpu(tiny(**{"parallel.replicas": 4, "parallel.runtime": "auto"}))
+    assert len([r for r in caplog.records if "too late" in r.getMessage()]) == 1
 
 
 def _train(workdir, *args) -> tuple[str, list[dict]]:

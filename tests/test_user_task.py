@@ -230,6 +230,10 @@ def _bad(name):
     def broken_loss(params, batch, rng):
         return jnp.mean(batch["x"] @ params["missing"])
 
+    def always_draws(params, batch, rng):  # dropout without a None check
+        keep = jax.random.bernoulli(rng, 0.9, batch["x"].shape)
+        return jnp.mean((jnp.where(keep, batch["x"], 0) @ params["w"] - batch["y"]) ** 2)
+
     def no_eval_loss(params, data):
         return {"mse": jnp.float32(0)}
 
@@ -251,6 +255,9 @@ def _bad(name):
         "int params": (ArrayTask({"w": good.params["w"], "head": {"bias": np.int32(0)}},
                                  good.loss, x),
                        r"parameter head/bias is int32: parameters must be floating point"),
+        "always draws": (ArrayTask(good.params, always_draws, x),
+                         r"the evaluation fails .*PRNG key.*; the default evaluation calls "
+                         r"loss\(params, batch, rng=None\)"),
         "init fails": (ArrayTask(lambda key: 1 / 0, good.loss, x),
                        r"init .*<lambda> .* fails on a key: ZeroDivisionError"),
     }[name]  # fmt: skip
@@ -258,7 +265,7 @@ def _bad(name):
 
 @pytest.mark.parametrize("name", ["vector loss", "int loss", "loss raises", "ragged data",
                                   "too few", "no eval_loss", "empty data", "int params",
-                                  "init fails"])  # fmt: skip
+                                  "always draws", "init fails"])  # fmt: skip
 def test_bad_user_code_is_one_line_before_compiling(name):
     task, message = _bad(name)
     with pytest.raises(TaskError, match=message) as info:

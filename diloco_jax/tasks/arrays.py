@@ -94,7 +94,7 @@ class ArrayTask:
         aux = check_loss(self.loss, params, batch)
         task = Task(_sample, self.loss, self._eval_fn(aux), self.unit, self.tokens_per_row,
                     rng=True, aux=aux, eval_mean=self.evaluate is None)  # fmt: skip
-        check_eval(task.eval_fn, params, eval_data)
+        check_eval(task.eval_fn, params, eval_data, default=self.evaluate is None)
         return Problem(shards, eval_data, None, params, task, math.nan)
 
     def fingerprint(self) -> str:
@@ -236,12 +236,21 @@ def check_loss(loss: Callable, params, batch) -> bool:
     return aux
 
 
-def check_eval(eval_fn: Callable, params, eval_data) -> None:
+NO_RNG_HINT = (
+    "; the default evaluation calls loss(params, batch, rng=None) (no dropout when "
+    "evaluating): draw from rng only when it is not None, or pass evaluate="
+)
+
+
+def check_eval(eval_fn: Callable, params, eval_data, *, default: bool = False) -> None:
+    """The evaluation runs on ``eval_data`` (on shapes) and returns a scalar ``eval_loss``;
+    ``default``: it is the mean of the loss (called with ``rng=None``), which the error says."""
     try:
         out = jax.eval_shape(eval_fn, params, eval_data)
     except Exception as e:
+        hint = NO_RNG_HINT if default else ""
         raise TaskError(f"the evaluation fails on eval_data: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}") from None  # fmt: skip
+                        f"{str(e).splitlines()[0] if str(e) else ''}{hint}") from None  # fmt: skip
     if not isinstance(out, dict) or "eval_loss" not in out or out["eval_loss"].shape != ():
         raise TaskError("evaluate(params, eval_data) must return a dict with a scalar "
                         f"'eval_loss'; got {jax.tree.map(lambda x: x.shape, out)}")  # fmt: skip

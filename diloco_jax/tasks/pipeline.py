@@ -101,7 +101,7 @@ class GrainTask:
                     eval_fn(self.loss, self.evaluate, aux=aux, chunk=self.eval_batch),
                     self.unit, self.tokens_per_row, rng=True, aux=aux,
                     eval_mean=self.evaluate is None)  # fmt: skip
-        check_eval(task.eval_fn, params, eval_data)
+        check_eval(task.eval_fn, params, eval_data, default=self.evaluate is None)
         stream = functools.partial(PipelineStream, self.pipeline, replicas=replicas,
                                    batch_size=batch_size, seed=seed, spec=spec)  # fmt: skip
         return Problem(None, eval_data, None, params, task, math.nan, streamed=True,
