@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import json
-import pathlib
-import sys
 
 import numpy as np
 
 from diloco_jax import config as config_lib
-from diloco_jax import extras, tasks
+from diloco_jax import extras, tasks, user_code
 from diloco_jax.data import (
     DataError,
     eval_windows,
@@ -59,17 +56,7 @@ def user_task(factory: str, args: str, seed: int = 0) -> tasks.UserTask:
     builds); ConfigError naming ``task.factory`` if it does not resolve, is not callable or
     returns no ArrayTask or GrainTask."""
     where = f"config key task.factory = {factory!r}"
-    module_name, _, name = factory.partition(":")
-    if str(pathlib.Path.cwd()) not in sys.path and "" not in sys.path:
-        sys.path.insert(0, str(pathlib.Path.cwd()))  # as `python -m` would
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise config_lib.ConfigError(f"{where}: cannot import {module_name}: "
-                                     f"{type(e).__name__}: {e}") from None  # fmt: skip
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise config_lib.ConfigError(f"{where}: {module_name} has no function {name!r}")
+    fn = user_code.function(factory, "task.factory")
     kwargs = json.loads(args) if args else {}
     try:
         takes_seed = "seed" in inspect.signature(fn).parameters

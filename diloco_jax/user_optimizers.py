@@ -22,10 +22,7 @@ fragment), so a transform keyed by the tree's names (``optax.masked`` with a dic
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
-import pathlib
-import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -34,6 +31,7 @@ import numpy as np
 import optax
 
 from diloco_jax import config as config_lib
+from diloco_jax import user_code
 
 GIVEN = "given:"  # a config value recording a transform given from Python
 PROBE_STEPS = 3
@@ -72,17 +70,7 @@ def imported(path: str, args: str, key: str) -> optax.GradientTransformation:
     """The transform that ``path`` (``package.module:function``) returns when called with the
     JSON keyword arguments ``args``; ConfigError naming ``key`` if anything fails."""
     where = f"config key {key} = {path!r}"
-    module_name, _, name = path.partition(":")
-    if str(pathlib.Path.cwd()) not in sys.path and "" not in sys.path:
-        sys.path.insert(0, str(pathlib.Path.cwd()))  # as `python -m` would
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise config_lib.ConfigError(f"{where}: cannot import {module_name}: "
-                                     f"{type(e).__name__}: {e}") from None  # fmt: skip
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise config_lib.ConfigError(f"{where}: {module_name} has no function {name!r}")
+    fn = user_code.function(path, key)
     try:
         tx = fn(**(json.loads(args) if args else {}))
     except Exception as e:

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from diloco_jax.runtime import compile_cache
 from tests.helpers import events
 from tests.test_checkpoint import assert_bitwise_equal
@@ -50,6 +52,9 @@ def _train(workdir, cache, *overrides):
     return run.stderr
 
 
+@pytest.mark.slow  # ~50 s: three commands; stand-ins: test_program_cache's in-process mesh run
+# (a kept program loaded, the same bits as no cache), the per-thread hit count below and the
+# cache's directory tests above
 def test_warm_commands_load_their_step_and_train_what_an_uncached_command_trains(tmp_path):
     """Three commands on one cache. The first compiles its step and keeps its traced program.
     The second differs only in the seed and a constant outer learning rate, inputs of the

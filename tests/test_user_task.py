@@ -366,6 +366,8 @@ def test_tasks_exports_the_public_interface():
     assert diloco_jax.ArrayTask is ArrayTask and callable(diloco_jax.fit)
 
 
+@pytest.mark.slow  # ~28 s; stand-ins: the in-process user task on a 2x2 mesh above and the
+# NNX example from outside the repository
 def test_the_linen_example_trains_on_a_2x2_mesh_from_outside_the_repository(tmp_path):
     env = child_env(TQDM_DISABLE="1", PYTHONPATH=str(ROOT))  # the example splits the CPU itself
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "linen_cnn_digits.py"), "40"],
