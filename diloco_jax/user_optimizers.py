@@ -131,6 +131,9 @@ def recorded(cfg: config_lib.Config, given: Given, params: Any) -> config_lib.Co
     """``cfg`` with each transform of ``given`` recorded as ``given:<fingerprint>`` in its
     ``optimizer`` key (checked on a miniature of ``params``: the inner on their tree, the outer
     on their leaves); import paths are checked the same way."""
+    if given == NONE and not any(is_custom(getattr(cfg, part).optimizer)
+                                 for part in ("inner", "outer")):  # fmt: skip
+        return cfg  # the config's own optimizers: nothing to check or record
     small = miniature(params)
     probes = (("inner.optimizer", given.inner, small),
               ("outer.optimizer", given.outer, jax.tree.leaves(small)))  # fmt: skip
