@@ -145,7 +145,7 @@ MUTANTS = [
            "    key = jax.random.fold_in(key, jax.local_device_count())\n"
            "    for stream in streams:",
            ["tests/test_multiprocess.py::"
-            "test_two_processes_equal_one_process_two_devices_and_the_simulator"]),
+            "test_two_processes_equal_the_simulator"]),
     Mutant("batch key ignores the step (the same windows every step)", "randomness",
            "diloco_jax/randomness.py", "jax.random.fold_in(jax.random.key(seed), step)",
            "jax.random.fold_in(jax.random.key(seed), 0)",
@@ -278,4 +278,10 @@ MUTANTS = [
            "diloco_jax/programs.py", '    "seed",  # an input of the step',
            '    "seed", "data.batch_size",  # an input of the step',
            ["tests/test_program_cache.py"]),
+    Mutant("streamed images drawn one step ahead", "data", "diloco_jax/data/stream.py",
+           '"""int32 ``[N, len(replicas), B]``: the examples of ``num_steps`` steps."""\n'
+           "        steps = np.arange(first_step,",
+           '"""int32 ``[N, len(replicas), B]``: the examples of ``num_steps`` steps."""\n'
+           "        steps = 1 + np.arange(first_step,",
+           ["tests/test_tfds_images.py::test_host_image_batches_equal_the_device_sampler"]),
 ]  # fmt: skip

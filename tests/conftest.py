@@ -40,6 +40,26 @@ if "DILOCO_COMPILE_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["DILOCO_COMPILE_CACHE"], ignore_errors=True)
 
 from diloco_jax.runtime import compile_cache, parallel  # noqa: E402  (after the environment)
+from tests import helpers  # noqa: E402
 
 compile_cache.enable()  # for the tests that compile through the library, not train()
 parallel.deterministic_gpu(True)  # equal bits run to run on a GPU; nothing under JAX_PLATFORMS=cpu
+
+
+# Figures only where a test looks at them (helpers.drawing_figures()): matplotlib's drawing
+# runs on the cores the other tests need.
+helpers.no_figures()
+
+# The heaviest files first: with a file to a worker, a long file handed out last keeps one core
+# busy while the other has finished (about 40 s of a 10-minute run). The rest keep their order.
+HEAVY_FIRST = ("test_program_cache", "test_checkpoint", "test_user_task", "test_compress",
+               "test_multiprocess", "test_grain_task", "test_sim", "test_quorum", "test_outer",
+               "test_variants", "test_noloco", "test_tfds_images", "test_memory")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        stem = item.path.stem
+        return HEAVY_FIRST.index(stem) if stem in HEAVY_FIRST else len(HEAVY_FIRST)
+
+    items.sort(key=rank)  # stable: a file's own tests keep their order

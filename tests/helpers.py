@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -12,9 +13,11 @@ import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from diloco_jax import algorithm as algorithm_lib
 from diloco_jax import tasks
+from diloco_jax import train as train_module
 from diloco_jax.algorithm import init_replicas, optim
 from diloco_jax.data import VOCAB_SIZE, load_corpus, replica_shards, sample_batch
 from diloco_jax.runtime import parallel
@@ -308,3 +311,21 @@ def assert_close_but_for_code_steps(got, want, *, step, max_share, rtol=1e-5, at
         f"at most {max_share:.2%} may sit on a rounding boundary of the codec"
     )
     return off
+
+
+
+_DRAWS = train_module._draws  # whether a run draws its figures, as the library decides
+
+
+def no_figures() -> None:
+    """The session's runs draw no figures (tests/conftest.py): a run's drift.png and cosine.png
+    cost about 0.5 s of CPU each time, and the suite trains a few hundred runs."""
+    pytest.MonkeyPatch().setattr(train_module, "_draws", lambda s: False)
+
+
+@contextlib.contextmanager
+def drawing_figures():
+    """Runs inside draw their figures as the library decides (for the tests that read them)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_module, "_draws", _DRAWS)
+        yield

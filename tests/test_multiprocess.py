@@ -112,22 +112,32 @@ SHORT = {"train.total_steps": 40, "train.eval_every": 20, "train.checkpoint_ever
          "model.dropout": 0.1}  # fmt: skip
 
 
-def test_two_processes_equal_one_process_two_devices_and_the_simulator(tmp_path):
-    """40 steps without checkpoints (the signal tests' 120 steps, checkpointed every 10: slow)."""
-    flags = [f"--config.{k}={v}" for k, v in SHORT.items()]
-    finished(launch(tmp_path / "two", extra=flags))
-    two = final_params(tmp_path / "two")
-    assert [e["step"] for e in events(tmp_path / "two", "eval")] == [20, 40]
-    finished(launch(tmp_path / "one", processes=1, devices=2, extra=flags))
-    one = final_params(tmp_path / "one")
-    # the same programs on the same values: gloo's all-reduce of two addends is exact
-    chex.assert_trees_all_equal(one, two)
+@pytest.fixture(scope="module")
+def two_short(tmp_path_factory):
+    """2 processes x 1 CPU device, 40 steps with dropout, no checkpoints."""
+    workdir = tmp_path_factory.mktemp("two_short")
+    finished(launch(workdir, extra=[f"--config.{k}={v}" for k, v in SHORT.items()]))
+    assert [e["step"] for e in events(workdir, "eval")] == [20, 40]
+    return final_params(workdir)
+
+
+def test_two_processes_equal_the_simulator(two_short, tmp_path):
+    """The processes' collectives and keys against one vmap in this process (its 8 fake devices:
+    a key that folded in a process's device count would differ here too)."""
     over = [("parallel.runtime", "sim"), ("train.checkpoint", "false"),
             *[(k, str(v)) for k, v in SHORT.items()]]  # fmt: skip
     sim = jax.device_get(train(apply_overrides(tiny(), over), tmp_path / "sim",
                                show_progress=False)["state"].anchor)  # fmt: skip
     # vmap vs shard_map: float32 reassociation in the nested replica mean, 8 outer steps
-    chex.assert_trees_all_close(sim, two, atol=2e-5)
+    chex.assert_trees_all_close(sim, two_short, atol=2e-5)
+
+
+@pytest.mark.slow  # ~20 s: a third process; by default test_two_processes_equal_the_simulator
+def test_two_processes_equal_one_process_two_devices(two_short, tmp_path):
+    flags = [f"--config.{k}={v}" for k, v in SHORT.items()]
+    finished(launch(tmp_path / "one", processes=1, devices=2, extra=flags))
+    # the same programs on the same values: gloo's all-reduce of two addends is exact
+    chex.assert_trees_all_equal(final_params(tmp_path / "one"), two_short)
 
 
 @pytest.mark.slow  # ~60 s; the default suite keeps the SIGTERM run and the launcher's SIGKILL tests

@@ -203,6 +203,9 @@ def test_a_warm_command_loads_its_traced_step_and_trains_the_same_bits(tmp_path,
     assert losses[0] != losses[1] == losses[2]  # the seed is an input, not a constant
 
 
+@pytest.mark.slow  # ~35 s: three mesh runs; by default the mesh's lowered step in
+# test_every_program_free_key_leaves_the_traced_step_unchanged[mesh] and a kept program's bits in
+# test_a_kept_program_computes_what_the_function_does_and_a_bad_one_is_dropped
 def test_a_kept_program_on_a_mesh_trains_the_bits_of_a_traced_one(tmp_path, capsys, caplog):
     """The mesh's step (shardings in its arguments) in one process: kept by the first run,
     loaded by a second with another seed, which trains the bits of the same run with no cache."""

@@ -181,7 +181,8 @@ def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys, monkeypatch):
             "--config.outer.sync_every=5", "--config.train.total_steps=10",
             "--config.train.sample_chars=0", "--config.train.checkpoint=false",
             f"--config.serve.port={port}"]  # fmt: skip
-    assert main(args) == 0
+    with helpers.drawing_figures():
+        assert main(args) == 0
     table = capsys.readouterr().out
     assert "| learning_rate=0.7 |" in table and "±" in table
     assert len(seen) == 6 and [r["state"] for r in seen[1]["runs"]][:3] == [

@@ -334,6 +334,8 @@ def _digits_cfg(data_dir, budget, **overrides):
                            [(k, str(v)) for k, v in overrides.items()])  # fmt: skip
 
 
+@pytest.mark.slow  # ~30 s: three runs; by default test_host_image_batches_equal_the_device_sampler
+# (the batches) and test_stream's streamed text run (the loop's streamed path, resumed)
 def test_a_streamed_image_run_trains_exactly_the_loaded_run_and_resumes(data_dir, tmp_path):
     from tests import helpers
 

@@ -12,6 +12,7 @@ from diloco_jax.runtime import checkpoint
 from diloco_jax.tasks import model
 from diloco_jax.tasks.sample import generate_text
 from diloco_jax.train import build, train
+from tests import helpers
 from tests.helpers import BAR, run_records, tb_hparams, tb_series, tf_events
 
 
@@ -24,7 +25,8 @@ def tiny(**overrides):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tiny")
-    return workdir, train(tiny(**{"parallel.runtime": "sim"}), workdir, show_progress=False)
+    with helpers.drawing_figures():
+        return workdir, train(tiny(**{"parallel.runtime": "sim"}), workdir, show_progress=False)
 
 
 def test_outputs(tiny_run):
