@@ -313,7 +313,6 @@ def assert_close_but_for_code_steps(got, want, *, step, max_share, rtol=1e-5, at
     return off
 
 
-
 _DRAWS = train_module._draws  # whether a run draws its figures, as the library decides
 
 
