@@ -25,8 +25,8 @@ def _simulator(module: str) -> ModuleType:
 
 
 def train() -> int:
-    from diloco_jax.reporting import exit_quickly
     from diloco_jax.train import main
+    from diloco_jax.watch.reporting import exit_quickly
 
     exit_quickly(main(prog="diloco-train"))  # as python -m diloco_jax.train ends
     return 0  # not reached

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -52,7 +53,7 @@ def fit(task: UserTask, config: config_lib.Config | str | None = None, *,
     each parsed as its key's type). ``inner`` / ``outer``: your own optax transforms, in place
     of the config's AdamW and Nesterov SGD (``inner.*`` / ``outer.*`` optimizer keys then do
     not apply; a resume with another transform is refused like a changed learning rate:
-    :mod:`diloco_jax.user_optimizers`). Raises ConfigError or
+    :mod:`diloco_jax.config.user_optimizers`). Raises ConfigError or
     :class:`~diloco_jax.tasks.TaskError` (one line naming what is wrong) before compiling."""
     from diloco_jax.train import train  # it sets the CPU's device count before JAX starts
 
@@ -67,8 +68,8 @@ def fit(task: UserTask, config: config_lib.Config | str | None = None, *,
 
 
 def sweep(task: UserTask, config: config_lib.Config | str | None = None, *,
-          workdir: str | pathlib.Path, sweeps: list[str], seeds: list[int] = (0,),
-          baselines: list[str] = (), overrides: dict[str, Any] | None = None,
+          workdir: str | pathlib.Path, sweeps: list[str], seeds: Sequence[int] = (0,),
+          baselines: Sequence[str] = (), overrides: dict[str, Any] | None = None,
           inner: optax.GradientTransformation | None = None,
           outer: optax.GradientTransformation | None = None,
           show_progress: bool = True) -> list[dict]:  # fmt: skip

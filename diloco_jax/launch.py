@@ -7,7 +7,7 @@ checkpoint and exit 0. A second signal kills them. If one process fails, the oth
 No process outlives the launcher. If the launcher itself dies (SIGKILL included), each process
 gets SIGTERM and takes the same path (or exits at once if a signal was passed on before), and
 kills itself if it still runs after the grace (a ``--module`` other than train does that only if
-it calls ``diloco_jax.preemption.watch_launcher()``). Exit status: 0, or the first failing
+it calls ``diloco_jax.run.preemption.watch_launcher()``). Exit status: 0, or the first failing
 process's.
 """
 
@@ -22,8 +22,8 @@ import subprocess
 import sys
 import time
 
-from diloco_jax.cli import ArgumentParser
-from diloco_jax.preemption import launcher_tie
+from diloco_jax.config.cli import ArgumentParser
+from diloco_jax.run.preemption import launcher_tie
 
 
 def free_port() -> int:

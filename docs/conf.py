@@ -40,8 +40,8 @@ def configuration_page() -> str:
         "",
         "Every key of the config, as `--config.KEY=VALUE` on the command line, a preset's "
         "`get_config()`, or `overrides={KEY: VALUE}` in `diloco_jax.fit`. Generated from the "
-        "config's schema (`diloco_jax/config.py`) when the site is built; the defaults are the "
-        "schema's (a preset changes some of them).",
+        "config's schema (`diloco_jax/config/schema.py`) when the site is built; the defaults are "
+        "the schema's (a preset changes some of them).",
     ]
     sections: dict[str, list[tuple[str, config_lib.Key]]] = {}
     for key, value in config_lib.described().items():

@@ -6,12 +6,12 @@ the default model's pseudo-gradient against one inner step.
     uv run python scripts/bench_communication.py [--replicas 4] [--sync_every 50] [--repeats 20]
 
 Bytes are what one replica sends (ring all-reduce, or all-gather for top-k and DCT momentum;
-``diloco_jax.comms.sync_payloads``) with the config defaults (block 256, top-k 1%, DCT chunk 64
-with 4 of 64 coefficients, leaves under 4096 values in float32). *Peak* is the largest single sync
-(streaming syncs one fragment at a time); *per round* is what ``sync_every`` inner steps send.
-Per token: over one round of R replicas at the default batch (16 x 128 tokens); ddp reduces
-float32 gradients every step. Delayed and eager outer steps send what plain DiLoCo sends but hide
-it behind a round of compute. Timing: encode + decode of the whole flattened pseudo-gradient under
+``diloco_jax.simulated.comms.sync_payloads``) with the config defaults (block 256, top-k 1%, DCT
+chunk 64 with 4 of 64 coefficients, leaves under 4096 values in float32). *Peak* is the largest
+single sync (streaming syncs one fragment at a time); *per round* is what ``sync_every`` inner steps
+send. Per token: over one round of R replicas at the default batch (16 x 128 tokens); ddp reduces
+float32 gradients every step. Delayed and eager outer steps send what plain DiLoCo sends but hide it
+behind a round of compute. Timing: encode + decode of the whole flattened pseudo-gradient under
 ``jit`` (median of ``--repeats``) against the default preset's vmapped inner step divided by R.
 """
 
@@ -30,11 +30,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from diloco_jax import comms  # noqa: E402
 from diloco_jax.algorithm import compress, dct  # noqa: E402
 from diloco_jax.algorithm.compress import Codec  # noqa: E402
 from diloco_jax.algorithm.dct import DctConfig  # noqa: E402
 from diloco_jax.data import VOCAB_SIZE  # noqa: E402
+from diloco_jax.simulated import comms  # noqa: E402
 from diloco_jax.tasks import model as model_lib  # noqa: E402
 
 BIG = {"d_model": 2048, "num_layers": 20, "num_heads": 16, "mlp_ratio": 4}  # ~1.0 B parameters
@@ -88,7 +88,7 @@ def bytes_table(replicas: int, sync_every: int) -> list[str]:
 
 def timing(replicas: int, repeats: int) -> list[str]:
     from diloco_jax.config import apply_overrides, load_preset
-    from diloco_jax.train import build, chunk_control
+    from diloco_jax.run.setup import build, chunk_control
 
     cfg = apply_overrides(load_preset("configs/default.py"), [("parallel.runtime", "sim")])
     s = build(cfg)

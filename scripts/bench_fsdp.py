@@ -23,9 +23,9 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from diloco_jax import memory, placement  # noqa: E402
 from diloco_jax.config import apply_overrides, load_preset  # noqa: E402
-from diloco_jax.train import build, chunk_control  # noqa: E402
+from diloco_jax.run import memory, placement  # noqa: E402
+from diloco_jax.run.setup import build, chunk_control  # noqa: E402
 from scripts.alternate import time_calls  # noqa: E402
 
 

@@ -30,15 +30,15 @@ sys.path.insert(0, str(ROOT))
 
 def worker(preset: str, rounds: int, sync_every: int, saves: int, out: str) -> None:
     """One process of a measured run (started by :func:`main` with the launcher's environment)."""
-    from diloco_jax import distributed
+    from diloco_jax.run import distributed
 
     distributed.initialize(distributed.Cluster())
     import jax
     import numpy as np
 
     from diloco_jax.config import apply_overrides, load_preset, to_dict
+    from diloco_jax.run.setup import build, chunk_control
     from diloco_jax.runtime import checkpoint
-    from diloco_jax.train import build, chunk_control
 
     over = {"parallel.runtime": "mesh", "parallel.replica_devices": 2, "parallel.data_devices": 1,
             "outer.sync_every": sync_every, "train.log_every": sync_every}  # fmt: skip

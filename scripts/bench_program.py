@@ -33,8 +33,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30, help="timed calls of each, alternating")
     args = parser.parse_args()
 
-    from diloco_jax import placement
     from diloco_jax.config import apply_overrides, load_preset
+    from diloco_jax.run import placement
 
     overrides = {**WORKLOAD, "parallel.replicas": args.replicas}
     cfg = apply_overrides(load_preset("default"), [(k, str(v)) for k, v in overrides.items()])
@@ -42,7 +42,7 @@ def main() -> None:
 
     import jax
 
-    from diloco_jax.run_setup import build, chunk_control
+    from diloco_jax.run.setup import build, chunk_control
     from diloco_jax.runtime import compile_cache
 
     s = build(cfg)

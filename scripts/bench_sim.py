@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import comms
 from diloco_jax.config import apply_overrides, load_preset
-from diloco_jax.train import build, chunk_control
+from diloco_jax.run.setup import build, chunk_control
+from diloco_jax.simulated import comms
 
 WORKLOAD = {
     "model.d_model": 128, "model.num_layers": 2, "model.num_heads": 4, "data.seq_len": 64,

@@ -34,7 +34,7 @@ def measure(mode: str, preset: str, calls: int) -> dict:
     import jax
 
     from diloco_jax.config import apply_overrides, load_preset
-    from diloco_jax.train import build, chunk_control
+    from diloco_jax.run.setup import build, chunk_control
 
     cfg = load_preset(preset)
     replicas, batch = cfg.parallel.replicas, cfg.data.batch_size

@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from diloco_jax.config import apply_overrides, load_preset  # noqa: E402
-from diloco_jax.train import build, chunk_control  # noqa: E402
+from diloco_jax.run.setup import build, chunk_control  # noqa: E402
 
 
 def _images(tmp: pathlib.Path) -> dict:

@@ -39,7 +39,7 @@ def child(replicas: int, devices: int) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_sim import config
 
-    from diloco_jax.train import build, chunk_control
+    from diloco_jax.run.setup import build, chunk_control
 
     mesh = {"parallel.runtime": "mesh", "parallel.replica_devices": devices,
             "parallel.data_devices": 1} if devices > 1 else {}  # fmt: skip

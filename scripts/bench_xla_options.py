@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_sim import config  # noqa: E402  (scripts/ is not a package)
 
-from diloco_jax.train import build, chunk_control  # noqa: E402
+from diloco_jax.run.setup import build, chunk_control  # noqa: E402
 
 DEFAULT_OPTION = "xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
 

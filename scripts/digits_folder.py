@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from diloco_jax import extras
+from diloco_jax.base import extras
 from diloco_jax.data.images import load_digits
 
 

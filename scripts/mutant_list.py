@@ -27,11 +27,11 @@ EXCHANGE = "diloco_jax/algorithm/exchange.py"
 PLAN = "diloco_jax/algorithm/plan.py"
 TIMING = "diloco_jax/algorithm/timing.py"
 STEP = "diloco_jax/runtime/step.py"
-COMMS = "diloco_jax/comms.py"
-SCHEDULE = "diloco_jax/schedule.py"
-RESUME = "diloco_jax/resume.py"
+COMMS = "diloco_jax/simulated/comms.py"
+SCHEDULE = "diloco_jax/simulated/schedule.py"
+RESUME = "diloco_jax/run/resume.py"
 CORPUS = "diloco_jax/data/corpus.py"
-VALIDATION = "diloco_jax/validation.py"
+VALIDATION = "diloco_jax/config/validation.py"
 
 T_DILOCO = "tests/test_diloco.py::"
 T_HAND = T_DILOCO + "test_hand_computed_quadratic_trajectory"
@@ -141,28 +141,29 @@ MUTANTS = [
            STEP, "state.step, replica, randomness.DROPOUT)",
            "state.step, replica, randomness.DROPOUT, lax.axis_index('replica'))", [T_DROPOUT]),
     Mutant("keys depend on the devices a process holds (layout-dependent key)", "randomness",
-           "diloco_jax/randomness.py", "    for stream in streams:",
+           "diloco_jax/base/randomness.py", "    for stream in streams:",
            "    key = jax.random.fold_in(key, jax.local_device_count())\n"
            "    for stream in streams:",
            ["tests/test_multiprocess.py::"
             "test_two_processes_equal_the_simulator"]),
     Mutant("batch key ignores the step (the same windows every step)", "randomness",
-           "diloco_jax/randomness.py", "jax.random.fold_in(jax.random.key(seed), step)",
+           "diloco_jax/base/randomness.py", "jax.random.fold_in(jax.random.key(seed), step)",
            "jax.random.fold_in(jax.random.key(seed), 0)",
            ["tests/test_data.py::test_batch_is_a_pure_function_of_seed_replica_step"]),
     # the user's optimizers
     Mutant("a given inner optimizer ignored (the config's trains)", "command line",
-           "diloco_jax/recipe.py", "    if given.inner is not None:\n        return given.inner",
+           "diloco_jax/config/recipe.py",
+           "    if given.inner is not None:\n        return given.inner",
            "    if False:\n        return given.inner", [T_OPT + "an_import_path_trains_what_the_"
                                                          "given_transform_trains_and_both_resume"]),
     Mutant("a given optimizer not recorded (a resume with another one accepted)", "checkpoint",
-           "diloco_jax/user_optimizers.py",
+           "diloco_jax/config/user_optimizers.py",
            "            cfg = config_lib.override(cfg, key, GIVEN + "
            "check_on(tx, probe_params, key))",
            "            check_on(tx, probe_params, key)", [T_OPT + "an_import_path_trains_what_the_"
                                                        "given_transform_trains_and_both_resume"]),
     Mutant("the config's outer learning rate scales a user's outer optimizer too", "algorithm",
-           "diloco_jax/recipe.py", "    return cfg.algorithm == \"diloco\" and builtin and",
+           "diloco_jax/config/recipe.py", "    return cfg.algorithm == \"diloco\" and builtin and",
            "    return cfg.algorithm == \"diloco\" and", [T_OPT + "given_transforms_equal_to_the_"
                                                      "configs_own_train_the_same_bits"]),
     # checkpoints
@@ -211,7 +212,8 @@ MUTANTS = [
            "wall = min(arrive_R.max(), ready + grace)",
            ["tests/test_quorum.py::test_grace_admits_a_replica_that_arrives_within_the_window"]),
     # data
-    Mutant("validation split overlaps the training split by one token", "data", CORPUS,
+    Mutant("validation split overlaps the training split by one token", "data",
+           "diloco_jax/data/sources.py",
            "return Corpus(tokens[:-num_val], tokens[-num_val:], str(path))",
            "return Corpus(tokens[:-num_val], tokens[-num_val - 1 :], str(path))",
            ["tests/test_data.py::test_shipped_corpus",
@@ -239,18 +241,19 @@ MUTANTS = [
            '("sim.drop_prob", 0 <= sim.drop_prob < 1,',
            '("sim.drop_prob", 0 <= sim.drop_prob <= 1,',
            ["tests/test_sim.py::test_sim_config_errors"]),
-    Mutant("override parser reads 'false' as true", "command line", "diloco_jax/config.py",
+    Mutant("override parser reads 'false' as true", "command line", "diloco_jax/config/schema.py",
            'if lowered in ("1", "true", "yes", "on"):',
            'if lowered in ("1", "true", "yes", "on", "false"):',
            ["tests/test_config.py::test_overrides_parse_by_field_type"]),
-    Mutant("command-line parser drops the last argument", "command line", "diloco_jax/cli.py",
+    Mutant("command-line parser drops the last argument", "command line",
+           "diloco_jax/base/commandline.py",
            "args = sys.argv[1:] if args is None else list(args)",
            "args = sys.argv[1:] if args is None else list(args)[:-1]",
            ["tests/test_config.py::test_overrides_on_the_command_line_equal_apply_overrides"]),
     # what the tests moved to the slow set or merged (issue 38) caught: the default suite's
     # stand-ins must still catch it (docs/testing.md's table)
     Mutant("the command skips the CPU split (parallel.cpu_devices ignored)", "runtime",
-           "diloco_jax/placement.py", "parallel.split_cpu(p.cpu_devices, auto=auto)",
+           "diloco_jax/run/placement.py", "parallel.split_cpu(p.cpu_devices, auto=auto)",
            "parallel.split_cpu(0, auto=1)", ["tests/test_cpu_devices.py"]),
     Mutant("DES-LOC averages the second moments on the first moments' period", "variants",
            "diloco_jax/algorithm/moments.py",
@@ -275,7 +278,7 @@ MUTANTS = [
            "            server.sweep.finished(name, rows[-1])", "            pass",
            ["tests/test_sim.py::test_sweep_cli_end_to_end_and_rerun_skips"]),
     Mutant("a shape-changing key declared free of the kept program", "runtime",
-           "diloco_jax/programs.py", '    "seed",  # an input of the step',
+           "diloco_jax/run/programs.py", '    "seed",  # an input of the step',
            '    "seed", "data.batch_size",  # an input of the step',
            ["tests/test_program_cache.py"]),
     Mutant("streamed images drawn one step ahead", "data", "diloco_jax/data/stream.py",

@@ -40,6 +40,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_sim import config  # noqa: E402  (scripts/ is not a package)
 
 from diloco_jax import train as train_lib  # noqa: E402
+from diloco_jax.run import setup as run_setup  # noqa: E402
 
 CATEGORIES = [
     "matmul: Linear layers", "matmul: attention", "attention softmax, mask", "RMSNorm", "GELU",
@@ -160,8 +161,8 @@ def exclusive_times(trace_file: str) -> collections.Counter:
 
 
 def profile(cfg, calls: int, out: pathlib.Path) -> dict:
-    s = train_lib.build(cfg)
-    control = train_lib.chunk_control(cfg, s, 0)
+    s = run_setup.build(cfg)
+    control = run_setup.chunk_control(cfg, s, 0)
     compiled = s.run_chunk.lower(s.state, s.replicas_R, s.shards_RxS, control).compile()
     text = compiled.as_text()
     (out / "step.hlo.txt").write_text(text)

@@ -22,8 +22,8 @@ recomputed when the command runs again.
 
 import sys
 
-from diloco_jax import cli
 from diloco_jax import config as config_lib
+from diloco_jax.config import cli
 
 
 def _items(flag: str, values: list[str]) -> list[str]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import jax
 
-from diloco_jax import comms, schedule
 from diloco_jax import config as config_lib
 from diloco_jax.algorithm.compress import CODECS
 from diloco_jax.algorithm.plan import SyncPlan
+from diloco_jax.simulated import comms, schedule
 
 from . import clock
 
@@ -52,7 +52,7 @@ def _moment_payloads(cfg: config_lib.Config, params) -> list[tuple[int, int]]:
     """``(every, P)`` of each moment kind DES-LOC averages (``cfg.desloc``): the float leaves
     of the inner optimizer's state that one average sends."""
     from diloco_jax.algorithm import moments
-    from diloco_jax.recipe import inner_of
+    from diloco_jax.config.recipe import inner_of
 
     d = cfg.desloc
     periods = (("first", d.first_moment_every), ("second", d.second_moment_every))
@@ -66,7 +66,7 @@ def _moment_payloads(cfg: config_lib.Config, params) -> list[tuple[int, int]]:
 def _quorum_bytes(cfg: config_lib.Config, steps: int, payload: int, replicas: int):
     """``(bytes per replica of each sync, the most one replica sends at one)`` with a quorum:
     only the replicas that join a sync reduce, among themselves
-    (:func:`diloco_jax.schedule.quorum_rounds`); a late replica sends nothing."""
+    (:func:`diloco_jax.simulated.schedule.quorum_rounds`); a late replica sends nothing."""
     sim = cfg.sim
     rounds = schedule.quorum_rounds(schedule.parse_speeds(sim.speeds, replicas),
                                     cfg.outer.sync_every, sim.quorum, sim.grace,
@@ -91,7 +91,7 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
     size and dtypes give the bytes)."""
     replicas = 1 if cfg.algorithm == "single" else cfg.parallel.replicas
     steps, sim = done["steps"], cfg.sim
-    from diloco_jax.recipe import sync_payloads
+    from diloco_jax.config.recipe import sync_payloads
 
     diloco = cfg.algorithm == "diloco"
     num_fragments = cfg.streaming.fragments if diloco else 1

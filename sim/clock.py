@@ -1,8 +1,8 @@
 """A network clock: simulated wall-clock and compute utilization of a run.
 
 Each replica computes one inner step in ``step_time / speed_r`` seconds on its own device; a
-reduce of ``P`` bytes takes :func:`diloco_jax.comms.reduce_seconds` over the network. Replicas
-work in rounds that end at a sync, and everyone waits for the slowest:
+reduce of ``P`` bytes takes :func:`diloco_jax.simulated.comms.reduce_seconds` over the network.
+Replicas work in rounds that end at a sync, and everyone waits for the slowest:
 
     round time = max_r(steps_r * step_time / speed_r) + reduce time
     utilization = sum over replicas and rounds of compute time / (R * wall-clock)
@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from diloco_jax import comms, schedule
 from diloco_jax.algorithm.plan import SyncPlan
+from diloco_jax.simulated import comms, schedule
 
 
 class Clock(NamedTuple):

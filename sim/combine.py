@@ -16,8 +16,8 @@ import csv
 import pathlib
 import sys
 
-from diloco_jax import cli, extras
-from diloco_jax.config import ConfigError
+from diloco_jax.base import extras
+from diloco_jax.config import ConfigError, cli
 
 from . import plots
 

@@ -10,7 +10,7 @@ import pathlib
 
 import numpy as np
 
-from diloco_jax.figures import pyplot
+from diloco_jax.watch.figures import pyplot
 
 
 def loss_label(unit: str, nats: bool) -> str:

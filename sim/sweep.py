@@ -19,8 +19,9 @@ from collections import defaultdict
 import numpy as np
 
 from diloco_jax import config as config_lib
-from diloco_jax import extras, figures
-from diloco_jax.reporting import log
+from diloco_jax.base import extras
+from diloco_jax.watch import figures
+from diloco_jax.watch.reporting import log
 
 from . import plots
 from .accounting import account
@@ -141,7 +142,7 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path, server=None
     """Trains one variant into ``rundir`` unless it already finished there with this config
     and task (``server``: the sweep's, which shows the run while it trains; ``task``: a user's
     ArrayTask or GrainTask, else the config's; ``given``: the user's own optax transforms,
-    :class:`diloco_jax.user_optimizers.Given`, recorded in ``cfg`` already)."""
+    :class:`diloco_jax.config.user_optimizers.Given`, recorded in ``cfg`` already)."""
     from diloco_jax.train import train
 
     summary_path = rundir / "summary.json"
@@ -257,8 +258,8 @@ def plotted_metric(base: config_lib.Config, dones: list[dict]) -> str:
 def _serve(base: config_lib.Config, workdir: pathlib.Path, names: list[str]):
     """With ``serve.port``: the sweep's server, started (every run shows itself through it,
     and ``/status`` adds the sweep's runs and table so far); else None."""
-    from diloco_jax import serve
-    from diloco_jax.live import bind
+    from diloco_jax.run.live import bind
+    from diloco_jax.watch import serve
 
     if not base.serve.port:
         return None
@@ -295,7 +296,7 @@ def _run_all(runs, workdir: pathlib.Path, params, server, show_progress: bool, t
              given=None):  # fmt: skip
     """Each run of the plan in turn (reusing finished ones): ``(rows, dones, groups)``, or None
     if a signal (or ``POST /control/stop``) stopped one."""
-    from diloco_jax.reporting import progress_bar
+    from diloco_jax.base.progress import progress_bar
 
     rows, dones, groups = [], [], {}
     bar = progress_bar(len(runs), enabled=show_progress, unit="run")
@@ -326,8 +327,8 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     summary table (a row per group: mean and spread over seeds). ``task``: a user's ArrayTask or
     GrainTask trained by every run (else each config's own); ``inner``, ``outer``: the user's
     own optax transforms (else each config's)."""
-    from diloco_jax import problems, user_optimizers
-    from diloco_jax.reporting import setup_logging
+    from diloco_jax.config import problems, user_optimizers
+    from diloco_jax.watch.reporting import setup_logging
 
     runs = plan(base, sweeps, baselines, seeds)
     for cfg in {c.data: c for c in (base, *(c for _, _, c in runs))}.values():  # data loaded

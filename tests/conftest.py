@@ -7,7 +7,7 @@ import re
 import shutil
 import tempfile
 
-SUITE_XLA_OPT = "--xla_backend_optimization_level=0"
+SUITE_XLA_OPT = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 # a user's own XLA_FLAGS are kept, but for the device count the mesh tests need
 _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))

@@ -17,9 +17,9 @@ import pytest
 
 from diloco_jax import algorithm as algorithm_lib
 from diloco_jax import tasks
-from diloco_jax import train as train_module
 from diloco_jax.algorithm import init_replicas, optim
 from diloco_jax.data import VOCAB_SIZE, load_corpus, replica_shards, sample_batch
+from diloco_jax.run import loop as loop_module
 from diloco_jax.runtime import parallel
 from diloco_jax.runtime.step import StepControl, full_control, make_replica_step
 from diloco_jax.tasks import model as model_lib
@@ -260,7 +260,8 @@ def assert_streamed_equals_loaded(cfg_for_budget, budget_mib: float, tmp_path: p
 
     import chex
 
-    from diloco_jax.train import build, train
+    from diloco_jax.run.setup import build
+    from diloco_jax.train import train
 
     setup = build(cfg_for_budget(budget_mib))
     assert setup.stream is not None
@@ -313,18 +314,18 @@ def assert_close_but_for_code_steps(got, want, *, step, max_share, rtol=1e-5, at
     return off
 
 
-_DRAWS = train_module._draws  # whether a run draws its figures, as the library decides
+_DRAWS = loop_module.draws  # whether a run draws its figures, as the library decides
 
 
 def no_figures() -> None:
     """The session's runs draw no figures (tests/conftest.py): a run's drift.png and cosine.png
     cost about 0.5 s of CPU each time, and the suite trains a few hundred runs."""
-    pytest.MonkeyPatch().setattr(train_module, "_draws", lambda s: False)
+    pytest.MonkeyPatch().setattr(loop_module, "draws", lambda s: False)
 
 
 @contextlib.contextmanager
 def drawing_figures():
     """Runs inside draw their figures as the library decides (for the tests that read them)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_module, "_draws", _DRAWS)
+        mp.setattr(loop_module, "draws", _DRAWS)
         yield

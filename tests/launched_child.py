@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from diloco_jax.preemption import watch_launcher
+from diloco_jax.run.preemption import watch_launcher
 
 
 def main() -> None:

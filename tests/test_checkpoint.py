@@ -17,14 +17,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from diloco_jax import cli, reporting, resume
 from diloco_jax import config as config_lib
 from diloco_jax import train as train_lib
-from diloco_jax.config import apply_overrides, load_preset
-from diloco_jax.preemption import Preemption
+from diloco_jax.config import apply_overrides, cli, load_preset
+from diloco_jax.run import resume
+from diloco_jax.run.preemption import Preemption
+from diloco_jax.run.setup import build
 from diloco_jax.runtime import checkpoint
 from diloco_jax.runtime.checkpoint import CheckpointError
-from diloco_jax.train import build, main, train
+from diloco_jax.train import main, train
+from diloco_jax.watch import reporting
 from tests.helpers import events
 
 

@@ -58,8 +58,8 @@ def _train(workdir, cache, *overrides):
 def test_warm_commands_load_their_step_and_train_what_an_uncached_command_trains(tmp_path):
     """Three commands on one cache. The first compiles its step and keeps its traced program.
     The second differs only in the seed and a constant outer learning rate, inputs of the
-    compiled step (``StepControl.seed``, :func:`diloco_jax.recipe.outer_lr_input`), so a sweep
-    over them compiles once: it loads both and trains the bits that the same command trains
+    compiled step (``StepControl.seed``, :func:`diloco_jax.config.recipe.outer_lr_input`), so a
+    sweep over them compiles once: it loads both and trains the bits that the same command trains
     with no cache (the step traced and compiled by JAX alone). The inner learning rate is a
     constant of the step (its schedule): changing it compiles anew
     (tests/test_program_cache.py; the hits of the evaluation, compiled alongside the step in
@@ -89,7 +89,7 @@ def test_warm_commands_load_their_step_and_train_what_an_uncached_command_trains
 
 def test_a_load_is_counted_on_the_thread_that_loads():
     """The evaluation compiles in another thread while the step compiles
-    (``train._compile_ahead``): a hit there must not make a compiled step look loaded. The
+    (``run.loop._compile_ahead``): a hit there must not make a compiled step look loaded. The
     session's cache (tests/conftest.py) keeps every program."""
     import threading
 

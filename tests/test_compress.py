@@ -14,11 +14,11 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import comms
 from diloco_jax.algorithm import compress, dct, diloco, exchange, init_replicas, optim, vmap_axes
 from diloco_jax.algorithm.compress import Codec
-from diloco_jax.axes import LOCAL_REPLICA, REPLICA
+from diloco_jax.base.axes import LOCAL_REPLICA, REPLICA
 from diloco_jax.runtime import parallel
+from diloco_jax.simulated import comms
 from diloco_jax.tasks import Task
 from tests import helpers
 

@@ -6,8 +6,7 @@ import sys
 import pytest
 
 from diloco_jax import config as config_lib
-from diloco_jax import presets
-from diloco_jax.config import Config, ConfigError, apply_overrides, load_preset, validate
+from diloco_jax.config import Config, ConfigError, apply_overrides, load_preset, presets, validate
 
 
 def test_presets_load_and_validate():
@@ -121,7 +120,7 @@ def test_every_key_has_a_one_line_description():
 
 
 def test_overrides_on_the_command_line_equal_apply_overrides(tmp_path):
-    from diloco_jax import cli
+    from diloco_jax.config import cli
 
     pairs = [("outer.sync_every", "7"), ("sim.speeds", "1,1,0.5,0.5"), ("outer.nesterov", "no"),
              ("inner.learning_rate", "1e-4"), ("train.sample_prompt", "")]  # fmt: skip

@@ -85,7 +85,7 @@ def test_a_split_too_late_for_auto_is_said_in_one_line(monkeypatch, caplog):
 
     import jax
 
-    from diloco_jax import placement
+    from diloco_jax.run import placement
     from tests.test_checkpoint import tiny
 
     assert len(jax.devices()) > 1  # JAX has started (with the suite's fake devices)

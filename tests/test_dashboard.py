@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from diloco_jax import serve
+from diloco_jax.watch import serve
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(

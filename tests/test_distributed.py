@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import distributed
 from diloco_jax.config import ConfigError
-from diloco_jax.distributed import Cluster, ConsistencyError, resolve
+from diloco_jax.run import distributed
+from diloco_jax.run.distributed import Cluster, ConsistencyError, resolve
 from diloco_jax.runtime import parallel
 from diloco_jax.train import main
 from tests import helpers
@@ -161,8 +161,8 @@ def test_devices_holding_different_anchors_are_named():
 
 def test_debug_check_compares_every_shared_field_and_names_it():
     from diloco_jax.config import apply_overrides, load_preset
-    from diloco_jax.distributed import check_replicated
-    from diloco_jax.train import build
+    from diloco_jax.run.distributed import check_replicated
+    from diloco_jax.run.setup import build
 
     overrides = [("parallel.runtime", "mesh"), ("parallel.replica_devices", "2"),
                  ("parallel.replicas", "2"), ("outer.sync_every", "10"),

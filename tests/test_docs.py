@@ -97,7 +97,7 @@ def _unknown(mentioned: set[str], keys: dict) -> list[str]:
 def test_every_config_key_the_readme_and_guides_name_exists():
     # A failure names `page: key` for each config key that README.md, docs/getting_started.md or
     # a guide (docs/guides/*.md) writes as --config.KEY=... or as `section.key` but that the
-    # config schema (diloco_jax/config.py) does not have: a misspelt or renamed key, which a
+    # config schema (diloco_jax/config/schema.py) does not have: a misspelt or renamed key, which a
     # user copying it would see refused. Fix the page (or the schema, if the key was lost).
     keys = config_lib.keys()
     assert not any(k.rsplit(".", 1)[-1] in FILE_SUFFIXES for k in keys)

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from diloco_jax import drawing, figures
+from diloco_jax.watch import drawing, figures
 
 pytest.importorskip("matplotlib")
 

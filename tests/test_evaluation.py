@@ -11,9 +11,9 @@ from jax._src import dispatch
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import problems
+from diloco_jax.config import problems
+from diloco_jax.run.setup import build
 from diloco_jax.runtime import evaluation
-from diloco_jax.train import build
 from tests.test_checkpoint import tiny
 
 
@@ -93,8 +93,8 @@ def test_compiled_ahead_the_first_evaluation_and_check_lower_nothing(runtime):
     loop's first evaluation and replica check lower and compile nothing; without it they do.
     Shapes no other test compiles (a width of 24; 1 or 8 heads), so no earlier test warmed
     them."""
-    from diloco_jax import distributed
-    from diloco_jax.train import _compile_ahead
+    from diloco_jax.run import distributed
+    from diloco_jax.run.loop import _compile_ahead
 
     mesh = {"parallel.replica_devices": 2} if runtime == "mesh" else {}
     for heads, ahead in ((1, True), (8, False)):

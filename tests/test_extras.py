@@ -17,7 +17,7 @@ import tomllib
 import numpy as np
 import pytest
 
-from diloco_jax import extras
+from diloco_jax.base import extras
 from diloco_jax.data import tfds_io, tfds_text
 from diloco_jax.data.prepare import main as prepare_main
 from diloco_jax.train import main as train_main
@@ -144,7 +144,7 @@ def test_train_refuses_a_dataset_whose_extra_is_missing(
 def test_library_import_sites_raise_missing_extra(datasets, monkeypatch):
     from diloco_jax.data import load_corpus, tfds_images
     from diloco_jax.data.tokenizer import SentencePieceTokenizer
-    from diloco_jax.reporting import WandbWriter
+    from diloco_jax.watch.reporting import WandbWriter
 
     _missing(monkeypatch, "PIL", "sentencepiece", "wandb")
     with pytest.raises(extras.MissingExtra, match=r"pixels needs Pillow.*\[images\]'$"):
@@ -221,7 +221,7 @@ def test_combine_without_matplotlib_refuses_up_front(monkeypatch, tmp_path, caps
 def test_a_run_without_matplotlib_draws_no_figures(monkeypatch, tmp_path):
     import json
 
-    from diloco_jax import figures
+    from diloco_jax.watch import figures
 
     sync = {"event": "sync", "step": 5, "outer_step": 1, "drift": [1.0], "cosine_to_mean": [1.0]}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(sync) + "\n")

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import diloco, optim
 from diloco_jax.algorithm.core import Streaming
-from diloco_jax.axes import DATA, REPLICA
+from diloco_jax.base.axes import DATA, REPLICA
 from diloco_jax.runtime import fsdp, parallel
 from tests import helpers
 from tests.test_parallel import STEPS, diloco_tx
@@ -132,8 +132,8 @@ def test_fsdp_training_resumes_exactly_and_matches_the_unsharded_run(tmp_path):
 def test_the_replication_check_compares_the_devices_that_hold_the_same_part():
     """With FSDP each device of a replica holds another part of the shared anchor: the check
     compares a part across the replica devices that hold it, and names the one that differs."""
-    from diloco_jax.distributed import ConsistencyError, check_replicated
-    from diloco_jax.train import build
+    from diloco_jax.run.distributed import ConsistencyError, check_replicated
+    from diloco_jax.run.setup import build
     from tests.test_checkpoint import tiny
 
     s = build(tiny(**MESH_2X2, **{"outer.sync_every": 5}))

@@ -168,7 +168,8 @@ def no_work(monkeypatch):
     def reached(*args, **kwargs):
         raise AssertionError("a malformed command line got past validation")
 
-    stubs = ("diloco_jax.train.train", "diloco_jax.distributed._join", "diloco_jax.problems.load",
+    stubs = ("diloco_jax.train.train", "diloco_jax.run.distributed._join",
+             "diloco_jax.config.problems.load",
              "sim.sweep.run_one", "diloco_jax.data.prepare._prepare", "sim.combine.table",
              "sim.plots.tradeoff_two_panels")  # fmt: skip
     for target in stubs:

@@ -5,9 +5,10 @@ stops before its first step (``--dry_run`` prints the plan without allocating an
 import jax
 import pytest
 
-from diloco_jax import memory, placement
 from diloco_jax.config import ConfigError
-from diloco_jax.train import build, chunk_control, main, train
+from diloco_jax.run import memory, placement
+from diloco_jax.run.setup import build, chunk_control
+from diloco_jax.train import main, train
 from tests.test_train import tiny
 
 LAYOUTS = {

@@ -17,7 +17,7 @@ import pytest
 
 from diloco_jax.config import apply_overrides, load_preset
 from diloco_jax.launch import child_env, free_port
-from diloco_jax.preemption import LAUNCHER_ENV
+from diloco_jax.run.preemption import LAUNCHER_ENV
 from diloco_jax.runtime import checkpoint
 from diloco_jax.tasks import model as model_lib
 from diloco_jax.train import train

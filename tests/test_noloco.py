@@ -134,7 +134,7 @@ def test_bad_noloco_combinations_are_one_line(overrides, match):
 
 
 def test_auto_runtime_simulates_noloco_and_a_shared_mesh_device_is_refused():
-    from diloco_jax import placement
+    from diloco_jax.run import placement
 
     cfg = apply_overrides(load_preset("configs/default.py"), [("noloco.enabled", "true")])
     assert placement.runtime(cfg) == "sim"

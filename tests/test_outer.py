@@ -114,7 +114,7 @@ def test_the_outer_learning_rate_as_an_input_trains_the_same_bits(optimizer, ext
     """The training loop's outer optimizer runs at learning rate 1, its update scaled by the
     rate passed in ``StepControl.outer_scale`` (so a sweep of ``outer.learning_rate`` shares
     one compiled step): the same bits as the rate inside the optimizer."""
-    from diloco_jax import recipe
+    from diloco_jax.config import recipe
     from diloco_jax.runtime.step import full_control
     from tests.test_checkpoint import assert_bitwise_equal
 
@@ -139,7 +139,7 @@ def test_the_outer_learning_rate_as_an_input_trains_the_same_bits(optimizer, ext
 
 
 def test_a_scheduled_outer_learning_rate_stays_in_the_optimizer():
-    from diloco_jax import recipe
+    from diloco_jax.config import recipe
 
     base = load_preset("tiny")
     assert recipe.outer_lr_input(base) == base.outer.learning_rate

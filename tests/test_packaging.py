@@ -17,7 +17,7 @@ import zipfile
 import pytest
 
 from diloco_jax import config as config_lib
-from diloco_jax import presets
+from diloco_jax.config import presets
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 UV = os.environ.get("UV") or shutil.which("uv")  # `uv run` names itself in $UV

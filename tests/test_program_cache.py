@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from diloco_jax import programs
 from diloco_jax.config import apply_overrides, load_preset
-from diloco_jax.run_setup import build, chunk_control
+from diloco_jax.run import programs
+from diloco_jax.run.setup import build, chunk_control
 from diloco_jax.runtime import compile_cache
 from tests.test_checkpoint import assert_bitwise_equal, events
 from tests.test_compile_cache import _train

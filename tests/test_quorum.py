@@ -10,10 +10,10 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import schedule
 from diloco_jax.algorithm import SyncPlan, diloco, optim
 from diloco_jax.config import ConfigError, apply_overrides, load_preset, validate
 from diloco_jax.runtime import parallel
+from diloco_jax.simulated import schedule
 from tests import helpers
 
 CENTERS_3x2 = np.array([[1.0, -2.0], [3.0, 0.5], [-1.0, 1.0]], np.float32)
@@ -166,7 +166,7 @@ def test_quorum_bytes_and_clock():
     """A 10x10 float32 weight (400 B), 40 steps, step time 10 ms: waiting for all, 4 rounds of
     20 step times; with quorum 3, rounds of 10 step times and the slow replica in every other
     sync: syncs of 3 and 4 replicas on a ring (2 (n - 1) / n * 400 B each)."""
-    from diloco_jax import comms
+    from diloco_jax.simulated import comms
     from sim.accounting import account
 
     done = {"name": "r", "steps": 40, "step_seconds": 0.04, "tokens": 1000,

@@ -1,7 +1,7 @@
 """A loss that draws from its ``rng`` trains the same on every layout (issue 39).
 
 The key a replica's loss gets is a function of (seed, replica, step) alone
-(:func:`diloco_jax.randomness.replica_key`), and a data split leaves the rows to XLA's
+(:func:`diloco_jax.base.randomness.replica_key`), and a data split leaves the rows to XLA's
 partitioner, so what the loss draws for a row is the same on one device, on a data split, with
 the state split (FSDP) and in chunks with the state in host memory. The same standard as the
 layout tests without dropout (tests/test_parallel.py): float32 reassociation only; two processes

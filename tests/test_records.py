@@ -2,6 +2,7 @@
 the log keys and the Weights & Biases writer (offline). A training run's TensorBoard series,
 hparams and run records (and the progress bar key): ``tests/test_train.py``."""
 
+import importlib.util
 import json
 import pathlib
 import struct
@@ -11,8 +12,9 @@ import time
 import pytest
 
 from diloco_jax import config as config_lib
-from diloco_jax import records, reporting
+from diloco_jax.base import progress
 from diloco_jax.train import train
+from diloco_jax.watch import records, reporting
 from tests.helpers import BAR
 from tests.test_train import tiny
 
@@ -31,13 +33,13 @@ def test_scalars_one_series_per_replica():
 def test_progress_bar_switches(capsys, monkeypatch):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     for enabled in (True, False):
-        bar = reporting.progress_bar(4, enabled=enabled)
+        bar = progress.progress_bar(4, enabled=enabled)
         bar.update(4)
         bar.close()
         assert (BAR in capsys.readouterr().err) == enabled
     for value, off in (("1", True), ("true", True), ("0", False), ("", False)):
         monkeypatch.setenv("TQDM_DISABLE", value)
-        bar = reporting.progress_bar(4)
+        bar = progress.progress_bar(4)
         bar.update(4)
         bar.close()
         assert (BAR in capsys.readouterr().err) != off, value
@@ -55,7 +57,7 @@ def test_git_state(tmp_path):
 def test_log_keys_are_validated(monkeypatch):
     with pytest.raises(config_lib.ConfigError, match="log.wandb_mode = 'cloud' is invalid"):
         config_lib.validate(tiny(**{"log.wandb_mode": "cloud"}))
-    monkeypatch.setattr(config_lib.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(config_lib.ConfigError, match=r"log.wandb = True .*diloco-jax\[wandb\]"):
         config_lib.validate(tiny(**{"log.wandb": "true"}))
 

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from diloco_jax import serve
 from diloco_jax.config import ConfigError, apply_overrides, load_preset, validate
+from diloco_jax.watch import serve
 
 TOKEN = "s3cret-token"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -377,7 +377,7 @@ def test_two_processes_agree_on_every_action_asked_of_process_0(tmp_path):
 
 
 def test_a_port_in_use_is_a_one_line_error(tmp_path, monkeypatch):
-    from diloco_jax.live import bind
+    from diloco_jax.run.live import bind
 
     monkeypatch.setenv(serve.TOKEN_ENV, TOKEN)
     with socket.socket() as taken:

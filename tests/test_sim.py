@@ -10,9 +10,9 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import comms, schedule
 from diloco_jax.algorithm import SyncPlan, diloco, optim
 from diloco_jax.config import Config, ConfigError, apply_overrides, validate
+from diloco_jax.simulated import comms, schedule
 from sim import clock
 from tests import helpers
 
@@ -161,7 +161,7 @@ def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys, monkeypatch):
     """The sweep, its tables and figures; with serve.port, one server for the whole sweep whose
     /status, as each run starts, shows the runs done before it and their table rows (the same
     from another process: test_serve's slow test); a rerun trains nothing."""
-    from diloco_jax import serve
+    from diloco_jax.watch import serve
     from sim.__main__ import main
     from tests.test_serve import _request, free_port
 
@@ -329,7 +329,7 @@ def test_combine_sweeps_into_one_table_and_figure(tmp_path):
 
 
 def test_the_sweeps_diagnostics_average_finite_replicas():
-    from diloco_jax.drawing import _nanmean_rows
+    from diloco_jax.watch.drawing import _nanmean_rows
 
     values_SxR = np.array([[1.0, 3.0, np.nan], [np.nan, np.nan, np.nan], [2.0, 2.0, 5.0]])
     np.testing.assert_array_equal(_nanmean_rows(values_SxR), [2.0, np.nan, 3.0])
@@ -337,8 +337,8 @@ def test_the_sweeps_diagnostics_average_finite_replicas():
 
 def test_diagnostics_pad_a_replica_count_that_changed_within_a_run(tmp_path):
     """An elastic restart from 4 replicas to 2: the figure's replicas 2 and 3 end there."""
-    from diloco_jax.drawing import _rows
-    from diloco_jax.figures import run_diagnostics
+    from diloco_jax.watch.drawing import _rows
+    from diloco_jax.watch.figures import run_diagnostics
 
     rows = _rows([[1.0, 2.0, 3.0, None], [4.0, 5.0]])
     np.testing.assert_array_equal(rows, [[1, 2, 3, np.nan], [4, 5, np.nan, np.nan]])

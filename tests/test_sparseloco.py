@@ -10,11 +10,11 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import comms
 from diloco_jax.algorithm import dct, diloco, exchange, single
 from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.config import ConfigError, apply_overrides, load_preset, validate
 from diloco_jax.runtime import parallel
+from diloco_jax.simulated import comms
 from tests import helpers
 from tests.test_diloco import run_quadratic
 

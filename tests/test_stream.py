@@ -12,9 +12,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax.axes import DATA, REPLICA
+from diloco_jax.base.axes import DATA, REPLICA
 from diloco_jax.data import DataError
-from diloco_jax.data.corpus import load_corpus, sample_batch
+from diloco_jax.data.corpus import sample_batch
+from diloco_jax.data.sources import load_corpus
 from diloco_jax.data.stream import StreamedShards, map_text
 from diloco_jax.train import train
 from tests import helpers
@@ -89,8 +90,7 @@ def test_streamed_run_on_the_mesh_trains_exactly_the_loaded_run(text_file, tmp_p
 def test_what_cannot_be_streamed_is_one_clear_error(tmp_path):
     with pytest.raises(DataError, match="compressed and cannot be streamed|cannot be streamed"):
         load_corpus(str(SHAKESPEARE), val_fraction=0.05, max_bytes=1000)
-    from diloco_jax import problems
-    from diloco_jax.config import apply_overrides, load_preset
+    from diloco_jax.config import apply_overrides, load_preset, problems
 
     digits = apply_overrides(load_preset("configs/digits.py"), [("data.max_memory_mib", "0.1")])
     with pytest.raises(DataError, match="only tfds:NAME image datasets stream from disk"):

@@ -13,8 +13,9 @@ from PIL import Image
 from diloco_jax import tasks
 from diloco_jax.config import ConfigError, apply_overrides, load_preset, validate
 from diloco_jax.data import DataError, tfds_images, tfds_io
-from diloco_jax.data.images import load_digits, load_images, sample_images
+from diloco_jax.data.images import load_digits, sample_images
 from diloco_jax.data.prepare import main as prepare_main
+from diloco_jax.data.sources import load_images
 from diloco_jax.tasks import vision
 from diloco_jax.train import train
 from tests.helpers import events
@@ -219,7 +220,7 @@ def test_prepare_images_cli(digit_folder, tmp_path, capsys):
 
 
 def test_cifar10_preset_on_a_cifar10_shaped_dataset(tmp_path):
-    from diloco_jax import problems
+    from diloco_jax.config import problems
 
     write_mnist_like(tmp_path, "cifar10", hwc=(32, 32, 3), classes=10,
                      counts=(("train", 40), ("test", 10)))  # fmt: skip
@@ -248,7 +249,7 @@ def test_splits_by_name_and_slice(tmp_path):
     with pytest.raises(DataError, match=r"no split .train\+nope. for data.eval_split"):
         tfds_images.load("tfds:train_only", str(tmp_path), eval_split="train+nope")
     # the config keys reach the loader: a train-only image dataset is still image data
-    from diloco_jax import problems
+    from diloco_jax.config import problems
 
     cfg = apply_overrides(load_preset("configs/digits.py"), [
         ("data.corpus", "tfds:train_only"), ("data.data_dir", str(tmp_path)),

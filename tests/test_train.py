@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from diloco_jax.config import apply_overrides, load_preset
+from diloco_jax.run.setup import build
 from diloco_jax.runtime import checkpoint
 from diloco_jax.tasks import model
 from diloco_jax.tasks.sample import generate_text
-from diloco_jax.train import build, train
+from diloco_jax.train import train
 from tests import helpers
 from tests.helpers import BAR, run_records, tb_hparams, tb_series, tf_events
 
@@ -139,7 +140,7 @@ def test_only_installed_code_tells_a_users_module_apart(tmp_path):
     import sys
     import types
 
-    from diloco_jax import reporting
+    from diloco_jax.watch import reporting
 
     assert not reporting.only_installed_code()  # this test module is loaded, from tests/
     installed = {name: module for name, module in sys.modules.items()

@@ -7,9 +7,8 @@ import optax
 import pytest
 
 import diloco_jax
-from diloco_jax import recipe
 from diloco_jax.algorithm import optim
-from diloco_jax.config import ConfigError
+from diloco_jax.config import ConfigError, recipe
 from diloco_jax.fit import make_config
 from tests.helpers import died_after
 from tests.test_checkpoint import assert_bitwise_equal

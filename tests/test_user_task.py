@@ -108,7 +108,7 @@ def test_a_user_task_on_a_2x2_mesh_trains_what_the_simulator_trains(tmp_path):
 def test_the_digits_through_the_public_interface_train_what_the_built_in_task_trains(tmp_path):
     """The built-in image task is an ArrayTask's sampling and loss: the ResNet on the shipped
     digits as a user would write it trains the same state, bitwise."""
-    from diloco_jax import problems
+    from diloco_jax.config import problems
     from diloco_jax.data.images import as_float
     from diloco_jax.tasks import vision
     from tests.test_checkpoint import tiny
@@ -203,8 +203,7 @@ def test_a_bad_factory_is_one_error_line_before_any_work(tmp_path):
 ])  # fmt: skip
 def test_bad_factories_are_one_line_errors(tmp_path, monkeypatch, overrides, message):
     """The checks the command line runs (its one error line: the test above), in-process."""
-    from diloco_jax import problems
-    from diloco_jax.config import validate
+    from diloco_jax.config import problems, validate
     from tests.test_checkpoint import tiny
 
     cfg = tiny(**overrides)  # the preset's path is the repository's
@@ -292,7 +291,7 @@ def test_the_runs_seed_reaches_the_users_initialisation():
     assert not np.array_equal(one, other)
     assert init.fingerprint() == init.fingerprint()
 
-    from diloco_jax import problems
+    from diloco_jax.config import problems
 
     factory = "tests.test_user_task:seeded_task"
     made = [problems.user_task(factory, args, seed=s).params["w"]

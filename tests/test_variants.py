@@ -355,7 +355,7 @@ def test_variant_config_errors_name_key_value_and_rule(overrides, match):
 
 
 def test_fragment_and_dct_payloads_hand_computed():
-    from diloco_jax import comms
+    from diloco_jax.simulated import comms
 
     params = {"blocks": {0: {"w": jnp.zeros(5000)}, 1: {"w": jnp.zeros(3000)}},
               "head": jnp.zeros(1000)}  # fmt: skip
@@ -370,7 +370,7 @@ def test_fragment_and_dct_payloads_hand_computed():
 
 
 def test_overlapped_reduce_stalls_only_past_the_hidden_compute():
-    from diloco_jax import comms
+    from diloco_jax.simulated import comms
     from sim import clock
 
     net = comms.Network(bandwidth_gbps=8.0, latency_ms=1.0)  # reduce of 1e6 B, R=2: 3 ms

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from diloco_jax.config import apply_overrides, load_preset
-from diloco_jax.data.images import image_shards, load_digits, load_images, sample_images
+from diloco_jax.data.images import image_shards, load_digits, sample_images
+from diloco_jax.data.sources import load_images
 from diloco_jax.tasks import vision
 from diloco_jax.train import train
 from tests.helpers import events

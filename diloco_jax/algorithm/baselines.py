@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from diloco_jax.algorithm.exchange import AxisName, replica_mean
-from diloco_jax.algorithm.state import PER_REPLICA, SHARED
+from diloco_jax.algorithm.state import PER_REPLICA, SHARED, declare
 
 
 class LocalState(NamedTuple):
@@ -33,7 +33,9 @@ class Local(NamedTuple):
     inner: optax.GradientTransformation
     axis_name: AxisName | None = None
 
-    kinds = LocalState(SHARED, PER_REPLICA, PER_REPLICA)
+    @property
+    def kinds(self) -> LocalState:
+        return declare(LocalState, SHARED, PER_REPLICA, PER_REPLICA)
 
     def init(self, params) -> LocalState:
         return LocalState(jnp.zeros([], jnp.int32), params, self.inner.init(params))

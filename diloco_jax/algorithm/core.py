@@ -75,8 +75,8 @@ class DilocoState(NamedTuple):
     params: Any
     inner_state: Any
     anchor: Any
-    outer_state: tuple
-    exchange_state: tuple
+    outer_state: Any  # a tuple of the fragments' states (a list while a step builds it)
+    exchange_state: Any
     timing_state: Any
     healthy: jax.Array
     base: Any
@@ -115,7 +115,7 @@ class _Round(NamedTuple):
     base: list
 
 
-def _set(values, idx: list[int], new: list) -> list:
+def _set(values, idx: list[int], new: list) -> Any:  # a list or tuple, as ``values``
     out = list(values)
     for i, v in zip(idx, new, strict=True):
         out[i] = v
@@ -170,10 +170,10 @@ class Diloco(NamedTuple):
         (vmap axes, shard_map specs, checkpoints, elastic restarts) derives from."""
         own = PER_REPLICA in (self.timing.anchor_kind, self.exchange.anchor_kind)
         anchor = PER_REPLICA if own else SHARED
-        return DilocoState(step=SHARED, params=PER_REPLICA, inner_state=PER_REPLICA,
-                           anchor=anchor, outer_state=anchor, exchange_state=PER_REPLICA,
-                           timing_state=self.timing.kinds, healthy=PER_REPLICA,
-                           base=PER_REPLICA)  # fmt: skip
+        return state_lib.declare(DilocoState, step=SHARED, params=PER_REPLICA,
+                                 inner_state=PER_REPLICA, anchor=anchor, outer_state=anchor,
+                                 exchange_state=PER_REPLICA, timing_state=self.timing.kinds,
+                                 healthy=PER_REPLICA, base=PER_REPLICA)  # fmt: skip
 
     def _groups(self, params) -> list[list[int]]:
         return fragments.groups(self.fragment_of(params, self.plan.fragments), self.plan.fragments)
@@ -365,7 +365,7 @@ def diloco(
         2604.21428): each keeps the anchor it restarted from (``base``) and its pseudo-gradient
         is ``base - params``, so a replica left out of a sync (``weight=0``,
         ``take_anchor=False``) merges all its work since at a later one, weighted by its tokens
-        (the caller's ``weight``: :func:`diloco_jax.schedule.quorum_rounds`).
+        (the caller's ``weight``: :func:`diloco_jax.simulated.schedule.quorum_rounds`).
 
     Raises :class:`~diloco_jax.algorithm.options.OptionError` (a ValueError) for an option out
     of range or a combination that is not supported (:func:`check_options`).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,8 @@ class SyncStats(NamedTuple):
 
 
 def _dot(a: Any, b: Any) -> jax.Array:
-    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return cast(jax.Array, sum(jnp.vdot(x, y) for x, y in pairs))  # a Python sum: 0 + x is x
 
 
 def zero_stats() -> SyncStats:

@@ -65,7 +65,7 @@ class Exchange(NamedTuple):
     :func:`plain`, the mean) of the weights: > 0 when anybody contributed."""
 
     init: Callable[[list], Any]
-    mean: Callable[..., tuple[list, Any]]
+    mean: Callable[..., tuple[list, Any, jax.Array]]
     anchor_kind: str = SHARED  # PER_REPLICA: every replica keeps its own anchor (gossip)
 
 

@@ -37,7 +37,7 @@ def strided(params: Any, fragments: int) -> list[int]:
     for i in sorted(rest, key=lambda i: -leaves[i][1].size):
         out[i] = int(np.argmin(sizes))
         sizes[out[i]] += leaves[i][1].size
-    return out
+    return [int(i) for i in out if i is not None]  # every leaf has its fragment by now
 
 
 def groups(assignment: list[int], fragments: int) -> list[list[int]]:

@@ -16,16 +16,24 @@ without declaring its kind fails at construction.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax.axes import REPLICA
+from diloco_jax.base.axes import REPLICA
 
 PER_REPLICA = "per_replica"
 SHARED = "shared"
+T = TypeVar("T")
+
+
+def declare(cls: Callable[..., T], *kinds: Any, **named: Any) -> T:
+    """A state's kinds: ``cls`` (a state NamedTuple) built with a kind, or a tree of kinds, in
+    each field instead of its arrays (``declare(LocalState, SHARED, PER_REPLICA, ...)``)."""
+    return cls(*kinds, **named)
 
 
 def _is_kind(x) -> bool:

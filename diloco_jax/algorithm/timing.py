@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from diloco_jax.algorithm.exchange import AxisName, replica_sum
 from diloco_jax.algorithm.options import OptionError
-from diloco_jax.algorithm.state import PER_REPLICA, SHARED
+from diloco_jax.algorithm.state import PER_REPLICA, SHARED, declare
 
 OUTER_MODES = ("sync", "delayed", "eager")
 
@@ -65,7 +65,7 @@ def make_timing(mode: str, axis_name: AxisName) -> Timing:
             "delayed",
             lambda leaves: DelayedState(_zeros(leaves)),
             lambda mean, delta, w, st: (st.pending, DelayedState(mean)),
-            DelayedState(SHARED),
+            declare(DelayedState, SHARED),
             SHARED,
         )
     if mode == "eager":
@@ -77,5 +77,5 @@ def make_timing(mode: str, axis_name: AxisName) -> Timing:
             return applied, EagerState(mean, share)
 
         init = lambda leaves: EagerState(_zeros(leaves), _zeros(leaves))  # noqa: E731
-        return Timing("eager", init, apply, EagerState(SHARED, PER_REPLICA), PER_REPLICA)
+        return Timing("eager", init, apply, declare(EagerState, SHARED, PER_REPLICA), PER_REPLICA)
     raise OptionError("outer_mode", mode, f"must be one of {OUTER_MODES}")

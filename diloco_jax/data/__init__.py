@@ -1,4 +1,5 @@
-"""Data: the shipped Shakespeare corpus, byte-level tokens, per-replica sharding."""
+"""Data: the shipped corpora, text files and prepared TFDS datasets (:mod:`~diloco_jax.data.sources`
+picks the reader), byte-level tokens, per-replica sharding, streaming from disk."""
 
 from diloco_jax.data.corpus import (
     SHAKESPEARE,
@@ -6,12 +7,12 @@ from diloco_jax.data.corpus import (
     Corpus,
     DataError,
     eval_windows,
-    load_corpus,
     replica_shards,
     sample_batch,
     shard_bounds,
     unigram_entropy,
 )
+from diloco_jax.data.sources import is_image_data, load_corpus, load_images
 
 __all__ = [
     "SHAKESPEARE",
@@ -19,7 +20,9 @@ __all__ = [
     "Corpus",
     "DataError",
     "eval_windows",
+    "is_image_data",
     "load_corpus",
+    "load_images",
     "replica_shards",
     "sample_batch",
     "shard_bounds",

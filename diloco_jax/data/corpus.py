@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax.randomness import replica_key
+from diloco_jax.base.randomness import replica_key
 
 SHAKESPEARE = "shakespeare"
-_SHIPPED = {SHAKESPEARE: pathlib.Path(__file__).with_name("shakespeare.txt.xz")}
+SHIPPED = {SHAKESPEARE: pathlib.Path(__file__).with_name("shakespeare.txt.xz")}
 VOCAB_SIZE = 256
 
 
@@ -48,8 +48,8 @@ class Corpus(NamedTuple):
     tokenizer: Any = None
 
 
-def _read_bytes(path: pathlib.Path) -> bytes:
-    opener = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix, open)
+def read_bytes(path: pathlib.Path) -> bytes:
+    opener: Any = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix, open)
     try:
         with opener(path, "rb") as f:
             return f.read()
@@ -59,41 +59,7 @@ def _read_bytes(path: pathlib.Path) -> bytes:
         raise DataError(f"cannot read data file {path}: {e}") from None
 
 
-def load_corpus(
-    name_or_path: str, *, val_fraction: float, data_dir: str = "", max_bytes: int = 0,
-    **tfds_options,
-) -> Corpus:  # fmt: skip
-    """Loads ``name_or_path``: ``"shakespeare"`` or a .txt/.txt.gz/.txt.xz file as byte tokens
-    (the last ``val_fraction`` is the validation split), or ``tfds:NAME``, a TFDS dataset in
-    array_record format under ``data_dir`` (:func:`diloco_jax.data.tfds_text.load`, whose
-    keywords ``tfds_options`` are: its own splits and tokenizer).
-
-    ``max_bytes`` (0: no limit): a text file larger than this is memory-mapped, not read
-    (:func:`diloco_jax.data.stream.map_text`; ``train_N`` is then a ``np.memmap`` view), a TFDS
-    training split streams from a token file (:func:`diloco_jax.data.tfds_text.stream_tokens`);
-    a compressed file that would exceed it is a DataError."""
-    if name_or_path.startswith("tfds:"):
-        from diloco_jax.data import tfds_text
-
-        return tfds_text.load(name_or_path, data_dir, max_bytes=max_bytes, **tfds_options)
-    path = _SHIPPED.get(name_or_path, pathlib.Path(name_or_path).expanduser())
-    if max_bytes and path.is_file() and path.stat().st_size > max_bytes:
-        from diloco_jax.data import stream
-
-        tokens = stream.map_text(path)
-    else:
-        tokens = np.frombuffer(_read_bytes(path), dtype=np.uint8)
-        _check_budget(tokens.nbytes, max_bytes, path, "a compressed file")
-    num_val = int(round(len(tokens) * val_fraction))
-    if len(tokens) < 2 or num_val < 2 or len(tokens) - num_val < 2:
-        raise DataError(
-            f"data file {path} has {len(tokens)} bytes: too small to split with "
-            f"val_fraction={val_fraction}"
-        )
-    return Corpus(tokens[:-num_val], tokens[-num_val:], str(path))
-
-
-def _check_budget(size: int, max_bytes: int, source, kind: str) -> None:
+def check_budget(size: int, max_bytes: int, source, kind: str) -> None:
     if max_bytes and size > max_bytes:
         raise DataError(
             f"{source} holds {size:,} bytes of tokens, more than data.max_memory_mib allows "

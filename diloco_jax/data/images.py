@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax.base.randomness import replica_key
 from diloco_jax.data.corpus import DataError
-from diloco_jax.randomness import replica_key
 
 IMAGE_DATASETS = ("digits",)
 _DIGITS = pathlib.Path(__file__).with_name("digits.npz")
@@ -40,35 +40,6 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     labels 0..9, in scikit-learn's order."""
     with np.load(_DIGITS) as digits:
         return digits["images"], digits["labels"]
-
-
-def is_image_data(cfg_data) -> bool:
-    """True when a config's ``data`` section names image data: a shipped image dataset, or a
-    TFDS dataset with an image feature."""
-    from diloco_jax.data import tfds_images, tfds_io
-
-    corpus = cfg_data.corpus
-    if corpus in IMAGE_DATASETS:
-        return True
-    tfds = corpus.startswith(tfds_io.TFDS_PREFIX)
-    return tfds and tfds_images.is_image_dataset(corpus, cfg_data.data_dir)
-
-
-def load_images(name: str, *, val_fraction: float, data_dir: str = "", **tfds_options) -> Images:
-    """``digits`` (split by ``val_fraction``) or ``tfds:NAME`` (its own splits; ``tfds_options``
-    are the keywords of :func:`diloco_jax.data.tfds_images.load`)."""
-    from diloco_jax.data import tfds_images, tfds_io
-
-    if name.startswith(tfds_io.TFDS_PREFIX):
-        return tfds_images.load(name, data_dir, **tfds_options)
-    if name != "digits":
-        raise DataError(f"image dataset {name!r} is not one of {IMAGE_DATASETS} or tfds:NAME")
-    pixels_Nx8x8, labels_N = load_digits()
-    order = np.random.default_rng(0).permutation(len(labels_N))
-    images = (pixels_Nx8x8[order] / 16.0).astype(np.float32)[..., None]
-    labels = labels_N[order].astype(np.int32)
-    cut = len(labels) - int(round(len(labels) * val_fraction))
-    return Images(images[:cut], labels[:cut], images[cut:], labels[cut:], 10)
 
 
 def image_shards(images: np.ndarray, labels: np.ndarray, replicas: int):

@@ -20,7 +20,9 @@ import math
 import pathlib
 import sys
 
-from diloco_jax import extras
+from diloco_jax.base import extras
+from diloco_jax.base.commandline import ArgumentParser, check_output_dir
+from diloco_jax.base.errors import ConfigError
 from diloco_jax.data.corpus import DataError
 
 
@@ -58,7 +60,7 @@ def _prepare(args):
     )
 
 
-def _check(args, cli) -> None:
+def _check(args) -> None:
     """Refuses bad values and unusable paths before anything is read or written."""
     from diloco_jax.data import tfds_io
 
@@ -78,7 +80,7 @@ def _check(args, cli) -> None:
             raise DataError(f"--text {path}: no such file")
     if args.images and not pathlib.Path(args.images).expanduser().is_dir():
         raise DataError(f"--images {args.images}: no such folder")
-    cli.check_output_dir(args.out, "--out")
+    check_output_dir(args.out, "--out")
     if args.images:
         extras.check("preparing images (--images)", "tensorflow_datasets", "PIL")
     elif args.tokenizer == "sentencepiece":
@@ -89,9 +91,7 @@ def _check(args, cli) -> None:
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.data.prepare") -> int:
-    from diloco_jax import cli
-
-    parser = cli.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", nargs="+", help="UTF-8 text files")
     source.add_argument("--images", help="a folder with one subfolder of images per class")
@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.dat
     if ignored:
         parser.error(f"{', '.join(ignored)} does not apply to --{kind}")
     try:
-        _check(args, cli)
+        _check(args)
         root, line = _prepare(args)
-    except (DataError, cli.config_lib.ConfigError, extras.MissingExtra) as e:
+    except (DataError, ConfigError, extras.MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{line}; train with --config.data.corpus=tfds:{root.name} "

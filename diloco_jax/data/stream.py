@@ -163,5 +163,6 @@ def make_stream(shards, *, seed: int, batch_size: int, seq_len: int, num_steps: 
     """The stream of a problem's memory-mapped shards: text windows (an ``[R, S]`` token array)
     or images (an ``(images, labels)`` pair)."""
     if isinstance(shards, tuple):
-        return StreamedImages(*shards, seed, batch_size, num_steps)
+        images_RxS, labels_RxS = shards
+        return StreamedImages(images_RxS, labels_RxS, seed, batch_size, num_steps)
     return StreamedShards(shards, seed, batch_size, seq_len, num_steps)

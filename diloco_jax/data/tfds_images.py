@@ -23,9 +23,11 @@ import pathlib
 
 import numpy as np
 
-from diloco_jax import extras
+from diloco_jax.base import extras
+from diloco_jax.base.progress import progress_bar
 from diloco_jax.data import tfds_io
 from diloco_jax.data.corpus import DataError
+from diloco_jax.data.images import Images
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 _MODES = {1: "L", 3: "RGB"}  # channels -> Pillow mode
@@ -70,7 +72,6 @@ def _decoded(source, order, split: str, spec, *, image_feature, label_feature, c
              chunk: int = 1024):  # fmt: skip
     """Yields ``(start, images_Kx..., labels_K)``: the records ``order`` names, in that order,
     decoded ``chunk`` at a time (a progress bar on large splits); one size for every image."""
-    from diloco_jax.reporting import progress_bar
 
     n, first = len(order), None
     bar = progress_bar(total=n, desc=f"decoding {spec} {split}", unit="image",
@@ -127,6 +128,7 @@ def stream_split(splits: tfds_io.Splits, split: str, spec, order, **read):
                                                 (len(order), *images.shape[1:]))  # fmt: skip
             out[start : start + len(part)] = images
             labels[start : start + len(part)] = part
+        assert out is not None  # the split has images (checked when it was opened)
         out.flush()
         del out
         with open(labels_path.with_suffix(".partial"), "wb") as f:
@@ -155,7 +157,6 @@ def load(
     :class:`~diloco_jax.data.images.Images` (uint8 ``[N, H, W, C]``; ``image_size`` > 0 resizes
     to ``image_size`` x ``image_size``). ``max_bytes`` (0: no limit): training images that take
     more stay on disk (:func:`stream_split`; ``train_images`` is then a ``np.memmap``)."""
-    from diloco_jax.data.images import Images
 
     tfds = extras.require("tensorflow_datasets", f"reading {spec}")
     extras.require("PIL", f"decoding the images of {spec}")
@@ -221,7 +222,7 @@ def _folder_splits(image_dir: pathlib.Path, val_fraction: float):
     if "train" in top and not val_name:
         raise DataError(f"{image_dir} has a train folder but no validation, val or test folder "
                         f"beside it (or use class folders directly)")  # fmt: skip
-    if "train" in top:  # predefined splits
+    if "train" in top and val_name:  # predefined splits
         classes = [p.name for p in _class_folders(top["train"])]
         splits = {}
         for split, name in (("train", "train"), ("validation", val_name)):

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from diloco_jax import extras
+from diloco_jax.base import extras
 from diloco_jax.data.corpus import DataError
 
 TFDS_PREFIX = "tfds:"
@@ -65,7 +65,7 @@ def builder_dir(name: str, root: pathlib.Path) -> pathlib.Path:
     if not prepared:
         raise DataError(f"TFDS dataset {name!r} in {root} has no prepared version (a directory "
                         f"like {root / name / '1.0.0'} with a dataset_info.json)")  # fmt: skip
-    return max(prepared, key=_version)
+    return max(prepared, key=lambda p: _version(p) or ())  # each has a version (filtered above)
 
 
 def open_splits(
@@ -129,7 +129,7 @@ def write(
     tfds = extras.require("tensorflow_datasets", f"writing the TFDS dataset {name!r}")
     check_name(name)
 
-    class Prepared(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    class Prepared(tfds.core.GeneratorBasedBuilder, skip_registration=True):  # type: ignore[name-defined,call-arg]  # tfds is a module found at run time
         VERSION = tfds.core.Version("1.0.0")
 
         def _info(self):

@@ -22,7 +22,7 @@ import pathlib
 
 import numpy as np
 
-from diloco_jax import extras
+from diloco_jax.base import extras
 from diloco_jax.data import tfds_io
 from diloco_jax.data.corpus import Corpus, DataError
 from diloco_jax.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
@@ -66,7 +66,9 @@ def prepare(
     data_dir = pathlib.Path(data_dir).expanduser()
     root = data_dir / name
     if tokenizer == "sentencepiece":
-        tok = train_sentencepiece(text[:cut], root / TOKENIZER_FILE, vocab_size=vocab_size)
+        tok: ByteTokenizer | SentencePieceTokenizer = train_sentencepiece(
+            text[:cut], root / TOKENIZER_FILE, vocab_size=vocab_size
+        )
     else:
         (root / TOKENIZER_FILE).unlink(missing_ok=True)
         tok = ByteTokenizer()
@@ -126,7 +128,7 @@ def _cache_key(splits: tfds_io.Splits, split: str, tokenizer, text_feature: str)
             "files": tfds_io.source_files(splits)}  # fmt: skip
 
 
-def stream_tokens(splits: tfds_io.Splits, split: str, tokenizer, text_feature: str) -> np.memmap:
+def stream_tokens(splits: tfds_io.Splits, split: str, tokenizer, text_feature: str) -> np.ndarray:
     """The training split's tokens as a read-only int32 memory map of a file written once next to
     the dataset (``DATA_DIR/NAME/_tokens-SPLIT.int32``, with a ``.json`` of what it was written
     from; a changed dataset or tokenizer rewrites it). Written in two passes over the records
@@ -176,7 +178,7 @@ def load(
     splits = tfds_io.open_splits(spec, data_dir, train_split=train_split, eval_split=eval_split)
     tok = tokenizer_for(splits.name, splits.root)
     if max_bytes:
-        train = stream_tokens(splits, train_split, tok, text_feature)
+        train: np.ndarray = stream_tokens(splits, train_split, tok, text_feature)
         if train.nbytes <= max_bytes:
             train = np.array(train)  # fits: in memory, as without a budget
     else:

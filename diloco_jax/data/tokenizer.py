@@ -13,7 +13,7 @@ import tempfile
 
 import numpy as np
 
-from diloco_jax import extras
+from diloco_jax.base import extras
 
 BYTE_VOCAB = 256
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.axes import REPLICA
+from diloco_jax.base.axes import REPLICA
 from diloco_jax.runtime.step import StepControl, scan_steps
 
 
@@ -197,6 +197,7 @@ class ChunkedSteps:
         control = jax.eval_shape(lambda c: _index(c, 0), control_NxR)
         sync = self._sync.lower(state, control).compile()
         m, s = local.memory_analysis(), sync.memory_analysis()
+        assert m is not None and s is not None  # XLA's CPU, GPU and TPU compilers report one
         self._memory = _Memory(m.argument_size_in_bytes, m.output_size_in_bytes,
                                m.alias_size_in_bytes,
                                max(m.temp_size_in_bytes, s.temp_size_in_bytes))  # fmt: skip

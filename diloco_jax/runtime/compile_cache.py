@@ -76,7 +76,7 @@ def enable(configured: str = "") -> pathlib.Path | None:
 
 def hits() -> int:
     """Executables that the calling thread loaded from the persistent cache so far. Per thread:
-    while the step compiles, another thread compiles the evaluation (``train._compile_ahead``),
+    while the step compiles, another thread compiles the evaluation (``run.loop._compile_ahead``),
     and its hits must not make a compiled step look loaded."""
     return _hits[threading.get_ident()]
 
@@ -177,7 +177,8 @@ class Program:
 
 def _donated(args, donate_argnums: tuple[int, ...]) -> tuple[int, ...]:
     """The flat leaf indices of the positional arguments ``donate_argnums``."""
-    out, start = [], 0
+    out: list[int] = []
+    start = 0
     for i, arg in enumerate(args):
         n = len(jax.tree.leaves(arg))
         if i in donate_argnums:
@@ -212,7 +213,8 @@ def load_program(path: pathlib.Path, args, donate_argnums=(0,)) -> LoweredProgra
     except FileNotFoundError:
         return None
     except Exception as e:  # noqa: BLE001 - a damaged entry costs a trace, never the run
-        return drop(path, e)
+        drop(path, e)
+        return None
     try:
         if entry.get("format") != _FORMAT:
             return None
@@ -223,7 +225,8 @@ def load_program(path: pathlib.Path, args, donate_argnums=(0,)) -> LoweredProgra
         exported = jax.export.deserialize(bytearray(entry["exported"]))
         return _lower_call(exported, args, entry["in_tree"], entry["out_tree"], donate_argnums)
     except Exception as e:  # noqa: BLE001
-        return drop(path, e)
+        drop(path, e)
+        return None
 
 
 def drop(path: pathlib.Path, error: Exception) -> None:

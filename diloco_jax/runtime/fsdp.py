@@ -22,13 +22,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.axes import DATA, REPLICA
+from diloco_jax.base.axes import DATA, REPLICA
 
 
 def leaf_spec(shape: tuple[int, ...], devices: int, *, leading: tuple = ()) -> P:
     """``P(*leading, ...)`` with ``DATA`` on the largest axis of ``shape`` that ``devices``
     divides (``shape`` excludes the ``leading`` axes); no ``DATA`` if none does."""
-    dims = [None] * len(shape)
+    dims: list[str | None] = [None] * len(shape)
     fits = [i for i, n in enumerate(shape) if n % devices == 0 and n >= devices]
     if devices > 1 and fits:
         dims[max(fits, key=lambda i: (shape[i], -i))] = DATA

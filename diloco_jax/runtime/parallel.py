@@ -24,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.axes import DATA, LOCAL_REPLICA, REPLICA
+from diloco_jax.base.axes import DATA, LOCAL_REPLICA, REPLICA
 from diloco_jax.runtime import fsdp
 from diloco_jax.runtime.step import scan_steps
 
@@ -300,7 +300,9 @@ def place(tree, kinds, mesh: Mesh | None, *, abstract: bool = False, fsdp_split:
         specs = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub),
                              state_lib.specs(kinds), tree,
                              is_leaf=lambda x: isinstance(x, P))  # fmt: skip
-    return shapes(tree, mesh, specs=specs) if abstract else put(tree, mesh, specs=specs)
+    if abstract or mesh is None:  # the simulator's abstract state: its shapes alone
+        return shapes(tree, mesh, specs=specs)
+    return put(tree, mesh, specs=specs)
 
 
 def on_devices(tree, mesh: Mesh | None, spec: P, *, abstract: bool = False):

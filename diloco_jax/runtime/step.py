@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from diloco_jax import randomness
+from diloco_jax.base import randomness
 from diloco_jax.runtime import fsdp
 from diloco_jax.tasks import Task
 
@@ -27,8 +27,8 @@ class StepControl(NamedTuple):
       weight: float32. The replica's weight in the pseudo-gradient mean at a sync (0: left out).
       take_anchor: bool. False: at a sync the replica keeps its own parameters.
       outer_scale: float32. Multiplies DiLoCo's outer step: the outer learning rate where the
-        config passes it as an input (:func:`diloco_jax.recipe.outer_lr_input`) times its scale
-        changed over HTTP (:mod:`diloco_jax.serve`); the same for every replica.
+        config passes it as an input (:func:`diloco_jax.config.recipe.outer_lr_input`) times
+        its scale changed over HTTP (:mod:`diloco_jax.watch.serve`); the same for every replica.
       seed: int32. The run's seed, from which each replica's batches and dropout masks are
         drawn. An input rather than a constant of the compiled step, so runs that differ only
         in their seed (a sweep's ``--seeds``) share one compiled step; the same for every
@@ -84,7 +84,7 @@ def make_replica_step(
     batch, its gradient reduced by XLA. Nothing is sliced or averaged here, so a loss that is not
     a mean of equal row groups (padding, token weights) is the same function on every layout.
 
-    With ``dropout`` the loss gets the key :func:`diloco_jax.randomness.replica_key` of
+    With ``dropout`` the loss gets the key :func:`diloco_jax.base.randomness.replica_key` of
     ``(seed, step, replica)`` and the ``DROPOUT`` stream, on every layout: no device or shard
     index enters it. Whatever the loss draws from it for a row is then the same on one device and
     on a data split, because JAX's random bits are partitionable (``jax_threefry_partitionable``,

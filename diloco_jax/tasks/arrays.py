@@ -25,7 +25,7 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -189,7 +189,7 @@ def _examples(data, name: str) -> int:
               for path, x in leaves}  # fmt: skip
     if len(set(counts.values())) != 1 or None in counts.values():
         raise TaskError(f"{name}'s arrays must share their leading (example) axis: {counts}")
-    return next(iter(counts.values()))
+    return int(next(iter(counts.values())) or 0)  # one count, not None (checked above)
 
 
 def _where(fn: Callable) -> str:
@@ -230,7 +230,7 @@ def check_loss(loss: Callable, params, batch) -> bool:
                         ) from None  # fmt: skip
     if aux:
         grads = grads[0]
-    if jax.tree.structure(grads) != jax.tree.structure(params):
+    if cast(Any, jax.tree.structure(grads)) != jax.tree.structure(params):  # jaxlib's PyTreeDef
         raise TaskError(f"the gradients of loss {_where(loss)} do not have the params' "
                         "structure")  # fmt: skip
     return aux

@@ -44,7 +44,7 @@ class Task(NamedTuple):
 class Problem(NamedTuple):
     """What a run learns, as the training loop takes it: each replica's data, the evaluation
     data, the initial parameters and the :class:`Task` over them. Built by the built-in tasks
-    (``diloco_jax.problems``) and by a user's (:class:`diloco_jax.tasks.ArrayTask`,
+    (``diloco_jax.config.problems``) and by a user's (:class:`diloco_jax.tasks.ArrayTask`,
     :class:`diloco_jax.tasks.GrainTask`)."""
 
     shards: Any  # [R, S] tokens, or a task's pytree of [R, S, ...] arrays

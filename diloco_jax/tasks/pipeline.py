@@ -24,7 +24,7 @@ import functools
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -174,6 +174,7 @@ class PipelineStream:
     def on_devices(self, first_step: int, shardings):
         """The call from ``first_step``'s batches placed by ``shardings`` (one per leaf)."""
         shapes, treedef = jax.tree.flatten(self.abstract())
+        treedef = cast(Any, treedef)  # jaxlib's PyTreeDef, which type checkers cannot see
         shardings = treedef.flatten_up_to(shardings)
         local = sorted({r for shape, sharding in zip(shapes, shardings, strict=True)
                         for index in sharding.addressable_devices_indices_map(shape.shape).values()

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from diloco_jax import config as config_lib
-from diloco_jax import user_code
+from diloco_jax.config import schema as config_lib
+from diloco_jax.config import user_code
 
 GIVEN = "given:"  # a config value recording a transform given from Python
 PROBE_STEPS = 3
@@ -95,7 +95,7 @@ def miniature(params: Any) -> Any:
 
 def probe(tx: optax.GradientTransformation, params: Any) -> list[np.ndarray]:
     """The updates of :data:`PROBE_STEPS` steps of ``tx`` from ``params`` on fixed gradients."""
-    state, out = tx.init(params), []
+    state, out = tx.init(params), list[np.ndarray]()
     for step in range(PROBE_STEPS):
         grads = jax.tree.map(lambda x, s=step: jnp.cos(x * (s + 2)).astype(x.dtype), params)
         updates, state = tx.update(grads, state, params)

@@ -1,10 +1,12 @@
-"""Typed run configuration: presets, command-line overrides, validation.
+"""The config's schema: every key, its type, default and one-line description; presets and
+command-line overrides read into it.
 
 A preset is a Python file ``configs/<name>.py`` whose ``get_config()`` returns a :class:`Config`
-(found by name or path: ``diloco_jax/presets.py``).
-Overrides look like ``--config.outer.sync_every=50``. :func:`validate` checks every value before
-anything is compiled; a bad value raises :class:`ConfigError` naming the key, the value and what is
-allowed. Library code never reads a Config: ``train`` and ``sim`` unpack it into named arguments.
+(found by name or path: ``diloco_jax/config/presets.py``). Overrides look like
+``--config.outer.sync_every=50``. :func:`diloco_jax.config.validate` checks every value before
+anything is compiled; a bad value raises :class:`ConfigError` naming the key, the value and
+what is allowed. Library code never reads a Config: ``train`` and ``sim`` unpack it into named
+arguments.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import inspect
 import pathlib
 from typing import Any, NamedTuple, get_type_hints
 
-from diloco_jax import presets
 from diloco_jax.algorithm import optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.core import Streaming
 from diloco_jax.algorithm.dct import SPARSELOCO, DctConfig
 from diloco_jax.algorithm.gossip import Gossip
+from diloco_jax.base.errors import ConfigError
+from diloco_jax.config import presets
 
 DEFAULT_PRESET = presets.DEFAULT
 RUNTIMES = ("auto", "sim", "mesh")
@@ -31,10 +34,6 @@ _SPARSE = SPARSELOCO
 _GOSSIP = Gossip(replicas=2)
 _INNER = inspect.signature(optim.inner_optimizer).parameters
 _OUTER = inspect.signature(optim.outer_optimizer).parameters
-
-
-class ConfigError(ValueError):
-    """A config value, key or preset is invalid."""
 
 
 def _key(default: Any, about: str) -> Any:
@@ -168,8 +167,8 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
-    """Simulated conditions: stragglers, failures, the network. See ``diloco_jax/schedule.py``
-    and ``sim/clock.py``."""
+    """Simulated conditions: stragglers, failures, the network. See
+    ``diloco_jax/simulated/schedule.py`` and ``sim/clock.py``."""
 
     speeds: str = _key("", "per-replica speed factors, e.g. 1,1,0.5,0.25; empty: all 1")
     dylu: bool = _key(False, "Dynamic Local Updates: slow replicas take fewer inner steps")
@@ -194,7 +193,8 @@ class SimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-    """What a run reports besides ``metrics.jsonl`` and TensorBoard (``diloco_jax/records.py``)."""
+    """What a run reports besides ``metrics.jsonl`` and TensorBoard
+    (``diloco_jax/watch/records.py``)."""
 
     progress_bar: bool = _key(True, "the progress bar on stderr (TQDM_DISABLE=1 turns it off)")
     figures: bool = _key(True, "drift.png and cosine.png at the end (matplotlib: ~2 s on CPU)")
@@ -205,7 +205,7 @@ class LogConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """The run's HTTP status, metrics, dashboard and control (``diloco_jax/serve.py``)."""
+    """The run's HTTP status, metrics, dashboard and control (``diloco_jax/watch/serve.py``)."""
 
     port: int = _key(0, "serve /status, /metrics, the dashboard and /control on this port; 0: off")
     host: str = _key("127.0.0.1", "the address to bind; any but loopback needs a token")
@@ -297,13 +297,13 @@ class Config:
 
 def load_preset(preset: str | pathlib.Path) -> Config:
     """Runs ``get_config()`` of a preset: a file, or the name of a preset that comes with
-    diloco-jax (``tiny``; :func:`diloco_jax.presets.find`)."""
+    diloco-jax (``tiny``; :func:`diloco_jax.config.presets.find`)."""
     try:
         path = presets.find(preset)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     spec = importlib.util.spec_from_file_location(f"diloco_preset_{path.stem}", path)
-    if spec is None:  # importlib reads .py files only
+    if spec is None or spec.loader is None:  # importlib reads .py files only
         raise ConfigError(f"config preset {path} is not a Python file (.py) with get_config()")
     module = importlib.util.module_from_spec(spec)
     try:
@@ -387,12 +387,3 @@ def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
-
-
-def validate(cfg: Config) -> None:
-    """Checks every value that does not depend on the devices; raises :class:`ConfigError`
-    naming the first bad key, its value and what is allowed (the rules:
-    ``diloco_jax/validation.py``)."""
-    from diloco_jax import validation
-
-    validation.validate(cfg)

@@ -6,7 +6,7 @@ fresh start or a resume): ``time``, ``step`` (where it starts), ``command`` (``s
 whether it had uncommitted changes; null when it runs from an installed wheel or git is
 missing), ``packages`` (versions, null for one not installed) and ``devices`` (platform, kind,
 counts). The config in effect is in ``config.json`` / ``config_history.jsonl``
-(``diloco_jax/resume.py``). :func:`open_runlog` also opens the run's logs from the config.
+(``diloco_jax/run/resume.py``). :func:`open_runlog` also opens the run's logs from the config.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 import jax
 
 from diloco_jax import config as config_lib
-from diloco_jax import reporting
+from diloco_jax.watch import reporting
 
 PACKAGES = ("diloco-jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy",
             "tensorboardx", "wandb")  # fmt: skip
-_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 
 
 def git_state(package_dir: pathlib.Path = _PACKAGE_DIR) -> dict[str, Any] | None:
@@ -54,7 +54,7 @@ def git_state(package_dir: pathlib.Path = _PACKAGE_DIR) -> dict[str, Any] | None
 
 
 def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in names:
         try:
             versions[name] = importlib.metadata.version(name)
@@ -107,7 +107,8 @@ def open_runlog(cfg: config_lib.Config, workdir: pathlib.Path, start_step: int, 
     if not enabled:
         return reporting.RunLog(workdir, enabled=False)
     append(workdir, start_step)
-    sinks, lg = (), cfg.log
+    sinks: tuple = ()
+    lg = cfg.log
     if lg.wandb:
         writer = reporting.WandbWriter(workdir, project=lg.wandb_project, mode=lg.wandb_mode,
                                        config=config_lib.to_dict(cfg))  # fmt: skip

@@ -3,7 +3,7 @@ steps), with nothing but numpy and matplotlib.
 
 The module also runs as a script: a helper process that imports matplotlib while a run builds
 and compiles, on a core that is idle then, and draws the run's figures when it ends, while the
-run writes its final checkpoint and parameters (:func:`diloco_jax.figures.draw_in_background`
+run writes its final checkpoint and parameters (:func:`diloco_jax.watch.figures.draw_in_background`
 starts it and falls back to drawing in a thread). So it imports nothing of ``diloco_jax``: the
 helper must not start JAX."""
 
@@ -91,7 +91,9 @@ def serve(requests, replies) -> None:
         pass
     for line in requests:
         try:
-            reply = {"files": run_figures(pathlib.Path(json.loads(line)["workdir"]))}
+            reply: dict[str, object] = {
+                "files": run_figures(pathlib.Path(json.loads(line)["workdir"]))
+            }
         except Exception as e:  # noqa: BLE001 - the run logs it; its results are saved
             reply = {"error": f"{type(e).__name__}: {e}"}
         replies.write(json.dumps(reply) + "\n")

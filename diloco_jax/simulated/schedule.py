@@ -52,9 +52,9 @@ def parse_drops(text: str, replicas: int) -> list[tuple[int, int, int]]:
     drops = []
     for item in filter(None, (x.strip() for x in text.split(";"))):
         try:
-            r, span = item.split(":")
-            a, b = span.split("-")
-            r, a, b = int(r), int(a), int(b)
+            replica, span = item.split(":")
+            first, end = span.split("-")
+            r, a, b = int(replica), int(first), int(end)
         except ValueError:
             raise ValueError(
                 f"config key sim.drop = {text!r} is invalid: use 'replica:first-end;...' "
@@ -89,8 +89,8 @@ def _quorum_rounds(speeds: tuple, sync_every: int, quorum: int, grace: float, ro
     speeds_R, H = np.asarray(speeds), sync_every
     carried_R = np.zeros(len(speeds_R))  # steps since the replica's base anchor
     late_R = np.zeros(len(speeds_R), bool)
-    out = QuorumRounds(*(np.zeros((rounds, len(speeds_R)), t) for t in (int, np.float32, bool)),
-                       np.zeros(rounds))  # fmt: skip
+    steps, weight, merged = (np.zeros((rounds, len(speeds_R)), t) for t in (int, np.float32, bool))
+    out = QuorumRounds(steps, weight, merged, np.zeros(rounds))
     for k in range(rounds):
         arrive_R = np.maximum(0.0, H - carried_R) / speeds_R  # its own round of H steps done
         ready = np.sort(arrive_R)[quorum - 1]

@@ -14,15 +14,17 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import config as config_lib
-from diloco_jax import distributed, placement, problems, recipe, resume, schedule, user_optimizers
 from diloco_jax.algorithm import SyncPlan, init_replicas
-from diloco_jax.axes import REPLICA
+from diloco_jax.base.axes import REPLICA
+from diloco_jax.config import problems, recipe, user_optimizers
 from diloco_jax.data.stream import make_stream
-from diloco_jax.reporting import log
+from diloco_jax.run import distributed, placement, resume
 from diloco_jax.runtime import evaluation, parallel
 from diloco_jax.runtime.step import StepControl
+from diloco_jax.simulated import schedule
 from diloco_jax.tasks import Task
 from diloco_jax.tasks import model as model_lib
+from diloco_jax.watch.reporting import log
 
 
 @dataclasses.dataclass
@@ -112,7 +114,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
     the state and the step; raises ConfigError or DataError before anything is compiled.
     ``abstract``: the state and the data as shapes with their shardings, nothing allocated.
     ``given``: the user's own optax transforms (from ``fit``), recorded in the Setup's config
-    (:func:`diloco_jax.user_optimizers.recorded`)."""
+    (:func:`diloco_jax.config.user_optimizers.recorded`)."""
     config_lib.validate(cfg)
     problems.check_extras(cfg)
     d = cfg.data
@@ -145,7 +147,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
         eval_windows = evaluation.place(problem.eval_data, devices, abstract=abstract)
         count = jax.tree.leaves(problem.eval_data)[0].shape[0]
         split = evaluation.split if not abstract else lambda *args: None
-        evaluate = split(problem.task.eval_fn, eval_windows, count, devices)
+        evaluate: Any = split(problem.task.eval_fn, eval_windows, count, devices)
     else:
         eval_windows = parallel.on_devices(problem.eval_data, mesh, P(), abstract=abstract)
         evaluate = evaluation.Replicated(problem.task.eval_fn, eval_windows)
@@ -177,10 +179,10 @@ def chunk_control(cfg: config_lib.Config, s: Setup, start: int,
                   outer_scale: float = 1.0) -> StepControl:  # fmt: skip
     """Stragglers' and failures' masks for the ``log_every`` steps from ``start``, the seed,
     and the outer step's scale: the outer learning rate where the step takes it as an input
-    (:func:`diloco_jax.recipe.outer_lr_input`) times ``outer_scale``, its scale changed over
-    HTTP (:mod:`diloco_jax.live`)."""
+    (:func:`diloco_jax.config.recipe.outer_lr_input`) times ``outer_scale``, its scale changed over
+    HTTP (:mod:`diloco_jax.run.live`)."""
     replicas = s.layout.replicas
-    masks = schedule.control(
+    masks: dict[str, Any] = schedule.control(
         start, cfg.train.log_every, replicas=replicas,
         plan=getattr(s.algorithm, "plan", SyncPlan(cfg.outer.sync_every)),  # baselines: rounds
         speeds=schedule.parse_speeds(cfg.sim.speeds, replicas), dylu=cfg.sim.dylu,

@@ -11,10 +11,11 @@ import os
 import jax
 
 from diloco_jax import config as config_lib
-from diloco_jax import distributed, memory, schedule
-from diloco_jax.reporting import log
+from diloco_jax.run import distributed, memory
 from diloco_jax.runtime import chunked, compile_cache, parallel
 from diloco_jax.runtime.step import make_replica_step
+from diloco_jax.simulated import schedule
+from diloco_jax.watch.reporting import log
 
 
 def effective_replicas(cfg: config_lib.Config) -> int:
@@ -143,8 +144,8 @@ def check_fits(plan: memory.MemoryPlan) -> None:
     if not plan.fits:
         raise config_lib.ConfigError(
             f"the run needs {memory.size(plan.total)} per device, more than the "
-            f"{memory.size(plan.limit)} of one device ({plan.limit_source}): fewer replicas per "
-            "device, a smaller batch or model, or model.remat (the plan: --dry_run)"
+            f"{memory.size(plan.limit or 0)} of one device ({plan.limit_source}): fewer replicas "
+            "per device, a smaller batch or model, or model.remat (the plan: --dry_run)"
         )
 
 

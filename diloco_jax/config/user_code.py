@@ -9,7 +9,7 @@ import pathlib
 import sys
 from collections.abc import Callable
 
-from diloco_jax import config as config_lib
+from diloco_jax.config import schema as config_lib
 
 
 def function(path: str, key: str) -> Callable:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from diloco_jax import user_optimizers
 from diloco_jax.algorithm import MomentSync, Streaming, check_options, optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.algorithm.gossip import Gossip
+from diloco_jax.config import user_optimizers
 
 if TYPE_CHECKING:  # config imports this module to check its values
-    from diloco_jax.config import Config
+    from diloco_jax.config.schema import Config
 
 KEY_OF_OPTION = {
     **{f"inner.{k}": f"inner.{k}" for k in ("learning_rate", "warmup_steps", "final_lr_fraction",
@@ -91,8 +91,8 @@ def sync_payloads(cfg: Config, params, replicas: int) -> tuple[list[int], str]:
     ``cfg``: DiLoCo's pseudo-gradient as its codec or accumulator encodes it, on
     ``sim.topology``; NoLoCo's pseudo-gradient and anchor to one partner (``pairwise``); the
     baselines' float32 gradient (``params``: shapes and dtypes suffice)."""
-    from diloco_jax import comms
     from diloco_jax.algorithm import gossip
+    from diloco_jax.simulated import comms
 
     diloco = cfg.algorithm == "diloco"
     if diloco and cfg.noloco.enabled:
@@ -133,7 +133,7 @@ def outer_lr_input(cfg: Config) -> float:
     is in the outer optimizer).
 
     :func:`algorithm_from_config` (``outer_lr_as_input=True``) then builds the outer optimizer
-    with learning rate 1, and :func:`diloco_jax.run_setup.chunk_control` puts this rate in
+    with learning rate 1, and :func:`diloco_jax.run.setup.chunk_control` puts this rate in
     ``StepControl.outer_scale``, which multiplies the outer update. Every outer optimizer's
     update is its direction times ``-learning_rate``, so the product is the same float32 number
     either way: ``(-u) * lr`` and ``u * (-lr)`` round alike."""
@@ -154,7 +154,7 @@ def _optimizers(cfg: Config, outer_lr_as_input: bool = False,
     with ``outer_lr_as_input``, the outer one's learning rate divided by
     :func:`outer_lr_input`. ``given``: the user's transforms from Python; None: only check
     (a user's optimizers, given or imported, are checked on the parameters:
-    :func:`diloco_jax.user_optimizers.recorded`)."""
+    :func:`diloco_jax.config.user_optimizers.recorded`)."""
     if given is None:
         if not user_optimizers.is_custom(cfg.inner.optimizer):
             inner_of(cfg)
@@ -197,7 +197,7 @@ def algorithm_from_config(cfg: Config, axis_name, diagnostics: bool = False, *,
                           given: user_optimizers.Given = user_optimizers.NONE):  # fmt: skip
     """The algorithm that ``cfg`` asks for, reducing over ``axis_name``. With
     ``outer_lr_as_input`` its outer step must be scaled by :func:`outer_lr_input` (the
-    training loop's controls do it: :func:`diloco_jax.run_setup.chunk_control`). ``given``:
+    training loop's controls do it: :func:`diloco_jax.run.setup.chunk_control`). ``given``:
     the user's own inner and outer transforms, from Python."""
     inner, outer = _optimizers(cfg, outer_lr_as_input, given)
     return optim.make_algorithm(

@@ -12,11 +12,13 @@ import math
 import os
 import pathlib
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from diloco_jax.algorithm.compress import CODECS
 from diloco_jax.algorithm.optim import ALGORITHMS
-from diloco_jax.config import RUNTIMES, WANDB_MODES, Config, ConfigError, keys
+from diloco_jax.base import access
+from diloco_jax.config.schema import RUNTIMES, WANDB_MODES, Config, ConfigError, keys
 from diloco_jax.tasks.model import COMPUTE_DTYPES
 
 _POSITIVE = (
@@ -31,7 +33,7 @@ _NON_NEGATIVE = (
 )  # fmt: skip
 
 
-def _enforce(rules: list[tuple[str, bool, str]], flat: dict[str, Any]) -> None:
+def _enforce(rules: Sequence[tuple[str, object, str]], flat: dict[str, Any]) -> None:
     """Raises for the first ``(key, ok, allowed)`` rule that fails, naming key, value and rule."""
     for key, ok, allowed in rules:
         if not ok:
@@ -103,15 +105,13 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_serve(cfg: Config) -> None:
-    from diloco_jax import serve
-
     sv = cfg.serve
     token_file = pathlib.Path(sv.token_file) if sv.token_file else None
-    has_token = bool(os.environ.get(serve.TOKEN_ENV)) or token_file is not None
+    has_token = bool(os.environ.get(access.TOKEN_ENV)) or token_file is not None
     rules = [
         ("serve.port", 0 <= sv.port <= 65535, "must be in [0, 65535] (0: no server)"),
-        ("serve.host", not sv.port or serve.is_loopback(sv.host) or has_token,
-         f"is not a loopback address: set serve.token_file or ${serve.TOKEN_ENV} (every request "
+        ("serve.host", not sv.port or access.is_loopback(sv.host) or has_token,
+         f"is not a loopback address: set serve.token_file or ${access.TOKEN_ENV} (every request "
          "then needs the token)"),
         ("serve.token_file", token_file is None or (token_file.is_file() and
                                                     token_file.read_text().strip() != ""),
@@ -123,8 +123,8 @@ def _validate_serve(cfg: Config) -> None:
 def _validate_library_options(cfg: Config) -> None:
     """The library's own checks of DiLoCo's arguments (``check_options``: ranges and what
     combines), reported with config keys."""
-    from diloco_jax import recipe
     from diloco_jax.algorithm import OptionError
+    from diloco_jax.config import recipe
 
     codecs = (*CODECS, "dct", "sparseloco")  # the codec key also chooses these accumulators
     _enforce([("compress.codec", cfg.compress.codec in codecs, f"must be one of {codecs}")],
@@ -168,7 +168,7 @@ def _validate_variants(cfg: Config) -> None:
 
 
 def _validate_sim(cfg: Config) -> None:
-    from diloco_jax import comms, schedule
+    from diloco_jax.simulated import comms, schedule
 
     sim = cfg.sim
     try:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+from typing import Any
 
 import numpy as np
 
-from diloco_jax import config as config_lib
-from diloco_jax import extras, tasks, user_code
+from diloco_jax import tasks
+from diloco_jax.base import extras
+from diloco_jax.config import schema as config_lib
+from diloco_jax.config import user_code
 from diloco_jax.data import (
     DataError,
     eval_windows,
@@ -20,7 +23,8 @@ from diloco_jax.data import (
     tfds_text,
     unigram_entropy,
 )
-from diloco_jax.data.images import image_shards, is_image_data, load_images
+from diloco_jax.data.images import image_shards
+from diloco_jax.data.sources import is_image_data, load_images
 from diloco_jax.tasks import model as model_lib
 from diloco_jax.tasks import vision
 from diloco_jax.tasks.core import Problem
@@ -80,8 +84,8 @@ def load(cfg: config_lib.Config, replicas: int, task: tasks.UserTask | None = No
     if task is not None:
         return task.problem(replicas, cfg.data.batch_size, seed=cfg.seed)
     m, d = cfg.model, cfg.data
-    where = dict(val_fraction=d.val_fraction, data_dir=d.data_dir, train_split=d.train_split,
-                 eval_split=d.eval_split)  # fmt: skip
+    where: dict[str, Any] = dict(val_fraction=d.val_fraction, data_dir=d.data_dir,
+                                 train_split=d.train_split, eval_split=d.eval_split)  # fmt: skip
     if is_image_data(d):  # image classification with a ResNet
         budget = int(d.max_memory_mib * 2**20)
         imgs = load_images(d.corpus, **where, image_feature=d.image_feature,

@@ -79,16 +79,19 @@ def launcher_tie(grace: float) -> tuple[dict[str, str], Callable[[], None] | Non
     ``preexec_fn`` that sets SIGTERM as the parent-death signal. Call ``subprocess.Popen`` from
     the main thread: the kernel sends the signal when the thread that forked ends."""
     launcher, prctl = os.getpid(), _prctl()
+    if prctl is None:
+        return {LAUNCHER_ENV: f"{launcher} {grace}"}, None
+    set_death_signal = prctl
 
     def die_with_launcher() -> None:  # in the child, between fork and exec
         # until exec the launcher's own SIGTERM handler is in place here: a parent-death signal
         # arriving now would only set its flag, which exec drops
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        set_death_signal(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != launcher:  # it died before prctl: nobody would signal this process
             os._exit(1)
 
-    return {LAUNCHER_ENV: f"{launcher} {grace}"}, (die_with_launcher if prctl else None)
+    return {LAUNCHER_ENV: f"{launcher} {grace}"}, die_with_launcher
 
 
 def _parent_death_signal() -> int:

@@ -1,6 +1,7 @@
-"""The training loop's side of :mod:`diloco_jax.serve`: the server started from the config, the
-run's events fed to its board, and the actions asked over HTTP agreed by every process at a call
-boundary (process 0 serves; the others follow its answer, as they follow a preemption).
+"""The training loop's side of :mod:`diloco_jax.watch.serve`: the server started from the
+config, the run's events fed to its board, and the actions asked over HTTP agreed by every
+process at a call boundary (process 0 serves; the others follow its answer, as they follow a
+preemption).
 
 The outer learning rate set over HTTP (``POST /control/outer_lr``) reaches the step as a scale
 of the outer update (``StepControl.outer_scale``: an input of the compiled call, so nothing is
@@ -11,21 +12,24 @@ event), saved with every checkpoint (``controls``) and taken up again on resume.
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import jax
 import numpy as np
 
-from diloco_jax import comms, distributed, serve
 from diloco_jax import config as config_lib
-from diloco_jax.reporting import log
+from diloco_jax.run import distributed
+from diloco_jax.simulated import comms
+from diloco_jax.watch import serve
+from diloco_jax.watch.reporting import log
 
 
 def _bytes_per_sync(cfg: config_lib.Config, params, replicas: int) -> float:
     """Bytes each replica sends in one DiLoCo sync: its pseudo-gradient, as the config's codec
     encodes it, every replica taking part (a fragment's, on average, when streaming;
-    :func:`~diloco_jax.recipe.sync_payloads`); 0 for the baselines, whose reduces are not
+    :func:`~diloco_jax.config.recipe.sync_payloads`); 0 for the baselines, whose reduces are not
     syncs."""
-    from diloco_jax.recipe import sync_payloads
+    from diloco_jax.config.recipe import sync_payloads
 
     if cfg.algorithm != "diloco":
         return 0.0
@@ -90,7 +94,9 @@ class Live:
     @property
     def outer_scale(self) -> float:
         """The outer update's scale: the outer learning rate in effect over the config's."""
-        return 1.0 if self.base_lr is None else self.outer_lr / self.base_lr
+        if self.base_lr is None or self.outer_lr is None:  # not DiLoCo: no outer step
+            return 1.0
+        return self.outer_lr / self.base_lr
 
     @property
     def changed(self) -> dict:
@@ -101,7 +107,7 @@ class Live:
         """The actions asked over HTTP since the last call, as process 0's server got them
         (``{action: value}``), done here where they are the loop's own (the outer learning
         rate; a stop, taken as a signal is: ``stop`` is the run's
-        :class:`~diloco_jax.preemption.Preemption`) and logged (``metrics.jsonl``: a ``control``
+        :class:`~diloco_jax.run.preemption.Preemption`) and logged (``metrics.jsonl``: a ``control``
         event). Every process calls this after every call; with ``serve.port`` (the same
         everywhere) they agree in one tiny broadcast."""
         if not self.enabled:
@@ -109,7 +115,7 @@ class Live:
         asked = self.controls.take()
         lr_bits = np.array([asked.get("outer_lr", 0.0)], np.float64).view(np.int32)  # exact
         flags = distributed.from_lead([int(a in asked) for a in serve.ACTIONS] + list(lr_bits))
-        agreed = {a: True for a, f in zip(serve.ACTIONS, flags, strict=False) if f}
+        agreed: dict[str, Any] = {a: True for a, f in zip(serve.ACTIONS, flags, strict=False) if f}
         if "outer_lr" in agreed:
             lr = np.array(flags[len(serve.ACTIONS) :], np.int32).view(np.float64)[0]
             agreed["outer_lr"] = self.outer_lr = float(lr)

@@ -21,6 +21,7 @@ import numpy as np
 import tqdm
 
 log = logging.getLogger("diloco_jax")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # diloco_jax/
 
 
 class _TqdmHandler(logging.Handler):
@@ -150,7 +151,7 @@ class WandbWriter:
     them later with ``wandb sync``). A resumed run starts a new W&B run in the same group."""
 
     def __init__(self, workdir: pathlib.Path, *, project: str, mode: str, config: dict):
-        from diloco_jax import extras
+        from diloco_jax.base import extras
 
         wandb = extras.require("wandb", "Weights & Biases logging")
         workdir.mkdir(parents=True, exist_ok=True)
@@ -198,28 +199,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def progress_disabled() -> bool:
-    """Whether ``TQDM_DISABLE`` is set to something other than empty, 0, false, no or off
-    (tqdm reads it only for bars that do not pass ``disable`` themselves)."""
-    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def progress_bar(
-    total: int, *, initial: int = 0, enabled: bool = True, unit: str = "step", desc: str = ""
-) -> tqdm.tqdm:
-    """The bar on stderr; off unless ``enabled`` and not :func:`progress_disabled`."""
-    return tqdm.tqdm(
-        total=total,
-        desc=desc or None,
-        initial=initial,
-        unit=unit,
-        dynamic_ncols=True,
-        disable=not enabled or progress_disabled(),
-        mininterval=0.5,
-        file=sys.stderr,
-    )
-
-
 def log_syncs(runlog: RunLog, plan, first_step: int, metrics_NxR: dict) -> None:
     """One ``sync`` event per DiLoCo sync started in a call of steps ``first_step + 1 ...``
     (``plan``, a ``SyncPlan``, says which steps): per-replica drift diagnostics and the shared
@@ -263,7 +242,7 @@ def only_installed_code(modules=None) -> bool:
     """Whether every module loaded (``sys.modules``) comes from Python's installation, its
     environment or this package: no user task, example or test module ran in this process."""
     roots = {os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                                    os.path.dirname(__file__))}  # fmt: skip
+                                                    _PACKAGE)}  # fmt: skip
     for module in list((sys.modules if modules is None else modules).values()):
         file = getattr(module, "__file__", None)
         if file and not any(os.path.realpath(file).startswith(r) for r in roots):

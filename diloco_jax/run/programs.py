@@ -11,9 +11,9 @@ import pathlib
 import jax
 
 from diloco_jax import config as config_lib
-from diloco_jax import recipe
-from diloco_jax.reporting import log
+from diloco_jax.config import recipe
 from diloco_jax.runtime import compile_cache
+from diloco_jax.watch.reporting import log
 
 # Config keys the traced step does not depend on (tests/test_program_cache.py lowers the step
 # with them changed and finds the same program): runs that differ only in them load one kept
@@ -69,9 +69,9 @@ def lower(s, args, material: dict | None):
     and kept, "lowered": JAX's own lowering, where nothing is kept); and the kept program's
     path (None where nothing is kept)."""
     if material is not None and hasattr(s.run_chunk, "trace"):  # one jitted call, not chunked
-        path = compile_cache.program_path(
-            compile_cache.directory(s.cfg.train.compile_cache), material, args
-        )
+        directory = compile_cache.directory(s.cfg.train.compile_cache)
+        assert directory is not None  # material() is None without a cache
+        path = compile_cache.program_path(directory, material, args)
         kept = compile_cache.load_program(path, args)
         if kept is not None:
             return kept, "loaded", path

@@ -1,6 +1,6 @@
 """Figures a run draws of itself, with matplotlib (the ``plots`` extra, imported only when a
 figure is drawn): the sync diagnostics, drift and cosine against outer steps
-(:mod:`diloco_jax.drawing`). The simulator's own figures (``sim/plots.py``) draw with
+(:mod:`diloco_jax.watch.drawing`). The simulator's own figures (``sim/plots.py``) draw with
 :func:`pyplot`; a run's are drawn by a helper process (:func:`start_helper`), or in a thread."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import subprocess
 import sys
 import threading
 
-from diloco_jax import drawing, extras
-from diloco_jax.drawing import DIAGNOSTICS, sync_events
-from diloco_jax.reporting import log
+from diloco_jax.base import extras
+from diloco_jax.watch import drawing
+from diloco_jax.watch.drawing import DIAGNOSTICS, sync_events
+from diloco_jax.watch.reporting import log
 
 __all__ = ["DIAGNOSTICS", "diagnostics", "draw_in_background", "pyplot", "run_diagnostics",
            "start_helper", "sync_events"]  # fmt: skip
@@ -32,7 +33,7 @@ def pyplot():
 
 def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
                 per_replica: bool) -> list[str]:  # fmt: skip
-    """:func:`diloco_jax.drawing.diagnostics`, with one line naming the extra if a run synced
+    """:func:`diloco_jax.watch.drawing.diagnostics`, with one line naming the extra if a run synced
     and matplotlib is not installed."""
     if any(runs.values()):
         extras.require("matplotlib", "drawing figures")
@@ -57,13 +58,13 @@ def _not_drawn(why: str) -> None:
 
 
 class _Helper:
-    """``python diloco_jax/drawing.py`` in a process of its own, asked for a run's figures
+    """``python diloco_jax/watch/drawing.py`` in a process of its own, asked for a run's figures
     over its standard input, one request at a time."""
 
     def __init__(self):
         # -P: the script's directory (this package's) stays off sys.path, so none of its
         # modules' names can shadow one of matplotlib's imports
-        self.process = subprocess.Popen(
+        self.process: subprocess.Popen[str] = subprocess.Popen(
             [sys.executable, "-P", drawing.__file__], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, "MPLBACKEND": "Agg"},
@@ -77,10 +78,12 @@ class _Helper:
         """The files drawn ([] with a warning if drawing failed), or None if the helper is
         gone."""
         with self.lock:
+            stdin, stdout = self.process.stdin, self.process.stdout
+            assert stdin is not None and stdout is not None  # both are pipes
             try:
-                self.process.stdin.write(json.dumps({"workdir": str(workdir.resolve())}) + "\n")
-                self.process.stdin.flush()
-                line = self.process.stdout.readline()
+                stdin.write(json.dumps({"workdir": str(workdir.resolve())}) + "\n")
+                stdin.flush()
+                line = stdout.readline()
             except (OSError, ValueError):  # a broken pipe, or closed
                 return None
         try:
@@ -97,7 +100,8 @@ class _Helper:
         """Closes its input: it exits then, on its own (not waited for: its interpreter's
         teardown would add 0.2 s to the command's end)."""
         try:
-            self.process.stdin.close()
+            if self.process.stdin is not None:
+                self.process.stdin.close()
         except OSError:
             pass
 

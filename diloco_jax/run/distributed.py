@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,9 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.state import PER_REPLICA
-from diloco_jax.axes import DATA
-from diloco_jax.config import ConfigError
+from diloco_jax.base.axes import DATA
+from diloco_jax.base.errors import ConfigError
+from diloco_jax.config.cli import Cluster
 from diloco_jax.runtime import fsdp
 
 MODES = ("auto", "on", "off")
@@ -46,17 +48,6 @@ _ENV = {
     "num_processes": "JAX_NUM_PROCESSES",
     "process_id": "JAX_PROCESS_ID",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    """How this process joins a run. ``None`` fields are read from the environment."""
-
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    mode: str = "auto"  # auto: join when flags, env or a SLURM/MPI job say so; on: always; off
-    timeout_s: int = 300  # how long to wait for every process to join
 
 
 class ConsistencyError(RuntimeError):
@@ -146,8 +137,8 @@ def initialize(cluster: Cluster) -> str:
             return "one process"
         where = (f"as process {cluster.process_id} of {cluster.num_processes} through "
                  f"{cluster.coordinator_address}")  # fmt: skip
-        _join(where, cluster.timeout_s, cluster.coordinator_address, cluster.num_processes,
-              cluster.process_id)  # fmt: skip
+        _join(where, cluster.timeout_s, coordinator_address=cluster.coordinator_address,
+              num_processes=cluster.num_processes, process_id=cluster.process_id)  # fmt: skip
         return f"process {cluster.process_id} of {cluster.num_processes}"
     detected = detected_cluster()
     if detected is None and cluster.mode == "auto":
@@ -157,11 +148,11 @@ def initialize(cluster: Cluster) -> str:
     return f"joined ({detected or 'JAX'})"  # not jax.process_index(): it would start JAX
 
 
-def _join(where: str, timeout_s: int, *args) -> None:
+def _join(where: str, timeout_s: int, **found: Any) -> None:
     print(f"joining the run {where} (waiting up to {timeout_s}s for every process)",
           file=sys.stderr, flush=True)  # fmt: skip
     try:
-        jax.distributed.initialize(*args, initialization_timeout=timeout_s)
+        jax.distributed.initialize(**found, initialization_timeout=timeout_s)
     except Exception as e:  # noqa: BLE001 - JAX raises several kinds; all mean: could not join
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ConfigError(f"could not join the run {where}: {reason}") from None

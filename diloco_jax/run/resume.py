@@ -20,8 +20,8 @@ import jax
 from diloco_jax import config as config_lib
 from diloco_jax.algorithm import PER_REPLICA, init_replicas
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.reporting import log
 from diloco_jax.runtime import checkpoint, parallel
+from diloco_jax.watch.reporting import log
 
 # The keys a resume may change: they leave the training computation (every step's parameters)
 # and the meaning of the logged numbers as they were. Every other key changes the training (the
@@ -66,7 +66,8 @@ ABSENT = _Absent()  # a key one of two configs does not have
 class Start(NamedTuple):
     """Where a run starts: its state, the step, the checkpoint directory (None: from scratch)
     and the config keys that differ from the checkpoint's, ``{key: (saved, now)}``, and what was
-    changed while it ran (``controls``, e.g. ``{"outer_lr": 0.35}``: :mod:`diloco_jax.serve`)."""
+    changed while it ran (``controls``, e.g. ``{"outer_lr": 0.35}``:
+    :mod:`diloco_jax.watch.serve`)."""
 
     state: Any
     step: int
@@ -131,7 +132,7 @@ def check_config(cfg: config_lib.Config, saved: dict, path: pathlib.Path, *,
 
 
 def resume(mngr, s, workdir: pathlib.Path, *, allow_config_change: bool = False) -> Start:
-    """Where the run set up in ``s`` (a ``diloco_jax.run_setup.Setup``) starts: the newest readable
+    """Where the run set up in ``s`` (a ``diloco_jax.run.setup.Setup``) starts: the newest readable
     checkpoint in ``workdir`` if there is one (its config checked by :func:`check_config`), else
     the initial state; a DiLoCo checkpoint with another replica count restarts elastically
     (:func:`elastic`)."""

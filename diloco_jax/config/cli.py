@@ -3,15 +3,14 @@
 Train and the simulator take a preset and overrides, the convention of JAX projects
 (``--config NAME|PATH --config.KEY=VALUE``); every config key is a real flag, typed and described
 in ``--help`` with the chosen preset's value. Resuming adds ``--allow_config_change``; a
-multi-process run adds the cluster flags (``diloco_jax/distributed.py``). Errors are one line,
+multi-process run adds the cluster flags (``diloco_jax/run/distributed.py``). Errors are one line,
 ``error: ...``, exit status 2, before anything is loaded, compiled or written.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
-import os
+import dataclasses
 import pathlib
 import sys
 import textwrap
@@ -19,52 +18,23 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from diloco_jax import config as config_lib
-from diloco_jax import presets
-from diloco_jax.distributed import Cluster
+from diloco_jax.base.commandline import ArgumentParser, check_output_dir
+from diloco_jax.config import presets, validation
+from diloco_jax.config import schema as config_lib
 
-Extend = Callable[["ArgumentParser"], None]  # adds an entry point's own flags
+Extend = Callable[[ArgumentParser], None]  # adds an entry point's own flags
 _METAVAR = {bool: "BOOL", int: "INT", float: "FLOAT", str: "TEXT"}
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, ``error: ...``, and exit status 2 (argparse's own
-    prints the usage first); no flag abbreviations; unknown flags name the closest known one."""
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """How this process joins a run. ``None`` fields are read from the environment."""
 
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        print(f"error: {message} (--help for usage)", file=sys.stderr)
-        sys.exit(2)
-
-    def parse_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        if "--" in args:  # nothing here takes positionals after it
-            self.error("unexpected argument '--'")
-        namespace, extras = self.parse_known_args(args, namespace)
-        if extras:
-            self.error(self.unknown(extras[0]))
-        return namespace
-
-    def unknown(self, arg: str) -> str:
-        """One line about an argument no flag takes, with the closest flag when one is close."""
-        if not arg.startswith("-"):
-            return f"unexpected argument {arg!r}"
-        name = arg.partition("=")[0]
-        close = difflib.get_close_matches(name, self._option_string_actions, n=1)
-        if name.startswith("--config."):  # a config key: named as the config names it
-            hint = f"; did you mean {close[0].removeprefix('--config.')}?" if close else ""
-            return f"unknown config key {name.removeprefix('--config.')!r}{hint}"
-        hint = f"; did you mean {close[0]}?" if close else ""
-        return f"unknown flag {name}{hint}"
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    def __init__(self, prog: str):
-        super().__init__(prog, max_help_position=42, width=100)
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    mode: str = "auto"  # auto: join when flags, env or a SLURM/MPI job say so; on: always; off
+    timeout_s: int = 300  # how long to wait for every process to join
 
 
 class Args(NamedTuple):
@@ -98,8 +68,10 @@ def _typed(kind: type) -> Callable[[str], object]:
 
 def _section_doc(cfg: config_lib.Config, section: str) -> str | None:
     """A config section's own docstring, wrapped (None for the generated ones)."""
-    kind = type(getattr(cfg, section)) if section else None
-    doc = (kind.__doc__ or "") if kind else ""
+    if not section:
+        return None
+    kind = type(getattr(cfg, section))
+    doc = kind.__doc__ or ""
     if not doc or doc.startswith(kind.__name__):
         return None
     text = " ".join(doc.replace("``", "").split())
@@ -124,7 +96,7 @@ def _add_config_keys(parser: ArgumentParser, cfg: config_lib.Config) -> None:
 
 def _add_cluster_flags(parser: ArgumentParser) -> None:
     group = parser.add_argument_group(
-        "multi-process runs (diloco_jax/distributed.py; each also read from its JAX_* variable)"
+        "multi-process runs (diloco_jax/run/distributed.py; each also read from its JAX_* variable)"
     )
     group.add_argument("--coordinator_address", metavar="HOST:PORT",
                        help="process 0's address (JAX_COORDINATOR_ADDRESS)")  # fmt: skip
@@ -197,7 +169,7 @@ def parse(argv: list[str], *, prog: str, description: str = "", distributed: boo
     try:
         for key in config_lib.keys(cfg).keys() & vars(ns).keys():
             cfg = config_lib.replace(cfg, key, getattr(ns, key))
-        config_lib.validate(cfg)
+        validation.validate(cfg)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         default = f"runs/{pathlib.Path(preset).stem}-{stamp}"
         workdir = check_output_dir(default if ns.workdir is None else ns.workdir)
@@ -211,24 +183,3 @@ def parse(argv: list[str], *, prog: str, description: str = "", distributed: boo
     flags = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k in own})
     return Args(cfg, workdir, cluster, ns.workdir is not None,
                 getattr(ns, "allow_config_change", False), flags)  # fmt: skip
-
-
-def check_output_dir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.Path:
-    """``path`` if a run can write there: a directory, or a path whose nearest existing ancestor
-    is a writable directory (nothing is created here). Raises :class:`ConfigError`, one line
-    naming ``flag``, otherwise."""
-    if not str(path).strip():
-        raise config_lib.ConfigError(f"{flag} is empty: give a directory")
-    path = pathlib.Path(path).expanduser()
-    existing = path
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
-    if not os.path.lexists(existing):  # a relative path in a missing working directory
-        existing = pathlib.Path.cwd()
-    where = f"{flag} {path}" + ("" if existing == path else f": parent {existing}")
-    if not existing.is_dir():
-        kind = "a file" if existing.is_file() else "not a directory"
-        raise config_lib.ConfigError(f"{where} is {kind}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise config_lib.ConfigError(f"{where} is not writable")
-    return path

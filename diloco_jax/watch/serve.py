@@ -2,16 +2,16 @@
 
 ``serve.port > 0`` starts a :class:`Server` in the training process (process 0 of a multi-process
 run), in its own threads: the training loop only hands it copies of what it reports
-(:class:`~diloco_jax.board.Board`) and reads the actions asked of it at call boundaries
-(:class:`~diloco_jax.board.Controls`), so a client, however slow, never holds up a step.
+(:class:`~diloco_jax.watch.board.Board`) and reads the actions asked of it at call boundaries
+(:class:`~diloco_jax.watch.board.Controls`), so a client, however slow, never holds up a step.
 
 * ``GET /status``: JSON: step, outer step, losses, per-replica sync diagnostics, throughput, last
   checkpoint, ETA, the resolved config. ``GET /history``: every point the charts draw.
 * ``GET /metrics``: Prometheus text exposition (``prometheus_client``), labelled by replica.
-* ``GET /``: the dashboard (``diloco_jax/dashboard/``, served from the installed package).
+* ``GET /``: the dashboard (``diloco_jax/watch/dashboard/``, served from the installed package).
 * ``POST /control/checkpoint|stop|eval``: done at the next call boundary (agreed by every
   process, as the preemption flag is); ``POST /control/outer_lr`` with ``{"value": 0.35}``:
-  DiLoCo's outer learning rate from the next sync on (:mod:`diloco_jax.live`).
+  DiLoCo's outer learning rate from the next sync on (:mod:`diloco_jax.run.live`).
 
 Security: binds 127.0.0.1 unless ``serve.host`` says otherwise; another address needs a token
 (``serve.token`` or the ``DILOCO_SERVE_TOKEN`` environment variable), and then every request
@@ -27,7 +27,6 @@ from __future__ import annotations
 import hmac
 import http.server
 import importlib.resources
-import ipaddress
 import json
 import math
 import os
@@ -40,25 +39,14 @@ from typing import Any
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from diloco_jax.board import Board, Controls, SweepBoard
-from diloco_jax.reporting import log
+from diloco_jax.base.access import TOKEN_ENV, is_loopback
+from diloco_jax.watch.board import Board, Controls, SweepBoard
+from diloco_jax.watch.reporting import log
 
-TOKEN_ENV = "DILOCO_SERVE_TOKEN"
 MAX_BODY = 4096  # bytes of a control request's body
 ACTIONS = ("checkpoint", "stop", "eval", "outer_lr")
 _ASSETS = {"/": ("index.html", "text/html; charset=utf-8"),
            "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8")}  # fmt: skip
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) only accepts connections from this
-    machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _finite_positive(value: Any) -> bool:
@@ -123,7 +111,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._send(200, generate_latest(board.registry), CONTENT_TYPE_LATEST)
         if path in _ASSETS:
             name, kind = _ASSETS[path]
-            text = importlib.resources.files("diloco_jax").joinpath("dashboard", name)
+            text = importlib.resources.files("diloco_jax.watch").joinpath("dashboard", name)
             return self._send(200, text.read_bytes(), kind)
         return self._error(404, f"no page {path}")
 
@@ -160,7 +148,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return None
         if action not in ACTIONS:
             return self._error(404, f"no control {action!r}; one of {ACTIONS}")
-        value = True
+        value: object = True
         if action == "outer_lr":
             value = body.get("value")
             if not self.server.board.has_outer_lr:

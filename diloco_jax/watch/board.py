@@ -1,4 +1,4 @@
-"""What a run reports to its HTTP server (:mod:`diloco_jax.serve`), kept for the server's
+"""What a run reports to its HTTP server (:mod:`diloco_jax.watch.serve`), kept for the server's
 threads: :class:`Board` (the status, the chart series, the Prometheus metrics), :class:`SweepBoard`
 (a sweep's runs and table) and :class:`Controls` (the actions asked, waiting for a call
 boundary). Each is thread-safe: the training thread writes, the server's threads take copies."""
@@ -70,7 +70,9 @@ class Board:
         # train: [step, tokens, loss, tokens/s]; eval: [step, tokens, eval_loss]; sync: see
         # _on_sync; metrics: [step, tokens, {"aux name" | "eval name": value}] (a loss's
         # auxiliary metrics and the evaluation's other values)
-        self.history = {name: collections.deque() for name in ("train", "eval", "sync", "metrics")}
+        self.history: dict[str, collections.deque] = {
+            name: collections.deque() for name in ("train", "eval", "sync", "metrics")
+        }
         self.registry = CollectorRegistry()
         self._metrics = _prometheus(self.registry)
         self.has_outer_lr = outer_lr is not None  # only DiLoCo has one

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-_HERE = pathlib.Path(__file__).resolve().parent
+_HERE = pathlib.Path(__file__).resolve().parents[1]  # the package
 # installed from a wheel: inside the package; a checkout (or an editable install): the repository's
 DIRECTORY = _HERE / "configs" if (_HERE / "configs").is_dir() else _HERE.parent / "configs"
 DEFAULT = DIRECTORY / "default.py"

@@ -1,0 +1,73 @@
+"""What every command's line shares: an argparse whose errors are one line and exit 2, and the
+check that an output directory can be written before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import pathlib
+import sys
+
+from diloco_jax.base.errors import ConfigError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``error: ...``, and exit status 2 (argparse's own
+    prints the usage first); no flag abbreviations; unknown flags name the closest known one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        print(f"error: {message} (--help for usage)", file=sys.stderr)
+        sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        if "--" in args:  # nothing here takes positionals after it
+            self.error("unexpected argument '--'")
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unknown(extras[0]))
+        return namespace
+
+    def unknown(self, arg: str) -> str:
+        """One line about an argument no flag takes, with the closest flag when one is close."""
+        if not arg.startswith("-"):
+            return f"unexpected argument {arg!r}"
+        name = arg.partition("=")[0]
+        close = difflib.get_close_matches(name, self._option_string_actions, n=1)
+        if name.startswith("--config."):  # a config key: named as the config names it
+            hint = f"; did you mean {close[0].removeprefix('--config.')}?" if close else ""
+            return f"unknown config key {name.removeprefix('--config.')!r}{hint}"
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"unknown flag {name}{hint}"
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=42, width=100)
+
+
+def check_output_dir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.Path:
+    """``path`` if a run can write there: a directory, or a path whose nearest existing ancestor
+    is a writable directory (nothing is created here). Raises :class:`ConfigError`, one line
+    naming ``flag``, otherwise."""
+    if not str(path).strip():
+        raise ConfigError(f"{flag} is empty: give a directory")
+    path = pathlib.Path(path).expanduser()
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not os.path.lexists(existing):  # a relative path in a missing working directory
+        existing = pathlib.Path.cwd()
+    where = f"{flag} {path}" + ("" if existing == path else f": parent {existing}")
+    if not existing.is_dir():
+        kind = "a file" if existing.is_file() else "not a directory"
+        raise ConfigError(f"{where} is {kind}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where} is not writable")
+    return path
