@@ -69,6 +69,8 @@ def test_two_replicas_are_diloco():
     np.testing.assert_allclose(noloco, plain, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # ~15 s; by default the hand-computed NoLoCo runs and test_chunked's
+# test_chunks_train_bitwise_what_all_at_once_trains (the chunks)
 def test_noloco_in_chunks_trains_bitwise_what_one_vmap_trains():
     """Under the chunked simulator's stragglers and failures (tests/test_chunked.py): a left-out
     replica's partner averages with itself alone."""

@@ -117,6 +117,8 @@ def test_waiting_for_every_replica_is_diloco_bitwise():
     chex.assert_trees_all_equal(late_state.anchor, plain_state.anchor)
 
 
+@pytest.mark.slow  # ~17 s; by default test_late_merge_matches_a_hand_computed_run (the late merge)
+# and test_chunked's test_chunks_train_bitwise_what_all_at_once_trains (the chunks)
 def test_late_merge_in_chunks_trains_bitwise_what_one_vmap_trains():
     """The chunked simulator's control leaves replica 2 out of its first sync, keeping its own
     parameters: a late replica (tests/test_chunked.py)."""

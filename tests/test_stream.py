@@ -71,6 +71,9 @@ def test_on_devices_reads_each_devices_replicas(text_file):
         )
 
 
+@pytest.mark.slow  # ~25 s: three runs; by default test_host_batches_equal_the_device_sampler (the
+# windows) and test_grain_task's test_fit_on_a_pipeline_learns_and_resumes_bitwise (the loop's
+# streamed path, resumed)
 def test_streamed_run_trains_exactly_the_loaded_run_and_resumes_exactly(text_file, tmp_path):
     def cfg(budget):
         return _cfg(text_file, budget, **{"parallel.runtime": "sim"})
