@@ -65,8 +65,11 @@ CONFIGS = {  # where a key could reach the step: the variants that build other s
     # by default the mesh (shardings in the step) and a scheduled outer rate (a constant of the
     # step); the other variants' steps, ~15 s each, are slow: a shape-changing key declared free
     # fails on the mesh as on them (planted bug 52)
-    "variant", [v if v in ("mesh", "outer_schedule") else pytest.param(v, marks=pytest.mark.slow)
-                for v in CONFIGS],
+    "variant",
+    [
+        v if v in ("mesh", "outer_schedule") else pytest.param(v, marks=pytest.mark.slow)
+        for v in CONFIGS
+    ],
 )
 def test_every_program_free_key_leaves_the_traced_step_unchanged(tmp_path, variant):
     """The key of a kept program leaves out :func:`programs.free_keys`'s keys; so changing all
