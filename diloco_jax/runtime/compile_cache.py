@@ -92,7 +92,7 @@ def hits() -> int:
 # key that matches loads the program (~0.01 s) and lowers its call (~0.3 s); XLA's compile of
 # that call then comes from JAX's cache as before. What fails before the first step (a missing,
 # damaged or corrupted entry, a program that cannot be exported, lowered or compiled) falls
-# back to tracing (``train._compile``), so the cost of a failure is time, never a wrong
+# back to tracing (``run.loop.compile_step``), so the cost of a failure is time, never a wrong
 # program: that rests on the key, whose parts ``tests/test_program_cache.py`` checks.
 
 PROGRAMS = "programs"  # under the cache directory, beside JAX's executables
