@@ -17,6 +17,7 @@ import time
 import jax
 
 from diloco_jax import config as config_lib
+from diloco_jax.base.commandline import ArgumentParser
 from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, user_optimizers
 from diloco_jax.data import DataError
@@ -82,7 +83,7 @@ def dry_run(cfg: config_lib.Config) -> int:
     return 0
 
 
-def _train_flags(parser: cli.ArgumentParser) -> None:
+def _train_flags(parser: ArgumentParser) -> None:
     parser.add_argument("--dry_run", action="store_true",
                         help="print the layout and the memory plan per device (compiled from "
                         "shapes, nothing allocated) and exit: 0 if it fits, 2 if not")  # fmt: skip

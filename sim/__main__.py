@@ -23,6 +23,7 @@ recomputed when the command runs again.
 import sys
 
 from diloco_jax import config as config_lib
+from diloco_jax.base.commandline import ArgumentParser
 from diloco_jax.config import cli
 
 
@@ -48,7 +49,7 @@ def _seeds(values: list[str]) -> list[int]:
     return seeds or [0]
 
 
-def _sweep_flags(parser: cli.ArgumentParser) -> None:
+def _sweep_flags(parser: ArgumentParser) -> None:
     group = parser.add_argument_group("sweep")
     group.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                        help="a grid axis: a key and its values ([a,b] holds a list)")  # fmt: skip

@@ -17,7 +17,8 @@ import pathlib
 import sys
 
 from diloco_jax.base import extras
-from diloco_jax.config import ConfigError, cli
+from diloco_jax.base.commandline import ArgumentParser, check_output_dir
+from diloco_jax.config import ConfigError
 
 from . import plots
 
@@ -61,7 +62,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}.combine") -> int:
-    parser = cli.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", type=pathlib.Path, help="sweep directories")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--title", default="final loss against bytes sent")
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}
     try:
         extras.check("drawing tradeoff.png", "matplotlib")  # the figure is what combine is for
         rows = read(args.sweeps)
-        args.out = cli.check_output_dir(args.out, "--out")
+        args.out = check_output_dir(args.out, "--out")
     except (FileNotFoundError, ConfigError, extras.MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
