@@ -111,3 +111,31 @@ def test_a_load_is_counted_on_the_thread_that_loads():
     thread.join()
     assert seen["after"] == seen["before"] + 1  # loaded there, and counted there
     assert compile_cache.hits() == before  # not here
+
+
+def test_an_executable_read_again_comes_from_memory_and_a_changed_program_does_not():
+    """A program read back from the cache once is kept in this process: with its file gone,
+    a second read still finds it (a sweep's runs read each executable once). A program that
+    differs by a constant is not served the kept one."""
+    import jax
+    import jax.numpy as jnp
+
+    cache = pathlib.Path(jax.config.jax_compilation_cache_dir)  # the session's (conftest)
+    x_N = jnp.arange(5.0)
+    files = set(cache.rglob("*"))
+    jax.jit(lambda x: x * 5.0 - 2.0)(x_N)  # compiled and written
+    jax.clear_caches()
+    before = compile_cache.hits()
+    jax.jit(lambda x: x * 5.0 - 2.0)(x_N)  # read from its file
+    assert compile_cache.hits() == before + 1
+    written = [f for f in set(cache.rglob("*")) - files if f.is_file()]
+    assert written  # the program's entry
+    for entry in written:
+        entry.unlink()
+    jax.clear_caches()
+    again = jax.jit(lambda x: x * 5.0 - 2.0)(x_N)  # the file is gone: from memory
+    assert compile_cache.hits() == before + 2
+    assert again.tolist() == [-2.0, 3.0, 8.0, 13.0, 18.0]
+    other = jax.jit(lambda x: x * 5.0 - 3.0)(x_N)  # another program: compiled
+    assert compile_cache.hits() == before + 2
+    assert other.tolist() == [-3.0, 2.0, 7.0, 12.0, 17.0]

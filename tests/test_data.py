@@ -93,3 +93,14 @@ def test_local_text_file_and_too_small(tmp_path):
     path.write_text("ab")
     with pytest.raises(DataError, match="too small to split"):
         load_corpus(str(path), val_fraction=0.1)
+
+
+def test_a_rewritten_compressed_file_is_read_anew(tmp_path):
+    """A compressed corpus is decompressed once per process while unchanged; a new file at the
+    same path is read again."""
+    path = tmp_path / "c.txt.xz"
+    path.write_bytes(lzma.compress(b"abcdefghij" * 100))
+    assert bytes(load_corpus(str(path), val_fraction=0.1).train_N[:3]) == b"abc"
+    assert bytes(load_corpus(str(path), val_fraction=0.1).train_N[:3]) == b"abc"
+    path.write_bytes(lzma.compress(b"zyxwvutsrq" * 120))
+    assert bytes(load_corpus(str(path), val_fraction=0.1).train_N[:3]) == b"zyx"

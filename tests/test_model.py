@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from diloco_jax.config import apply_overrides, load_preset, validate
 from diloco_jax.tasks import model as model_lib
@@ -142,8 +143,6 @@ def _reference_attention(attn, x_BxLxD):
 def test_attention_equals_dot_product_attention_values_and_gradients(compute_dtype):
     """The head-major attention is jax.nn.dot_product_attention's function: the same outputs
     and parameter gradients (float32 to rounding; bf16 within a few bf16 ulps)."""
-    from flax import nnx
-
     dtype = model_lib.COMPUTE_DTYPES[compute_dtype]
     attn = model_lib.Attention(32, 4, dtype=dtype, rngs=nnx.Rngs(params=1))
     x = jax.random.normal(jax.random.key(2), (3, 10, 32))
@@ -169,3 +168,26 @@ def test_attention_equals_dot_product_attention_values_and_gradients(compute_dty
     grad_tol = dict(tol[compute_dtype], atol=max(1e-5, tol[compute_dtype]["atol"]))
     chex.assert_trees_all_close(grads, ref_grads, **grad_tol)
     assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0.1  # not a trivially zero output
+
+
+def test_equal_models_share_one_trace_and_each_call_gets_its_own_arrays():
+    """``split_built(..., same_as=...)``: calls with equal descriptions trace once (any seed),
+    return new arrays (one run donating its parameters leaves the next run's intact), and
+    descriptions that differ only in a value's type (1 and True) do not share."""
+    traces = []
+
+    def make(rngs):
+        traces.append(1)
+        return nnx.Linear(3, 2, rngs=rngs)
+
+    same_as = ("linear-test", model_lib.described({"a": 1}))
+    _, first = model_lib.split_built(make, 0, same_as=same_as)
+    kept = jax.tree.map(np.asarray, first)
+    jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)(first)
+    _, second = model_lib.split_built(make, 0, same_as=same_as)
+    _, other_seed = model_lib.split_built(make, 1, same_as=same_as)
+    assert len(traces) == 1
+    chex.assert_trees_all_equal(second, kept)
+    assert not np.array_equal(other_seed["kernel"], second["kernel"])
+    model_lib.split_built(make, 0, same_as=("linear-test", model_lib.described({"a": True})))
+    assert len(traces) == 2

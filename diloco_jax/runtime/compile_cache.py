@@ -71,7 +71,50 @@ def enable(configured: str = "") -> pathlib.Path | None:
     minimum = float(os.environ.get(MIN_SECONDS_ENV) or MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    keep_loaded()
     return path
+
+
+# ---- executables read back once per process ---------------------------------------------------
+#
+# Reading an executable from the cache deserializes it: about 0.2 s for each of a tiny run's
+# programs on a 2-core CPU, three times per run, however often the same program is read. The
+# runs of a sweep, or of a test session, trace the same programs again (each run builds its
+# own closures, so JAX's in-memory caches miss) and read the same entries. The last
+# ``KEEP_LOADED`` executables read are kept, by cache key, backend and devices: a program read
+# again is the object read the first time. JAX shares one executable between calls the same
+# way (its in-memory compile cache); the cache key covers the program and every compile option.
+
+KEEP_LOADED = 32
+_loaded: collections.OrderedDict = collections.OrderedDict()
+_loaded_lock = threading.Lock()
+
+
+def keep_loaded() -> None:
+    """Wraps JAX's persistent-cache read with the in-process memory above (once). Where this
+    JAX has no such function, nothing changes: runs read the cache as before."""
+    from jax._src import compilation_cache as jax_cache
+
+    read = getattr(jax_cache, "get_executable_and_time", None)
+    if read is None or getattr(read, "keeps_loaded", False):
+        return
+
+    def get_executable_and_time(cache_key, compile_options, backend, executable_devices):
+        key = (cache_key, id(backend), tuple(d.id for d in executable_devices))
+        with _loaded_lock:
+            if key in _loaded:
+                _loaded.move_to_end(key)
+                return _loaded[key]
+        found = read(cache_key, compile_options, backend, executable_devices)
+        if found[0] is not None:
+            with _loaded_lock:
+                _loaded[key] = found
+                while len(_loaded) > KEEP_LOADED:
+                    _loaded.popitem(last=False)
+        return found
+
+    get_executable_and_time.keeps_loaded = True  # type: ignore[attr-defined]
+    jax_cache.get_executable_and_time = get_executable_and_time
 
 
 def hits() -> int:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .model import split_built
+from .model import described, split_built
 
 
 def _groups(channels: int) -> int:
@@ -63,7 +63,8 @@ class ResNet(nnx.Module):
 
 def init_model(seed: int, **kwargs) -> tuple[nnx.GraphDef, Any]:
     """``(graphdef, params)`` of a :class:`ResNet` built from ``kwargs``."""
-    return split_built(lambda rngs: ResNet(**kwargs, rngs=rngs), seed)
+    same_as = ("ResNet", described(kwargs))
+    return split_built(lambda rngs: ResNet(**kwargs, rngs=rngs), seed, same_as=same_as)
 
 
 def apply(graphdef: nnx.GraphDef, params: Any, images_BxHxWxC: jax.Array) -> jax.Array:
