@@ -5,6 +5,7 @@
     diloco-combine   python -m sim.combine     (installed: python -m diloco_jax.sim.combine)
     diloco-prepare   python -m diloco_jax.data.prepare
     diloco-launch    python -m diloco_jax.launch
+    diloco-syncer    python -m diloco_jax.syncer
 
 Each takes the same flags as its module and returns its exit status.
 """
@@ -50,3 +51,9 @@ def launch() -> int:
     from diloco_jax.launch import main
 
     return main()
+
+
+def syncer() -> int:
+    from diloco_jax.syncer import main
+
+    return main(prog="diloco-syncer")

@@ -287,4 +287,37 @@ MUTANTS = [
            '"""int32 ``[N, len(replicas), B]``: the examples of ``num_steps`` steps."""\n'
            "        steps = 1 + np.arange(first_step,",
            ["tests/test_tfds_images.py::test_host_image_batches_equal_the_device_sampler"]),
+    Mutant("a warm run reads every executable from disk (the in-process memory never used)",
+           "runtime", "diloco_jax/runtime/compile_cache.py", "    keep_loaded()\n    return path",
+           "    return path",
+           ["tests/test_compile_cache.py::test_an_executable_read_again_comes_from_memory_and_a_"
+            "changed_program_does_not"]),
+    Mutant("a rewritten compressed corpus is served from memory", "data", CORPUS,
+           "key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)",
+           "key = (str(path.resolve()), 0, 0)",
+           ["tests/test_data.py::test_a_rewritten_compressed_file_is_read_anew"]),
+    Mutant("models that differ in a value's type share one traced initialisation", "runtime",
+           "diloco_jax/tasks/model.py", "return tuple((k, type(v).__name__, v) for k, v in",
+           "return tuple((k, v) for k, v in",
+           ["tests/test_model.py::test_equal_models_share_one_trace_and_each_call_gets_its_own_"
+            "arrays"]),
+    Mutant("every learner trains on learner 0's data", "faults", "diloco_jax/run/setup.py",
+           "first, everyone = cfg.syncer.learner * replicas,",
+           "first, everyone = 0 * replicas,",
+           ["tests/test_learners.py::test_two_learners_of_one_replica_train_what_the_mesh_trains_"
+            "with_two"]),
+    Mutant("the syncer merges a push that is not finite", "faults",
+           "diloco_jax/learners/syncer.py",
+           "            finite = all(bool(np.isfinite(x).all()) for x in leaves)",
+           "            finite = True",
+           ["tests/test_learners.py::test_the_syncer_refuses_what_does_not_fit_and_leaves_a_bad_"
+            "push_out"]),
+    Mutant("the syncer merges a stale push", "faults", "diloco_jax/learners/syncer.py",
+           "            if base_round < self.round:", "            if False:",
+           ["tests/test_learners.py::test_the_syncer_refuses_what_does_not_fit_and_leaves_a_bad_"
+            "push_out"]),
+    Mutant("the syncer takes any token", "command line", "diloco_jax/learners/service.py",
+           "        if not hmac.compare_digest(", "        if False and not hmac.compare_digest(",
+           ["tests/test_learners.py::test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_"
+            "nothing"]),
 ]  # fmt: skip

@@ -24,6 +24,7 @@ LAYERS = (
     "runtime",  # one replica step under vmap or shard_map, checkpoints, the compile cache
     "config",  # the schema, presets, command lines, validation, config -> algorithm and task
     "watch",  # logs, records, the HTTP server and dashboard, figures
+    "learners",  # independent learners and their syncer: the wire format, gRPC, the rounds
     "run",  # a run's life: set-up, placement, resume, the loop, processes, preemption
 )
 FACES = "faces"  # the top-level modules

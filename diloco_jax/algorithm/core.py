@@ -207,24 +207,20 @@ class Diloco(NamedTuple):
         idx = groups[f]
         anchor = [rnd.anchor[i] for i in idx]
         start = [rnd.base[i] for i in idx] if self.late_merge else anchor
-        delta = [a - rnd.params[i] for a, i in zip(start, idx, strict=True)]
-        finite = jnp.isfinite(optax.tree.norm(delta))  # NaN/Inf anywhere: leave it out
-        w = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
-        mean, ex_f, total_w = self.exchange.mean(delta, w, finite, rnd.exchange_state[f],
-                                                 anchor=anchor)  # fmt: skip
-        mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
+        delta, w, finite, mean, ex_f, total_w = self._contribute(
+            start, [rnd.params[i] for i in idx], anchor, weight, rnd.exchange_state[f]
+        )
         applied, timing_state = self.timing.apply(mean, delta, w, rnd.timing_state)
-        outer_updates, outer_f = self.outer.update(applied, rnd.outer_state[f], anchor)
         # every replica holds the same scale: their max is it, and is not per replica (vmap)
         for name in exchange.names(self.axis_name):
             outer_scale = lax.pmax(jnp.asarray(outer_scale, jnp.float32), name)
-        outer_updates = [(u * outer_scale).astype(u.dtype) for u in outer_updates]
         anyone = total_w > 0  # else: no outer step at all
-        new_anchor = _where(anyone, optax.apply_updates(anchor, outer_updates), anchor)
+        new_anchor, outer_f = self.outer_step(applied, anchor, rnd.outer_state[f], outer_scale,
+                                              anyone)  # fmt: skip
         moved = [(n - a).astype(jnp.float32) for n, a in zip(new_anchor, anchor, strict=True)]
         return rnd._replace(
             anchor=_set(rnd.anchor, idx, new_anchor),
-            outer_state=_set(rnd.outer_state, [f], [_where(anyone, outer_f, rnd.outer_state[f])]),
+            outer_state=_set(rnd.outer_state, [f], [outer_f]),
             exchange_state=_set(rnd.exchange_state, [f], [ex_f]),
             timing_state=_where(anyone, timing_state, rnd.timing_state),
             healthy=finite,
@@ -232,6 +228,58 @@ class Diloco(NamedTuple):
                 delta, mean, w, optax.tree.norm(moved), self.axis_name, self.diagnostics
             ),
         )
+
+    def _contribute(self, start: list, params: list, anchor: list, weight, exchange_state):
+        """The replicas' weighted mean pseudo-gradient of one fragment (``start - params``; a
+        replica whose own is not finite is left out): ``(delta, w, finite, mean, exchange_state,
+        total_w)``, ``mean`` in the anchor's dtypes."""
+        delta = [a - p for a, p in zip(start, params, strict=True)]
+        finite = jnp.isfinite(optax.tree.norm(delta))  # NaN/Inf anywhere: leave it out
+        w = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
+        mean, ex_f, total_w = self.exchange.mean(delta, w, finite, exchange_state, anchor=anchor)
+        mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
+        return delta, w, finite, mean, ex_f, total_w
+
+    def contribution(self, state: DilocoState, weight=1.0):
+        """One replica's part of a sync whose outer step is taken elsewhere (a syncer of
+        independent learners, :mod:`diloco_jax.learners`): ``(state, mean, total_w)``, where
+        ``mean`` is the weighted mean pseudo-gradient of the replicas on the replica axis (as
+        a list of leaves, the same on every replica), ``total_w`` their mean weight (0: nobody's
+        was finite) and ``state`` has the exchange's new state and ``healthy``. For plain
+        DiLoCo: one fragment, ``sync`` timing, a shared anchor."""
+        anchor = jax.tree.leaves(state.anchor)
+        start = jax.tree.leaves(state.base) if self.late_merge else anchor
+        _, _, finite, mean, ex, total_w = self._contribute(
+            start, jax.tree.leaves(state.params), anchor, weight, state.exchange_state[0]
+        )
+        return state._replace(exchange_state=(ex,), healthy=finite), mean, total_w
+
+    def restart(self, state: DilocoState, anchor) -> DilocoState:
+        """One replica after an outer step taken elsewhere (:meth:`contribution`): the new
+        ``anchor`` lands as a sync lands here (every replica restarts from it; one whose
+        pseudo-gradient was not finite with a fresh inner state)."""
+        leaves, treedef = jax.tree.flatten(state.params)
+        rnd = _Round(leaves, state.inner_state, jax.tree.leaves(anchor), state.outer_state,
+                     state.exchange_state, state.timing_state, state.healthy, zero_stats(),
+                     jax.tree.leaves(state.base))  # fmt: skip
+        rnd = self._land(0, rnd, groups=self._groups(state.params), take_anchor=True,
+                         treedef=treedef)  # fmt: skip
+        return state._replace(
+            params=jax.tree.unflatten(treedef, rnd.params), inner_state=rnd.inner_state,
+            anchor=jax.tree.unflatten(treedef, rnd.anchor), healthy=rnd.healthy,
+            base=jax.tree.unflatten(treedef, rnd.base) if self.late_merge else ())  # fmt: skip
+
+    def outer_step(self, mean: list, anchor: list, outer_state: Any, outer_scale=1.0,
+                   anyone=True) -> tuple[list, Any]:  # fmt: skip
+        """The outer step of one fragment: ``anchor`` (a list of leaves) moved by the outer
+        optimizer fed the replicas' ``mean`` pseudo-gradient, the update times
+        ``outer_scale``; returns ``(anchor, outer_state)``, both unchanged where ``anyone`` is
+        False (nobody contributed). Every sync takes it, and so does the syncer of independent
+        learners (:mod:`diloco_jax.learners.syncer`), on the mean of their pseudo-gradients."""
+        updates, new_state = self.outer.update(mean, outer_state, anchor)
+        updates = [(u * outer_scale).astype(u.dtype) for u in updates]
+        new_anchor = _where(anyone, optax.apply_updates(anchor, updates), anchor)
+        return new_anchor, _where(anyone, new_state, outer_state)
 
     def _land(self, f: int, rnd: _Round, *, groups, take_anchor, treedef) -> _Round:
         """Fragment ``f``'s merged value lands: ``params_f = anchor_f`` (or, with ``mix``,

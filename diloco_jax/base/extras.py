@@ -23,6 +23,7 @@ EXTRAS = {
     "sentencepiece": ("SentencePiece", "sentencepiece"),
     "matplotlib": ("matplotlib", "plots"),
     "wandb": ("wandb", "wandb"),
+    "grpc": ("gRPC (grpcio)", "learners"),
 }
 
 

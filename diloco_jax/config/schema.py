@@ -214,6 +214,21 @@ class ServeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SyncerConfig:
+    """Independent learners and a syncer (``diloco_jax/learners/``): a run with
+    ``syncer.address`` is a learner; ``python -m diloco_jax.syncer`` serves at it."""
+
+    address: str = _key("", "HOST:PORT of the syncer; a run with it is a learner; empty: none")
+    learner: int = _key(0, "this learner's index in [0, syncer.learners): its data shards")
+    learners: int = _key(1, "the learners declared: the data is split into this many parts")
+    timeout: float = _key(60.0, "seconds a round waits after its first push for the others")
+    dead_after: float = _key(30.0, "seconds of silence after which a learner is dropped")
+    heartbeat: float = _key(2.0, "seconds between a learner's heartbeats")
+    token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else "
+                           "(the syncer) a new one in WORKDIR/syncer_token")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
 class CompressConfig:
     """How DiLoCo's pseudo-gradients travel; see ``diloco_jax/algorithm/compress.py``. The
     defaults are the library's own (Codec, DctConfig): one source."""
@@ -293,6 +308,7 @@ class Config:
     sim: SimConfig = SimConfig()
     log: LogConfig = LogConfig()
     serve: ServeConfig = ServeConfig()
+    syncer: SyncerConfig = SyncerConfig()
 
 
 def load_preset(preset: str | pathlib.Path) -> Config:

@@ -102,6 +102,45 @@ def validate(cfg: Config) -> None:
     _validate_variants(cfg)
     _validate_sim(cfg)
     _validate_serve(cfg)
+    _validate_syncer(cfg)
+
+
+def _validate_syncer(cfg: Config) -> None:
+    """The syncer's keys; a learner (``syncer.address`` set) runs plain DiLoCo on the
+    simulator's layout for now (the syncer's rounds are synchronous)."""
+    sy, t, o = cfg.syncer, cfg.train, cfg.outer
+    host, _, port = sy.address.rpartition(":")
+    rules = [
+        ("syncer.learners", sy.learners >= 1, "must be an integer >= 1"),
+        ("syncer.learner", 0 <= sy.learner < sy.learners,
+         f"must be in [0, syncer.learners = {sy.learners})"),
+        ("syncer.address", not sy.address or (host and port.isdigit() and 0 < int(port) < 65536),
+         "must be HOST:PORT"),
+        *[(f"syncer.{k}", getattr(sy, k) > 0 and math.isfinite(getattr(sy, k)),
+           "must be a finite number of seconds > 0") for k in ("timeout", "dead_after",
+                                                                "heartbeat")],
+        ("syncer.heartbeat", sy.heartbeat < sy.dead_after,
+         f"must be shorter than syncer.dead_after = {sy.dead_after} (a live learner would be "
+         "dropped)"),
+        ("syncer.token_file", not sy.token_file or pathlib.Path(sy.token_file).is_file(),
+         "must be a file holding the token"),
+    ]  # fmt: skip
+    if sy.address:
+        plain = {"algorithm": cfg.algorithm == "diloco", "outer.mode": o.mode == "sync",
+                 "compress.codec": cfg.compress.codec == "none",
+                 "streaming.fragments": cfg.streaming.fragments == 1,
+                 "noloco.enabled": not cfg.noloco.enabled,
+                 "desloc.first_moment_every": not (cfg.desloc.first_moment_every
+                                                   or cfg.desloc.second_moment_every),
+                 "sim.quorum": not cfg.sim.quorum, "sim.chunk": not cfg.sim.chunk,
+                 "parallel.runtime": cfg.parallel.runtime in ("auto", "sim")}  # fmt: skip
+        rules += [(key, ok, "is not supported by a learner yet (syncer.address): it runs plain "
+                   "DiLoCo on the simulator's layout, with synchronous rounds")
+                  for key, ok in plain.items()]  # fmt: skip
+        rules.append(("outer.sync_every", o.sync_every % t.log_every == 0,
+                      f"must be a multiple of train.log_every = {t.log_every} for a learner "
+                      "(its syncs happen between calls)"))  # fmt: skip
+    _enforce(rules, keys(cfg))
 
 
 def _validate_serve(cfg: Config) -> None:

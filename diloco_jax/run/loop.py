@@ -8,13 +8,14 @@ from __future__ import annotations
 import pathlib
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from diloco_jax import config as config_lib
 from diloco_jax.base.progress import progress_bar
+from diloco_jax.learners import learner as learners
 from diloco_jax.run import distributed, placement, programs, resume
 from diloco_jax.run.live import Live
 from diloco_jax.run.preemption import Preemption, saving
@@ -139,6 +140,7 @@ class Run(NamedTuple):
     mngr: object  # the checkpoint manager, or None (train.checkpoint=false)
     runlog: reporting.RunLog
     live: Live
+    learner: Any = None  # syncer.address: this run's side of the syncer's rounds
 
 
 def open_run(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, server):
@@ -163,7 +165,11 @@ def open_run(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, serv
         s.layout.replica_devices, s.layout.data_devices, jax.process_count(), s.num_params,
         s.layout.replicas * cfg.data.batch_size * s.tokens_per_row, s.unit,
     )  # fmt: skip
-    return Run(lead, mngr, runlog, live), start
+    learner = None
+    if cfg.syncer.address:  # a learner: it starts from the syncer's anchor
+        learner = learners.connect(cfg, s.algorithm, config_lib.keys(cfg), log)
+        start = start._replace(state=learner.join(start.state))
+    return Run(lead, mngr, runlog, live, learner), start
 
 
 def compile_step(s: Setup, state, phases: reporting.Phases, material: dict | None = None):
@@ -242,6 +248,8 @@ def close(s: Setup, r: Run, summary: dict, step: int, call_seconds, host_seconds
     )
     r.runlog.close()
     r.live.close()
+    if r.learner is not None:
+        r.learner.close()
 
 
 class Calls(NamedTuple):
@@ -271,6 +279,8 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
         metrics_NxR = jax.device_get(metrics_NxR)
         call_seconds.append(time.time() - tick)
         step += cfg.train.log_every
+        if r.learner is not None and step % cfg.outer.sync_every == 0:
+            state = r.learner.sync(state)  # the syncer's round: push, wait, restart
         _report_chunk(s, r.runlog, bar, step, metrics_NxR, call_seconds[-1])
         distributed.check_replicated(s, state, step)
         asked = r.live.agree(r.runlog, stop, step)  # HTTP controls, as every process agrees

@@ -28,9 +28,10 @@ def _noloco(cfg: config_lib.Config) -> bool:
 
 
 def runtime(cfg: config_lib.Config) -> str:
-    """``parallel.runtime``, where ``auto`` means the simulator for a chunked one (sim.chunk)
-    and for NoLoCo (a mesh gives it one device per replica only when asked)."""
-    sim = cfg.sim.chunk or _noloco(cfg)
+    """``parallel.runtime``, where ``auto`` means the simulator for a chunked one (sim.chunk),
+    for NoLoCo (a mesh gives it one device per replica only when asked) and for a learner
+    (``syncer.address``: its replicas on one device, for now)."""
+    sim = cfg.sim.chunk or _noloco(cfg) or cfg.syncer.address
     return "sim" if cfg.parallel.runtime == "auto" and sim else cfg.parallel.runtime
 
 
@@ -114,7 +115,8 @@ def steps(cfg: config_lib.Config, layout, algorithm, problem, mesh, state):
                                    per_step_data=streamed)  # fmt: skip
         return run, algorithm.outer_params, None
     if mesh is None:
-        run = parallel.simulator_steps(make_step(algorithm), kinds, steps, per_step_data=streamed)
+        local = chunked.LocalOnly(algorithm) if cfg.syncer.address else algorithm  # a learner
+        run = parallel.simulator_steps(make_step(local), kinds, steps, per_step_data=streamed)
         return run, algorithm.outer_params, None
     specs = parallel.state_specs(state, kinds, layout)
     run = parallel.mesh_steps(make_step(algorithm), kinds, mesh, steps, per_step_data=streamed,

@@ -120,8 +120,15 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
     d = cfg.data
     replicas = placement.effective_replicas(cfg)
     layout = placement.layout(cfg, replicas)
-    problem = problems.load(cfg, replicas, task)
+    # a learner's replicas are its part of every learner's: their data shards and indices
+    first, everyone = cfg.syncer.learner * replicas, cfg.syncer.learners * replicas
+    problem = problems.load(cfg, everyone, task)
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
+    if everyone != replicas:
+        if problem.streamed or problem.stream is not None:
+            raise config_lib.ConfigError("a learner (syncer.address) reads data held in memory "
+                                         "for now: not streamed data or a GrainTask")  # fmt: skip
+        shards_RxS = jax.tree.map(lambda x: x[first : first + replicas], shards_RxS)
     cfg = user_optimizers.recorded(cfg, given, params)
     # 1 more all-reduce per sync: only where it stays in one machine's memory
     diagnostics = cfg.sim.diagnostics and (layout.runtime == "sim" or placement.cpu_simulation())
@@ -159,7 +166,10 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
         mesh=mesh,
         run_chunk=run_chunk,
         replicas_R=parallel.on_devices(
-            np.arange(replicas, dtype=np.int32), mesh, P(REPLICA), abstract=abstract
+            np.arange(first, first + replicas, dtype=np.int32),
+            mesh,
+            P(REPLICA),
+            abstract=abstract,
         ),
         shards_RxS=_training_data(shards_RxS, stream, mesh, abstract),
         eval_windows=eval_windows,

@@ -1,0 +1,244 @@
+"""Independent learners and a syncer (issue 41): the wire format, the syncer's rounds against
+the core's own sync, refusals, and learners trained by ``python -m diloco_jax.train`` against
+the mesh runtime."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from diloco_jax.algorithm import diloco, init_replicas, vmap_axes
+from diloco_jax.learners import service, wire
+from diloco_jax.learners.syncer import Refused, Syncer
+from tests import helpers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOKEN = "learners-test-token"
+CENTERS_RxD = np.array([[1.0, -2.0, 0.5], [3.0, 0.5, -1.0], [-1.0, 2.0, 0.0],
+                        [0.5, 0.5, 4.0]], np.float32)  # fmt: skip
+
+
+def _algorithm():
+    return diloco(optax.adamw(0.05), optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=3)
+
+
+def _syncer(tmp_path, algorithm, learners=4, **kw):
+    kw = {"timeout": 30.0, "dead_after": 30.0, **kw}
+    return Syncer(algorithm, tmp_path / "syncer", keys={"outer.sync_every": 3},
+                  learners=learners, **kw)  # fmt: skip
+
+
+# ---- the wire ------------------------------------------------------------------------------
+
+
+def test_a_message_round_trips_and_a_damaged_one_is_refused_by_name():
+    tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float16)}
+    arrays = wire.named(tree)
+    chunks = list(wire.encode({"round": 3}, arrays))
+    fields, back = wire.decode(chunks, max_bytes=1 << 20)
+    assert fields == {"round": 3}
+    chex.assert_trees_all_equal(wire.unnamed(tree, back), tree)
+    assert back["['b']"].dtype == np.float16
+    with pytest.raises(wire.WireError, match="truncated message: 12 of 30 bytes"):
+        wire.decode([chunks[0], chunks[1][:12]], max_bytes=1 << 20)
+    with pytest.raises(wire.WireError, match="30 bytes, more than the limit of 29"):
+        wire.decode(chunks, max_bytes=29)
+    damaged = chunks[1][:-1] + bytes([chunks[1][-1] ^ 1])
+    with pytest.raises(wire.WireError, match="do not match its checksum"):
+        wire.decode([chunks[0], damaged], max_bytes=1 << 20)
+    other = {"w": np.zeros((3, 2), np.float32), "b": np.ones(3, np.float16)}
+    with pytest.raises(wire.WireError, match=r"parameter \['w'\] is \[2, 3\] float32, expected "
+                       r"\[3, 2\] float32"):  # fmt: skip
+        wire.unnamed(other, back)
+
+
+# ---- the syncer's rounds against the core's own sync ---------------------------------------
+
+
+def _learner_fns(algorithm):
+    axes = vmap_axes(algorithm)
+    contribute = jax.jit(jax.vmap(algorithm.contribution, in_axes=(axes,), out_axes=(axes, 0, 0),
+                                  axis_name="replica"))  # fmt: skip
+    restart = jax.jit(jax.vmap(algorithm.restart, in_axes=(axes, None), out_axes=axes))
+    local = jax.jit(jax.vmap(lambda s, g: algorithm.update(s, g, sync=False), in_axes=(axes, 0),
+                             out_axes=(axes, 0), axis_name="replica"))  # fmt: skip
+    return contribute, restart, local
+
+
+def test_four_learners_through_a_syncer_equal_four_replicas_of_the_core(tmp_path):
+    """Each learner holds one replica of a quadratic and takes inner steps alone; at each sync
+    it pushes its pseudo-gradient and restarts from the syncer's anchor. After 4 rounds the
+    anchor, every replica's parameters and AdamW states equal the core's vmap over 4 replicas
+    (the same float32 sums: bitwise here). The syncer's tape shows each round closed by all
+    four, and its checkpoint holds the last round's anchor."""
+    algorithm, x0 = _algorithm(), jnp.zeros(3, jnp.float32)
+    _, want, _ = helpers.run_vmapped(algorithm, x0, CENTERS_RxD, 12)
+    contribute, restart, local = _learner_fns(algorithm)
+    syncer = _syncer(tmp_path, algorithm)
+    states = [init_replicas(algorithm, x0, 1) for _ in range(4)]
+    try:
+        for i in range(4):
+            gen, rnd, anchor = syncer.join(i, wire.describe(states[i].anchor),
+                                           {"outer.sync_every": 3}, wire.named(x0))  # fmt: skip
+            assert (gen, rnd) == (1, 0)
+        for rnd in range(4):
+            pushed = []
+            for i in range(4):
+                for _ in range(3):
+                    grads = states[i].params - CENTERS_RxD[i : i + 1]
+                    states[i], _ = local(states[i], grads)
+                states[i], mean, total_w = contribute(states[i])
+                pushed.append(mean)
+                leaves = [np.asarray(m[0]) for m in mean]
+                named = dict(zip(wire.leaf_names(x0), leaves, strict=True))
+                syncer.push(i, 1, rnd, float(total_w[0]), named)
+            assert syncer.round == rnd + 1
+            got_round, anchor = syncer.wait(rnd, 1.0)
+            new_anchor = wire.unnamed(x0, anchor)
+            states = [restart(s, new_anchor) for s in states]
+        chex.assert_trees_all_equal(states[0].anchor, want.anchor)
+        for i, state in enumerate(states):
+            chex.assert_trees_all_equal(state.params[0], want.params[i])
+            mine = jax.tree.map(lambda x: x[0], state.inner_state)
+            chex.assert_trees_all_equal(mine, jax.tree.map(lambda x, i=i: x[i], want.inner_state))
+    finally:
+        syncer.close()
+    tape = [json.loads(x) for x in (tmp_path / "syncer" / "syncer.jsonl").read_text().splitlines()]
+    closed = [e for e in tape if e["event"] == "closed"]
+    assert [e["closed"] for e in closed] == [0, 1, 2, 3]
+    assert all(e["learners"] == [0, 1, 2, 3] for e in closed)
+    again = _syncer(tmp_path, algorithm)  # a restarted syncer: from its last round
+    try:
+        assert again.round == 4
+        np.testing.assert_array_equal(again.anchor[0], np.asarray(want.anchor))
+        chex.assert_trees_all_equal(again.outer_state, syncer.outer_state)
+    finally:
+        again.close()
+
+
+def test_the_syncer_refuses_what_does_not_fit_and_leaves_a_bad_push_out(tmp_path):
+    algorithm = _algorithm()
+    x = {"w": np.zeros(3, np.float32)}
+    syncer = _syncer(tmp_path, algorithm, learners=2, timeout=0.2, dead_after=30.0)
+    try:
+        syncer.join(0, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        with pytest.raises(Refused, match="outer.sync_every is 5 on learner 1 but 3 on the syncer"):
+            syncer.join(1, wire.describe(x), {"outer.sync_every": 5}, wire.named(x))
+        other = {"w": np.zeros(4, np.float32)}
+        with pytest.raises(Refused, match=r"parameter \['w'\] is \[4\] float32, expected \[3\]"):
+            syncer.join(1, wire.describe(other), {"outer.sync_every": 3}, wire.named(other))
+        with pytest.raises(Refused, match=r"learner 2 is not in \[0, 2\)"):
+            syncer.join(2, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        syncer.join(1, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        nan = {"['w']": np.array([np.nan, 0, 0], np.float32)}
+        syncer.push(1, 1, 0, 1.0, nan)  # left out of the round
+        syncer.push(0, 1, 0, 1.0, {"['w']": np.array([1.0, 1.0, 1.0], np.float32)})
+        assert syncer.round == 1
+        moved = syncer.anchor[0]
+        # Nesterov's first update: -0.7 * (1 + 0.9) * mean, the mean of the finite push alone
+        np.testing.assert_allclose(moved, np.full(3, -0.7 * 1.9), rtol=1e-6)
+        with pytest.raises(Refused, match="stale: computed against round 0, the syncer is at "
+                           "round 1"):  # fmt: skip
+            syncer.push(0, 1, 0, 1.0, {"['w']": np.ones(3, np.float32)})
+        with pytest.raises(Refused, match="generation 7 is not a member"):
+            syncer.push(0, 7, 1, 1.0, {"['w']": np.ones(3, np.float32)})
+        # a round whose deadline passes drops the silent learner and closes without it
+        syncer.push(0, 1, 1, 1.0, {"['w']": np.ones(3, np.float32)})
+        assert syncer.round == 1
+        rnd, _ = syncer.wait(1, 5.0)
+        assert rnd == 2 and syncer.members[1].status == "dropped"
+        with pytest.raises(Refused, match="learner 1 was dropped: join again"):
+            syncer.push(1, 1, 2, 1.0, {"['w']": np.ones(3, np.float32)})
+    finally:
+        syncer.close()
+    events = [json.loads(x)["event"] for x in (tmp_path / "syncer" / "syncer.jsonl").open()]
+    assert "not_finite" in events and "dropped" in events and "refused" in events
+
+
+def test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_nothing(tmp_path):
+    syncer = _syncer(tmp_path, _algorithm(), learners=1)
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    x = {"w": np.zeros(3, np.float32)}
+    fields = {"learner": 0, "describe": wire.describe(x), "keys": {"outer.sync_every": 3}}
+    try:
+        wrong = service.Client(f"127.0.0.1:{server.port}", "not-the-token", timeout=10)
+        with pytest.raises(service.RefusedBySyncer, match="Join: missing or wrong token"):
+            wrong.call("Join", fields, wire.named(x))
+        assert syncer.members == {} and syncer.anchor is None
+        right = service.Client(f"127.0.0.1:{server.port}", TOKEN, timeout=10)
+        f, anchor = right.call("Join", fields, wire.named(x))
+        assert f == {"generation": 1, "round": 0} and list(anchor) == ["['w']"]
+        f, anchor = right.call("Push", {"learner": 0, "generation": 1, "round": 0, "weight": 1.0},
+                               {"['w']": np.ones(3, np.float32)})  # fmt: skip
+        assert f["round"] == 1
+        np.testing.assert_allclose(anchor["['w']"], np.full(3, -0.7 * 1.9), rtol=1e-6)
+        wrong.close()
+        right.close()
+    finally:
+        server.stop()
+        syncer.close()
+
+
+# ---- learners that are runs ----------------------------------------------------------------
+
+
+def _tiny(**overrides):
+    from diloco_jax.config import apply_overrides, load_preset
+
+    base = {"train.total_steps": 10, "train.sample_chars": 0, "log.figures": False}
+    pairs = [(k, str(v)) for k, v in {**base, **overrides}.items()]
+    return apply_overrides(load_preset("configs/tiny.py"), pairs)
+
+
+def _learner(i: int, port: int, workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "diloco_jax.train", "--config", "tiny", "--workdir",
+               str(workdir), "--config.parallel.replicas=1", "--config.syncer.learners=2",
+               f"--config.syncer.learner={i}", f"--config.syncer.address=127.0.0.1:{port}",
+               "--config.train.total_steps=10", "--config.train.sample_chars=0",
+               "--config.log.figures=false", *extra]  # fmt: skip
+    env = helpers.child_env(DILOCO_SERVE_TOKEN=TOKEN, TQDM_DISABLE="1")
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def test_two_learners_of_one_replica_train_what_the_mesh_trains_with_two(tmp_path):
+    """``python -m diloco_jax.train`` as 2 learners of one replica each (learner i: replica i's
+    data shard) and a syncer: after 2 rounds the syncer's anchor and every learner's final
+    evaluation equal the mesh runtime's with 2 replicas, to float32 reduction order (the
+    pseudo-gradients' sum is taken in another order: at most 6e-8 apart, measured, on
+    parameters of order 1; bound 1e-7 absolute plus 1e-6 relative)."""
+    from diloco_jax.learners.command import make_syncer
+    from diloco_jax.train import train
+
+    mesh = _tiny(**{"parallel.runtime": "mesh", "parallel.replicas": 2})
+    want = train(mesh, tmp_path / "mesh", show_progress=False)
+    syncer = make_syncer(_tiny(**{"parallel.replicas": 1, "syncer.learners": 2}),
+                         tmp_path / "syncer")  # fmt: skip
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    procs = [_learner(i, server.port, tmp_path / f"learner{i}") for i in range(2)]
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        server.stop()
+        syncer.close()
+    assert syncer.round == 2
+    mesh_anchor = wire.named(want["state"].anchor)
+    for name, got in zip(syncer.names, syncer.anchor, strict=True):
+        np.testing.assert_allclose(got, mesh_anchor[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    for i in range(2):
+        done = helpers.events(tmp_path / f"learner{i}", "done")[-1]
+        assert done["final_eval_loss"] == pytest.approx(want["final_eval_loss"], rel=1e-6)
+    closed = [json.loads(x) for x in (tmp_path / "syncer" / "syncer.jsonl").open()]
+    assert [e["learners"] for e in closed if e["event"] == "closed"] == [[0, 1]] * 2
