@@ -50,11 +50,11 @@ T_HOST_BATCHES = "tests/test_stream.py::test_host_batches_equal_the_device_sampl
 MUTANTS = [
     # the algorithm
     Mutant("outer step with the wrong sign", "algorithm", CORE,
-           "optax.apply_updates(anchor, outer_updates)",
-           "optax.apply_updates(anchor, [-u for u in outer_updates])", [T_HAND, T_SIGN]),
+           "optax.apply_updates(anchor, updates)",
+           "optax.apply_updates(anchor, [-u for u in updates])", [T_HAND, T_SIGN]),
     Mutant("pseudo-gradient params - anchor (points downhill)", "algorithm", CORE,
-           "delta = [a - rnd.params[i] for a, i in zip(start, idx, strict=True)]",
-           "delta = [rnd.params[i] - a for a, i in zip(start, idx, strict=True)]",
+           "delta = [a - p for a, p in zip(start, params, strict=True)]",
+           "delta = [p - a for a, p in zip(start, params, strict=True)]",
            [T_HAND, T_SIGN]),
     Mutant("replica mean divided by the weights' sum, not their mean", "algorithm", EXCHANGE,
            "total_w = replica_mean(w, axis_name)", "total_w = replica_sum(w, axis_name)",
@@ -304,7 +304,8 @@ MUTANTS = [
     Mutant("every learner trains on learner 0's data", "faults", "diloco_jax/run/setup.py",
            "first, everyone = cfg.syncer.learner * replicas,",
            "first, everyone = 0 * replicas,",
-           ["tests/test_learners.py::test_two_learners_of_one_replica_train_what_the_mesh_trains_"
+           ["tests/test_learners.py::test_a_learners_data_is_its_part_of_every_learners",
+            "tests/test_learners.py::test_two_learners_of_one_replica_train_what_the_mesh_trains_"
             "with_two"]),
     Mutant("the syncer merges a push that is not finite", "faults",
            "diloco_jax/learners/syncer.py",
@@ -320,4 +321,9 @@ MUTANTS = [
            "        if not hmac.compare_digest(", "        if False and not hmac.compare_digest(",
            ["tests/test_learners.py::test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_"
             "nothing"]),
+    Mutant("a learner never restarts from the syncer's anchor", "faults",
+           "diloco_jax/run/loop.py", "            state = r.learner.sync(state)",
+           "            r.learner.sync(state)",
+           ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
+            "trains"]),
 ]  # fmt: skip

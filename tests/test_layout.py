@@ -132,7 +132,7 @@ def test_every_folder_is_a_layer_and_every_top_level_module_a_face():
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert folders == set(LAYERS)
     faces = {p.stem for p in PACKAGE.glob("*.py")}
-    assert faces == {"__init__", "fit", "train", "launch", "commands"}
+    assert faces == {"__init__", "fit", "train", "launch", "syncer", "commands"}
 
 
 def test_no_module_imports_a_layer_above_its_own():

@@ -208,6 +208,45 @@ def _learner(i: int, port: int, workdir: pathlib.Path, *extra: str) -> subproces
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
+def test_a_learners_data_is_its_part_of_every_learners():
+    """Learner i of L with R replicas trains replicas i*R .. i*R+R-1 of L*R: their indices
+    (its batches' seeds) and their data shards, the same as a run of L*R replicas holds."""
+    from diloco_jax.run.setup import build
+
+    everyone = build(_tiny(**{"parallel.replicas": 4, "parallel.runtime": "sim"}))
+    second = build(_tiny(**{"parallel.replicas": 2, "syncer.learners": 2, "syncer.learner": 1,
+                            "syncer.address": "127.0.0.1:9"}))  # fmt: skip
+    assert np.asarray(second.replicas_R).tolist() == [2, 3]
+    np.testing.assert_array_equal(np.asarray(second.shards_RxS),
+                                  np.asarray(everyone.shards_RxS)[2:4])  # fmt: skip
+
+
+def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monkeypatch):
+    """``train()`` as the only learner of a syncer (served from this process) equals DiLoCo
+    with one replica: the learner's steps, its pushes and restarts between calls, the syncer's
+    outer step. The same final anchor (bitwise) and evaluation."""
+    from diloco_jax.learners.command import make_syncer
+    from diloco_jax.train import train
+
+    one = {"parallel.replicas": 1, "parallel.runtime": "sim"}
+    want = train(_tiny(**one), tmp_path / "one", show_progress=False)
+    syncer = make_syncer(_tiny(**one), tmp_path / "syncer")
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
+    try:
+        got = train(_tiny(**one, **{"syncer.address": f"127.0.0.1:{server.port}"}),
+                    tmp_path / "learner", show_progress=False)  # fmt: skip
+    finally:
+        server.stop()
+        syncer.close()
+    assert syncer.round == 2
+    chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
+    chex.assert_trees_all_equal(got["state"].params, want["state"].params)
+    assert got["final_eval_loss"] == want["final_eval_loss"]
+
+
+@pytest.mark.slow  # ~45 s: two learner processes and a mesh run; stand-ins: the learner in this
+# process above, the learners' data parts, four learners against the core's sync
 def test_two_learners_of_one_replica_train_what_the_mesh_trains_with_two(tmp_path):
     """``python -m diloco_jax.train`` as 2 learners of one replica each (learner i: replica i's
     data shard) and a syncer: after 2 rounds the syncer's anchor and every learner's final
@@ -242,3 +281,33 @@ def test_two_learners_of_one_replica_train_what_the_mesh_trains_with_two(tmp_pat
         assert done["final_eval_loss"] == pytest.approx(want["final_eval_loss"], rel=1e-6)
     closed = [json.loads(x) for x in (tmp_path / "syncer" / "syncer.jsonl").open()]
     assert [e["learners"] for e in closed if e["event"] == "closed"] == [[0, 1]] * 2
+
+
+def test_the_status_page_and_metrics_show_the_learners_and_rounds(tmp_path):
+    import urllib.request
+
+    from diloco_jax.learners.status import StatusServer
+
+    syncer = _syncer(tmp_path, _algorithm(), learners=2)
+    page = StatusServer(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    x = {"w": np.zeros(3, np.float32)}
+    try:
+        syncer.join(0, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        syncer.join(1, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        syncer.leave(1, 1)
+        syncer.push(0, 1, 0, 1.0, {"['w']": np.ones(3, np.float32)})
+
+        def get(path):
+            with urllib.request.urlopen(f"http://127.0.0.1:{page.port}{path}") as r:
+                return r.read().decode()
+
+        status = json.loads(get("/status"))
+        assert status["round"] == 1 and status["members"]["1"]["status"] == "left"
+        metrics = get("/metrics")
+        assert "diloco_syncer_round 1.0" in metrics
+        assert 'diloco_syncer_learners{status="present"} 1.0' in metrics
+        assert 'diloco_syncer_learners{status="left"} 1.0' in metrics
+        assert "<td>left</td>" in get("/")
+    finally:
+        page.stop()
+        syncer.close()

@@ -21,7 +21,14 @@ from diloco_jax.config import presets
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 UV = os.environ.get("UV") or shutil.which("uv")  # `uv run` names itself in $UV
-SCRIPTS = {"diloco-train", "diloco-sim", "diloco-combine", "diloco-prepare", "diloco-launch"}
+SCRIPTS = {
+    "diloco-train",
+    "diloco-sim",
+    "diloco-combine",
+    "diloco-prepare",
+    "diloco-launch",
+    "diloco-syncer",
+}
 needs_uv = pytest.mark.skipif(UV is None, reason="uv is not installed")
 
 
@@ -90,7 +97,7 @@ def test_wheel_ships_presets_simulator_data_license_and_scripts(wheel):
     extras = {line.split(": ")[1] for line in metadata.splitlines()
               if line.startswith("Provides-Extra: ")}  # fmt: skip
     assert extras == {"tfds", "images", "sentencepiece", "plots", "cuda12", "tensorboard",
-                      "wandb", "all"}  # fmt: skip
+                      "wandb", "learners", "all"}  # fmt: skip
     assert {line.split(" = ")[0] for line in entry_points.splitlines() if " = " in line} == SCRIPTS
 
 

@@ -224,8 +224,10 @@ class SyncerConfig:
     timeout: float = _key(60.0, "seconds a round waits after its first push for the others")
     dead_after: float = _key(30.0, "seconds of silence after which a learner is dropped")
     heartbeat: float = _key(2.0, "seconds between a learner's heartbeats")
-    token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else "
-                           "(the syncer) a new one in WORKDIR/syncer_token")  # fmt: skip
+    status_port: int = _key(0, "the syncer's status page, /status and /metrics on this port; "
+                            "0: off")  # fmt: skip
+    token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else the "
+                           "syncer's WORKDIR/syncer_token")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,6 +112,7 @@ def _validate_syncer(cfg: Config) -> None:
     host, _, port = sy.address.rpartition(":")
     rules = [
         ("syncer.learners", sy.learners >= 1, "must be an integer >= 1"),
+        ("syncer.status_port", 0 <= sy.status_port <= 65535, "must be in [0, 65535] (0: off)"),
         ("syncer.learner", 0 <= sy.learner < sy.learners,
          f"must be in [0, syncer.learners = {sy.learners})"),
         ("syncer.address", not sy.address or (host and port.isdigit() and 0 < int(port) < 65536),

@@ -25,6 +25,7 @@ from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, recipe
 from diloco_jax.learners import learner as learner_lib
 from diloco_jax.learners import service
+from diloco_jax.learners.status import StatusServer
 from diloco_jax.learners.syncer import Syncer
 from diloco_jax.watch import reporting
 from diloco_jax.watch.reporting import log
@@ -58,13 +59,18 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path) -> Syncer:
                   outer_scale=recipe.outer_lr_input(cfg))  # fmt: skip
 
 
-def serve(cfg: config_lib.Config, workdir: pathlib.Path) -> service.Server:
-    """The syncer of ``cfg`` listening at ``syncer.address`` (started)."""
+def serve(cfg: config_lib.Config, workdir: pathlib.Path):
+    """The syncer of ``cfg`` listening at ``syncer.address``, and its status server at
+    ``syncer.status_port`` (None when 0), both started."""
     host, _, port = cfg.syncer.address.rpartition(":")
     token = syncer_token(cfg.syncer.token_file, workdir)
     server = service.Server(make_syncer(cfg, workdir), host, int(port), token=token,
                             wait_timeout=cfg.syncer.timeout * 4 + 30)  # fmt: skip
-    return server.start()
+    page = None
+    if cfg.syncer.status_port:
+        page = StatusServer(server.syncer, host, cfg.syncer.status_port, token=token).start()
+        log.info("syncer status: http://%s:%d/ (/status, /metrics)", host, page.port)
+    return server.start(), page
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.syncer") -> int:
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.syn
         print("error: config key syncer.address must be HOST:PORT to listen at", file=sys.stderr)
         return 2
     try:
-        server = serve(cfg, workdir)
+        server, page = serve(cfg, workdir)
     except (config_lib.ConfigError, MissingExtra, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -89,5 +95,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.syn
     stop.wait()
     log.info("syncer stopping at round %d", server.syncer.round)
     server.stop()
+    if page is not None:
+        page.stop()
     server.syncer.close()
     return 0

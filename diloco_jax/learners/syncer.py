@@ -268,17 +268,19 @@ class Syncer:
 
     @staticmethod
     def _merge(pushes: list[Push]) -> tuple[list, float]:
-        total_w = sum(p.weight for p in pushes if p.finite)
-        if total_w <= 0:
+        """The pushes' mean weighted by their examples: ``sum_l (w_l / W) m_l`` in float32, in
+        learner order (each weight divided first, so equal weights scale exactly and one
+        learner's mean passes unchanged); leaves out pushes that are not finite."""
+        finite = [p for p in pushes if p.finite and p.weight > 0]
+        total_w = sum(p.weight for p in finite)
+        if not finite:
             return [np.zeros_like(x) for x in pushes[0].mean], 0.0
-        total = None
-        for p in pushes:
-            if not p.finite:
-                continue
-            w = np.float32(p.weight)
-            part = [w * x for x in p.mean]
+        total: list | None = None
+        for p in finite:
+            share = np.float32(p.weight / total_w)
+            part = [share * x for x in p.mean]
             total = part if total is None else [t + x for t, x in zip(total, part, strict=True)]
-        return [t / np.float32(total_w) for t in total or []], total_w
+        return total or [], total_w
 
     def _outer_step(self, mean, anchor, outer_state, anyone):
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]

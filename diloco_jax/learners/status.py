@@ -1,0 +1,122 @@
+"""The syncer's status over HTTP (``syncer.status_port``): ``/`` a page a person reads,
+``/status`` the same as JSON, ``/metrics`` for Prometheus. Reads need the token (``Authorization:
+Bearer TOKEN``) unless the server listens on a loopback address."""
+
+from __future__ import annotations
+
+import hmac
+import html
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from diloco_jax.base.access import is_loopback
+from diloco_jax.learners.syncer import Syncer
+
+STATUSES = ("present", "dropped", "left")
+
+
+def _registry(syncer: Syncer) -> tuple[CollectorRegistry, Callable[[], dict]]:
+    registry = CollectorRegistry()
+    gauges = {
+        "round": Gauge("diloco_syncer_round", "rounds closed", registry=registry),
+        "learners": Gauge(
+            "diloco_syncer_learners", "learners by status", ["status"], registry=registry
+        ),  # fmt: skip
+        "pending": Gauge(
+            "diloco_syncer_pending_pushes", "pushes in the open round", registry=registry
+        ),  # fmt: skip
+        "bytes_in": Gauge("diloco_syncer_bytes_in", "array bytes received", registry=registry),
+        "bytes_out": Gauge("diloco_syncer_bytes_out", "array bytes sent", registry=registry),
+        "waited": Gauge(
+            "diloco_syncer_waited_seconds", "seconds rounds stood open", registry=registry
+        ),  # fmt: skip
+        "timeout": Gauge(
+            "diloco_syncer_round_timeout_seconds",
+            "a round's grace after its first push",
+            registry=registry,
+        ),  # fmt: skip
+    }
+
+    def update() -> dict:
+        st = syncer.status()
+        gauges["round"].set(st["round"])
+        for status in STATUSES:
+            count = sum(m["status"] == status for m in st["members"].values())
+            gauges["learners"].labels(status).set(count)
+        gauges["pending"].set(len(st["pending"]))
+        gauges["bytes_in"].set(st["bytes_in"])
+        gauges["bytes_out"].set(st["bytes_out"])
+        gauges["waited"].set(st["waited_seconds"])
+        gauges["timeout"].set(st["timeout"])
+        return st
+
+    return registry, update
+
+
+def page(st: dict) -> str:
+    """The status as a small HTML page."""
+    rows = "".join(
+        f"<tr><td>{i}</td><td>{html.escape(m['status'])}</td><td>{m['generation']}</td>"
+        f"<td>{m['joined_round']}</td><td>{m['pushes']}</td></tr>"
+        for i, m in st["members"].items()
+    )
+    return (
+        "<!doctype html><title>diloco-jax syncer</title><h1>syncer</h1>"
+        f"<p>round {st['round']}, {st['learners']} learners declared, mode {st['mode']}, "
+        f"timeout {st['timeout']}s, dead after {st['dead_after']}s; waiting for "
+        f"{len(st['pending'])} pushes in; {st['bytes_in']:,} bytes in, {st['bytes_out']:,} out"
+        "</p><table><tr><th>learner</th><th>status</th><th>generation</th><th>joined at round"
+        f"</th><th>pushes</th></tr>{rows}</table>"
+    )
+
+
+class StatusServer:
+    """Serves ``syncer``'s status at ``host:port`` in a thread (0: a free port)."""
+
+    def __init__(self, syncer: Syncer, host: str, port: int, *, token: str):
+        registry, update = _registry(syncer)
+        needs_token = not is_loopback(host)
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format, *args):  # noqa: A002 - the base class's name
+                pass
+
+            def _send(self, code: int, body: bytes, kind: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802 - http.server's name
+                given = self.headers.get("Authorization", "")
+                if needs_token and not hmac.compare_digest(given.encode(),
+                                                           f"Bearer {token}".encode()):  # fmt: skip
+                    return self._send(401, b'{"error": "missing or wrong token"}',
+                                      "application/json")  # fmt: skip
+                path = self.path.split("?")[0]
+                if path == "/metrics":
+                    update()
+                    return self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
+                if path == "/status":
+                    return self._send(200, json.dumps(update()).encode(), "application/json")
+                if path == "/":
+                    return self._send(200, page(update()).encode(), "text/html; charset=utf-8")
+                return self._send(404, b'{"error": "not found"}', "application/json")
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True,
+                                        name="syncer-status")  # fmt: skip
+
+    def start(self) -> StatusServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
