@@ -245,6 +245,50 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     assert got["final_eval_loss"] == want["final_eval_loss"]
 
 
+def test_a_syncer_stopped_and_restarted_mid_run_loses_nothing(tmp_path, monkeypatch):
+    """The syncer is stopped after round 1 and a new one started on its directory and port
+    while the learner trains on: the learner retries until it answers, joins again (the new
+    syncer does not know it), pushes its round-1 work again, and the run ends with the same
+    anchor, bit for bit, as with one syncer throughout."""
+    import threading
+    import time
+
+    from diloco_jax.learners.command import make_syncer
+    from diloco_jax.train import train
+
+    one = {"parallel.replicas": 1, "parallel.runtime": "sim", "train.total_steps": 15}
+    want = train(_tiny(**one), tmp_path / "one", show_progress=False)
+    first = make_syncer(_tiny(**one), tmp_path / "syncer")
+    server = service.Server(first, "127.0.0.1", 0, token=TOKEN).start()
+    port, servers = server.port, [server]
+
+    def restart():
+        with first.lock:
+            while first.round < 1:
+                first.lock.wait(0.05)
+        server.stop(grace=0)
+        first.close()
+        time.sleep(0.5)  # the learner's next push meets no syncer
+        second = make_syncer(_tiny(**one), tmp_path / "syncer")
+        servers.append(service.Server(second, "127.0.0.1", port, token=TOKEN).start())
+
+    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
+    thread = threading.Thread(target=restart)
+    thread.start()
+    try:
+        got = train(_tiny(**one, **{"syncer.address": f"127.0.0.1:{port}"}),
+                    tmp_path / "learner", show_progress=False)  # fmt: skip
+    finally:
+        thread.join()
+        servers[-1].stop()
+        servers[-1].syncer.close()
+    assert len(servers) == 2 and servers[-1].syncer.round == 3
+    chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
+    tape = [json.loads(x) for x in (tmp_path / "syncer" / "syncer.jsonl").open()]
+    assert [e["event"] for e in tape].count("restored") == 1
+    assert [e["closed"] for e in tape if e["event"] == "closed"] == [0, 1, 2]
+
+
 @pytest.mark.slow  # ~45 s: two learner processes and a mesh run; stand-ins: the learner in this
 # process above, the learners' data parts, four learners against the core's sync
 def test_two_learners_of_one_replica_train_what_the_mesh_trains_with_two(tmp_path):

@@ -82,7 +82,10 @@ class Learner:
     def join(self, state):
         """Joins the syncer with this run's anchor; returns ``state`` restarted from the
         syncer's anchor (its own where it is the first learner)."""
-        anchor = state.anchor
+        arrays = self._join(state.anchor)
+        return self._restart(state, wire.unnamed(state.anchor, arrays))
+
+    def _join(self, anchor) -> dict:
         f, arrays = self.client.call("Join", {"learner": self.learner,
                                               "describe": wire.describe(anchor),
                                               "keys": self.keys}, wire.named(anchor))  # fmt: skip
@@ -91,7 +94,7 @@ class Learner:
                       self.client.address, self.learner, self.generation, self.round)  # fmt: skip
         if not self._beats.is_alive():
             self._beats.start()
-        return self._restart(state, wire.unnamed(anchor, arrays))
+        return arrays
 
     def _heartbeats(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -114,13 +117,22 @@ class Learner:
         names = wire.leaf_names(state.anchor)
         fields = {"learner": self.learner, "generation": self.generation, "round": self.round,
                   "weight": weight}  # fmt: skip
+        pushed = dict(zip(names, mean, strict=True))
         try:
-            f, arrays = self.client.call("Push", fields, dict(zip(names, mean, strict=True)))
+            f, arrays = self.client.call("Push", fields, pushed)
         except service.RefusedBySyncer as e:
-            self.lost_rounds += 1
-            self.log.warning("the syncer refused this learner's push (%s): joining again; the "
-                             "steps since round %d are lost", e, self.round)  # fmt: skip
-            return self.join(state)
+            base = self.round
+            self.log.warning("the syncer refused this learner's push (%s): joining again", e)
+            arrays = self._join(state.anchor)
+            if self.round != base:  # the syncer moved on: this round's work is lost
+                self.lost_rounds += 1
+                self.log.warning("the syncer is at round %d: restarting from its anchor (the "
+                                 "steps since round %d are in it only if that round closed with "
+                                 "them)", self.round, base)  # fmt: skip
+                return self._restart(state, wire.unnamed(state.anchor, arrays))
+            # the same round (a restarted syncer that does not know this learner): push again
+            fields = {**fields, "generation": self.generation}
+            f, arrays = self.client.call("Push", fields, pushed)
         self.round = int(f["round"])
         return self._restart(state, wire.unnamed(state.anchor, arrays))
 

@@ -175,7 +175,9 @@ class Client:
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
                             grpc.StatusCode.UNAUTHENTICATED):  # fmt: skip
                     raise RefusedBySyncer(f"{name}: {e.details()}") from None
-                if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() - start > self.patience:
+                # unreachable, or the syncer stopped while answering: try again
+                again = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                if not again or time.monotonic() - start > self.patience:
                     raise ConnectionError(f"syncer {self.address}: {name} failed: "
                                           f"{code.name}: {e.details()}") from None  # fmt: skip
                 log.warning("the syncer at %s cannot be reached (%s); retrying in %.1fs",
