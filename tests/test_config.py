@@ -76,26 +76,41 @@ def _train_cli(*args):
 
 
 @pytest.mark.parametrize(
-    "args,message",
+    "args,message,child",
     [
-        (["--config.outer.sync_every=0"], "error: config key outer.sync_every = 0 is invalid"),
-        (["--config.bogus=1"], "error: unknown config key 'bogus'"),
-        (["--config.data.corpus=/no/such.txt"], "error: data file not found: /no/such.txt"),
-        (["--config.parallel.replica_devices=3"], "must divide parallel.replicas = 4"),
+        (["--config.outer.sync_every=0"], "error: config key outer.sync_every = 0 is invalid",
+         False),
+        (["--config.bogus=1"], "error: unknown config key 'bogus'", False),
+        (["--config.data.corpus=/no/such.txt"], "error: data file not found: /no/such.txt", True),
+        (["--config.parallel.replica_devices=3"], "must divide parallel.replicas = 4", False),
         (["--config.data.batch_size=5", "--config.parallel.data_devices=2"],
-         "data.batch_size = 5 is invalid"),
-        (["--config", "configs/nope.py"], "error: config preset not found: configs/nope.py"),
-        (["--frobnicate=1"], "error: unknown flag --frobnicate"),
+         "data.batch_size = 5 is invalid", False),
+        (["--config", "configs/nope.py"], "error: config preset not found: configs/nope.py",
+         False),
+        (["--frobnicate=1"], "error: unknown flag --frobnicate", True),
         (["--config.outer.sync_evry=5"],
-         "error: unknown config key 'outer.sync_evry'; did you mean outer.sync_every?"),
-        (["--config.outer.sync_every=x"], "--config.outer.sync_every: 'x' is not int"),
+         "error: unknown config key 'outer.sync_evry'; did you mean outer.sync_every?", False),
+        (["--config.outer.sync_every=x"], "--config.outer.sync_every: 'x' is not int", False),
     ],
 )  # fmt: skip
-def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
-    result = _train_cli("--workdir", str(tmp_path / "w"), *args)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, child, tmp_path, capsys):
+    """In a child process where what is checked comes after JAX starts (the data is read in
+    the run) and for one flag error, the process's exit status and its whole stderr; the other
+    errors come from parsing the command line, before anything starts: ``main`` in this
+    process, its exit status and what it printed."""
+    argv = ["--workdir", str(tmp_path / "w"), *args]
+    if child:
+        result = _train_cli(*argv)
+        code, stderr = result.returncode, result.stderr
+    else:
+        from diloco_jax.train import main
+
+        with pytest.raises(SystemExit) as exited:
+            main(["--config", "configs/tiny.py", *argv])
+        code, stderr = exited.value.code, capsys.readouterr().err
+    assert code == 2, stderr
+    assert message in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
     assert not (tmp_path / "w" / "checkpoints").exists()
 
 
