@@ -21,6 +21,7 @@ from diloco_jax.base.commandline import ArgumentParser
 from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, user_optimizers
 from diloco_jax.data import DataError
+from diloco_jax.learners.service import RefusedBySyncer, SyncerUnreachable
 from diloco_jax.run import distributed, loop, placement, programs
 from diloco_jax.run.preemption import Preemption, stopped, watch_launcher
 from diloco_jax.run.setup import build, chunk_control
@@ -107,9 +108,13 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
             )
         summary = train(cfg, workdir, allow_config_change=args.allow_config_change,
                         since_start=reporting.process_seconds() or 0.0)  # fmt: skip
-    except (config_lib.ConfigError, DataError, checkpoint.CheckpointError, MissingExtra) as e:
+    except (config_lib.ConfigError, DataError, checkpoint.CheckpointError, MissingExtra,
+            RefusedBySyncer) as e:  # fmt: skip
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SyncerUnreachable as e:
+        print(f"error: {e}; resume with the same command", file=sys.stderr)
+        return 1
     except distributed.ConsistencyError as e:
         print(f"error: {e}; stopped without saving (resume from the last checkpoint)",
               file=sys.stderr)  # fmt: skip

@@ -327,6 +327,30 @@ def test_two_learners_of_one_replica_train_what_the_mesh_trains_with_two(tmp_pat
     assert [e["learners"] for e in closed if e["event"] == "closed"] == [[0, 1]] * 2
 
 
+def test_a_learner_the_syncer_refuses_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    """A learner whose training keys differ from the syncer's: ``python -m diloco_jax.train``'s
+    main says why in one line and exits 2, before any step; the syncer keeps no member."""
+    from diloco_jax.learners.command import make_syncer
+    from diloco_jax.train import main
+
+    syncer = make_syncer(_tiny(**{"parallel.replicas": 1}), tmp_path / "syncer")
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
+    try:
+        code = main(["--config", "tiny", "--workdir", str(tmp_path / "learner"),
+                     "--config.parallel.replicas=1", "--config.outer.sync_every=10",
+                     "--config.train.log_every=10", "--config.train.checkpoint_every=10",
+                     f"--config.syncer.address=127.0.0.1:{server.port}"])  # fmt: skip
+    finally:
+        server.stop()
+        syncer.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: Join: outer.sync_every is 10 on learner 0 "
+                                            "but 5 on the syncer")  # fmt: skip
+    assert not any(line.startswith("error") for line in err[:-1])
+    assert syncer.members == {}
+
+
 def test_the_status_page_and_metrics_show_the_learners_and_rounds(tmp_path):
     import urllib.request
 

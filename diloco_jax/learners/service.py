@@ -139,6 +139,10 @@ class RefusedBySyncer(RuntimeError):
     """The syncer turned a request down (its reason is the message)."""
 
 
+class SyncerUnreachable(ConnectionError):
+    """The syncer could not be reached for the client's whole patience."""
+
+
 class Client:
     """A learner's connection to the syncer at ``address`` (``HOST:PORT``). Calls retry with
     backoff while the syncer cannot be reached (saying so), up to ``patience`` seconds."""
@@ -157,7 +161,7 @@ class Client:
     def call(self, name: str, fields: dict, arrays: dict | None = None,
              timeout: float | None = None) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
         """One request; returns the reply's ``(fields, arrays)``. Raises
-        :class:`RefusedBySyncer` for a refusal, ``ConnectionError`` when the syncer stays
+        :class:`RefusedBySyncer` for a refusal, ``SyncerUnreachable`` when the syncer stays
         unreachable for ``patience`` seconds."""
         grpc = _grpc()
         start, delay = time.monotonic(), 0.2
@@ -178,7 +182,7 @@ class Client:
                 # unreachable, or the syncer stopped while answering: try again
                 again = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
                 if not again or time.monotonic() - start > self.patience:
-                    raise ConnectionError(f"syncer {self.address}: {name} failed: "
+                    raise SyncerUnreachable(f"syncer {self.address}: {name} failed: "
                                           f"{code.name}: {e.details()}") from None  # fmt: skip
                 log.warning("the syncer at %s cannot be reached (%s); retrying in %.1fs",
                             self.address, e.details(), delay)  # fmt: skip
