@@ -19,7 +19,6 @@ import sys
 import threading
 
 from diloco_jax import config as config_lib
-from diloco_jax.base.access import TOKEN_ENV
 from diloco_jax.base.axes import REPLICA
 from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, recipe
@@ -34,8 +33,7 @@ from diloco_jax.watch.reporting import log
 def syncer_token(token_file: str, workdir: pathlib.Path, environ=os.environ) -> str:
     """The token learners must present: ``token_file``'s, else ``$DILOCO_SERVE_TOKEN``, else a
     new one written to ``workdir/syncer_token`` (readable by this user only)."""
-    text = pathlib.Path(token_file).read_text().strip() if token_file else ""
-    text = text or environ.get(TOKEN_ENV, "")
+    text = learner_lib.configured_token(token_file, environ)
     if text:
         return text
     path = workdir / "syncer_token"

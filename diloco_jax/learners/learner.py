@@ -49,10 +49,16 @@ def shared_keys(flat: dict[str, Any]) -> dict[str, Any]:
     return {k: flat[k] for k in SHARED_KEYS if k in flat}
 
 
-def token(token_file: str, environ=os.environ) -> str:
-    """The syncer's token: the file's contents, else ``$DILOCO_SERVE_TOKEN``."""
+def configured_token(token_file: str, environ=os.environ) -> str:
+    """The token the config names: the file's contents, else ``$DILOCO_SERVE_TOKEN``, else
+    empty."""
     text = pathlib.Path(token_file).read_text().strip() if token_file else ""
-    text = text or environ.get(TOKEN_ENV, "")
+    return text or environ.get(TOKEN_ENV, "")
+
+
+def token(token_file: str, environ=os.environ) -> str:
+    """The syncer's token as a learner needs it (:func:`configured_token`, which must exist)."""
+    text = configured_token(token_file, environ)
     if not text:
         raise ConfigError(f"a learner needs the syncer's token: syncer.token_file or ${TOKEN_ENV}")
     return text
