@@ -9,6 +9,13 @@ gets SIGTERM and takes the same path (or exits at once if a signal was passed on
 kills itself if it still runs after the grace (a ``--module`` other than train does that only if
 it calls ``diloco_jax.run.preemption.watch_launcher()``). Exit status: 0, or the first failing
 process's.
+
+``--learners L`` starts a syncer (``python -m diloco_jax.syncer``) and L learners instead, each
+its own run of ``--module`` with ``syncer.learner`` = I, on 127.0.0.1 with a fresh token; a
+learner that fails does not stop the others (``--max_restarts`` starts it again, resuming from
+its checkpoint; so does a syncer that fails, from its last round, while the learners retry),
+the syncer is stopped when every learner has ended, and a syncer that fails for good stops the
+learners.
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+from diloco_jax.base.access import TOKEN_ENV
 from diloco_jax.config.cli import ArgumentParser
 from diloco_jax.run.preemption import launcher_tie
 
@@ -38,8 +47,14 @@ def _parser() -> ArgumentParser:
         prog="python -m diloco_jax.launch", description=__doc__,
         usage="%(prog)s -n N [launcher flags] [--] [train flags ...]",
     )  # fmt: skip
-    parser.add_argument("-n", "--num_processes", type=int, required=True, metavar="N",
-                        help="processes to start")  # fmt: skip
+    parser.add_argument("-n", "--num_processes", type=int, metavar="N",
+                        help="processes to start (required unless --learners)")  # fmt: skip
+    parser.add_argument("--learners", type=int, default=0, metavar="L",
+                        help="instead: a syncer and L learners, each its own run (needs "
+                        "--workdir DIR: DIR/syncer, DIR/learner_I)")  # fmt: skip
+    parser.add_argument("--max_restarts", type=int, default=0, metavar="K",
+                        help="with --learners: a learner or the syncer that fails is started "
+                        "again (resuming from its checkpoint) up to K times each")  # fmt: skip
     parser.add_argument("--devices_per_process", type=int, default=1, metavar="K",
                         help="CPU: K fake devices per process; GPU: K GPUs each")  # fmt: skip
     parser.add_argument("--port", type=int, default=0, metavar="P",
@@ -65,8 +80,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             end = i
             break
     opts = parser.parse_args(argv[:end])
+    if opts.num_processes is None and not opts.learners:
+        parser.error("the following arguments are required: -n/--num_processes (or --learners)")
     rules = [
-        ("-n", opts.num_processes >= 1, "must be >= 1"),
+        ("-n", opts.num_processes is None or opts.num_processes >= 1, "must be >= 1"),
+        ("-n", opts.num_processes in (None, 1) or not opts.learners,
+         "must be 1 with --learners (a learner of several processes is not supported yet)"),
+        ("--learners", opts.learners >= 0, "must be >= 0 (0: one run of -n processes)"),
+        ("--max_restarts", opts.max_restarts >= 0, "must be >= 0"),
         ("--devices_per_process", opts.devices_per_process >= 1, "must be >= 1"),
         ("--port", 0 <= opts.port <= 65535, "must be in [0, 65535] (0: a free one)"),
         ("--grace", math.isfinite(opts.grace) and opts.grace >= 0, "must be >= 0 seconds"),
@@ -142,12 +163,121 @@ class _Group:
         return first_failure or next((c for c in codes if c), 0)
 
 
+def split_workdir(rest: list[str]) -> tuple[str | None, list[str]]:
+    """``(the --workdir value or None, the flags without it)``."""
+    for i, arg in enumerate(rest):
+        if arg == "--workdir" and i + 1 < len(rest):
+            return rest[i + 1], rest[:i] + rest[i + 2 :]
+        if arg.startswith("--workdir="):
+            return arg.partition("=")[2], rest[:i] + rest[i + 1 :]
+    return None, rest
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, seconds: float = 120.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and proc.poll() is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+def run_learners(opts: argparse.Namespace, rest: list[str]) -> int:
+    """A syncer and ``opts.learners`` learners on this machine (see the module's docstring)."""
+    workdir, rest = split_workdir(rest)
+    if workdir is None:
+        print("error: --learners needs --workdir DIR (DIR/syncer and DIR/learner_I)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    port, count = free_port(), opts.learners
+    common = [*rest, f"--config.syncer.address=127.0.0.1:{port}",
+              f"--config.syncer.learners={count}"]  # fmt: skip
+    env = dict(os.environ)
+    env[TOKEN_ENV] = env.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count="
+                                         f"{opts.devices_per_process}"])  # fmt: skip
+    tie, die_with_launcher = launcher_tie(opts.grace)
+
+    def start(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", *args], env={**env, **tie},
+                                start_new_session=True, preexec_fn=die_with_launcher)  # fmt: skip
+
+    def learner(i: int) -> subprocess.Popen:
+        return start(opts.module, "--workdir", f"{workdir}/learner_{i}", *common,
+                     f"--config.syncer.learner={i}")  # fmt: skip
+
+    def start_syncer() -> subprocess.Popen:
+        return start("diloco_jax.syncer", "--workdir", f"{workdir}/syncer", *common)
+
+    group = _Group([], opts.grace)
+    previous = {sig: signal.signal(sig, group.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        syncer = start_syncer()
+        group.procs.append(syncer)
+        if not _wait_for_port(port, syncer):
+            print("launch: the syncer did not start listening", file=sys.stderr, flush=True)
+            return syncer.wait() or 1
+        print(f"launch: syncer at 127.0.0.1:{port} (workdir {workdir}/syncer), {count} learners",
+              file=sys.stderr, flush=True)  # fmt: skip
+        learners = [learner(i) for i in range(count)]
+        group.procs += learners
+        restarts, failure = [0] * (count + 1), 0  # the last: the syncer's
+        ended: set[int] = set()
+        while len(ended) < count:
+            if syncer.poll() is not None and group.deadline is None:
+                code = syncer.returncode
+                if code and restarts[-1] < opts.max_restarts:  # the learners retry meanwhile
+                    restarts[-1] += 1
+                    print(f"launch: the syncer exited with status {code}; starting it again "
+                          f"({restarts[-1]} of {opts.max_restarts})", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    syncer = group.procs[0] = start_syncer()
+                else:
+                    print(f"launch: the syncer exited with status {code}; stopping the "
+                          "learners", file=sys.stderr, flush=True)  # fmt: skip
+                    failure = code or 1
+                    group.stop()
+            for i, p in enumerate(learners):
+                code = p.poll()
+                if code is None or i in ended:
+                    continue
+                if code and group.deadline is None and restarts[i] < opts.max_restarts:
+                    restarts[i] += 1
+                    print(f"launch: learner {i} exited with status {code}; starting it again "
+                          f"({restarts[i]} of {opts.max_restarts})", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    learners[i] = group.procs[1 + i] = learner(i)
+                    continue
+                ended.add(i)
+                if code and group.deadline is None:
+                    failure = failure or code
+                    print(f"launch: learner {i} exited with status {code}; the others go on",
+                          file=sys.stderr, flush=True)  # fmt: skip
+            if group.deadline is not None and time.monotonic() > group.deadline:
+                group.send(signal.SIGKILL)
+            time.sleep(0.1)
+        group.stop()  # every learner has ended: the syncer's last round is already written
+        while syncer.poll() is None:
+            if time.monotonic() > (group.deadline or 0.0):
+                group.send(signal.SIGKILL)
+            time.sleep(0.1)
+        return failure or next((p.returncode for p in learners if p.returncode), 0)
+    finally:
+        group.send(signal.SIGKILL)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
         _parser().print_help()
         return 0
     opts, rest = parse(argv)
+    if opts.learners:
+        return run_learners(opts, rest)
     count, devices = opts.num_processes, opts.devices_per_process
     port = opts.port or free_port()
     group = _Group([], opts.grace)

@@ -73,6 +73,8 @@ LAUNCH_BAD = [
     ["--grace", "abc"], ["--grace", "-1"], ["--grace", "nan"], ["--grace", "inf"],
     ["--port", "-1"], ["--port", "70000"], ["--port", "x"], ["--devices_per_process", "0"],
     ["--devices_per_process", "y"], ["--module", ""], ["--module", "no such"], ["-n"], ["--grace"],
+    ["--learners", "-1"], ["--learners", "x"], ["--max_restarts", "-1"], ["--learners", "2"],
+    ["--learners", "2", "-n", "1"],  # no --workdir
 ]  # fmt: skip
 
 BASES = {

@@ -117,6 +117,7 @@ def test_four_learners_through_a_syncer_equal_four_replicas_of_the_core(tmp_path
     again = _syncer(tmp_path, algorithm)  # a restarted syncer: from its last round
     try:
         assert again.round == 4
+        assert {i: m.generation for i, m in again.members.items()} == {0: 1, 1: 1, 2: 1, 3: 1}
         np.testing.assert_array_equal(again.anchor[0], np.asarray(want.anchor))
         chex.assert_trees_all_equal(again.outer_state, syncer.outer_state)
     finally:
@@ -160,6 +161,165 @@ def test_the_syncer_refuses_what_does_not_fit_and_leaves_a_bad_push_out(tmp_path
         syncer.close()
     events = [json.loads(x)["event"] for x in (tmp_path / "syncer" / "syncer.jsonl").open()]
     assert "not_finite" in events and "dropped" in events and "refused" in events
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _ones(v):
+    return {"['w']": np.full(3, v, np.float32)}
+
+
+def _nesterov(x, means):
+    """Each round's anchor by optax itself: x + update(mean) with SGD 0.7, Nesterov 0.9."""
+    opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    state, out = opt.init(x), []
+    for m in means:
+        update, state = opt.update(m, state)
+        x = x + update
+        out.append(x)
+    return out
+
+
+def test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_its_weight(tmp_path):
+    """Quorum 2 of 3, grace 1 s (fixed), on a test clock: a round with two pushes closes when the
+    grace has passed, not before; the third learner's push, computed against round 0, is late:
+    it joins round 1 with its weight and gets round 1's anchor at once; round 1's mean weighs
+    it by its examples. Pushes more than ``max_late`` rounds late are refused as stale."""
+    clock, x = _Clock(), {"w": np.zeros(3, np.float32)}
+    syncer = _syncer(tmp_path, _algorithm(), learners=3, quorum=2, grace=1.0,
+                     adaptive_grace=False, max_late=1, clock=clock)  # fmt: skip
+    try:
+        for i in range(3):
+            syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        clock.t = 1.0
+        assert syncer.push(0, 1, 0, 1.0, _ones(1.0)) == 0
+        clock.t = 1.5
+        syncer.push(1, 1, 0, 1.0, _ones(2.0))  # the quorum: the grace runs to t = 2.5
+        clock.t = 2.4
+        syncer.heartbeat(2, 1)
+        assert syncer.round == 0
+        clock.t = 2.6
+        syncer.heartbeat(2, 1)
+        assert syncer.round == 1 and syncer.members[2].status == "present"
+        assert syncer.push(2, 1, 0, 2.0, _ones(4.0)) == 1  # late: into round 1
+        assert syncer.wait(0, 0.0)[0] == 1  # its learner goes on at once
+        syncer.push(0, 1, 1, 1.0, _ones(1.0))
+        syncer.push(1, 1, 1, 1.0, _ones(1.0))  # all three in round 1: it closes now
+        assert syncer.round == 2
+        want = _nesterov(np.zeros(3, np.float32), [np.full(3, 1.5, np.float32),
+                                                   np.full(3, 2.5, np.float32)])  # fmt: skip
+        np.testing.assert_allclose(syncer.anchor[0], want[1], rtol=1e-6)
+        assert syncer.members[2].late == 1
+        for i in (0, 1):
+            syncer.push(i, 1, 2, 1.0, _ones(1.0))
+        clock.t = 10.0
+        syncer.heartbeat(0, 1)
+        syncer.push(0, 1, 3, 1.0, _ones(1.0))
+        with pytest.raises(Refused, match=r"stale: .* round 1, the syncer is at round 3 \(more "
+                           "than syncer.max_late = 1 rounds behind"):  # fmt: skip
+            syncer.push(2, 1, 1, 1.0, _ones(1.0))
+    finally:
+        syncer.close()
+    closed = [json.loads(x) for x in (tmp_path / "syncer" / "syncer.jsonl").open()]
+    closed = [e for e in closed if e["event"] == "closed"]
+    assert [e["why"] for e in closed] == ["quorum and 1.00s of grace", "all pushed",
+                                          "quorum and 1.00s of grace"]  # fmt: skip
+    assert closed[1]["late"] == [2] and closed[1]["weights"] == [1.0, 1.0, 2.0]
+
+
+def test_the_adaptive_grace_waits_for_learners_that_come_together_not_for_a_straggler(tmp_path):
+    """Grace at most 4 s, adaptive: round 0 (no history) waits up to 4 s and learner 2 comes
+    0.2 s after the quorum; from then the window is 1.5 x 0.2 s, floored at 0.1 x 4 s = 0.4 s,
+    so a round whose third learner is 1 s late closes 0.4 s after its quorum."""
+    clock, x = _Clock(), {"w": np.zeros(3, np.float32)}
+    syncer = _syncer(tmp_path, _algorithm(), learners=3, quorum=2, grace=4.0, clock=clock)
+    try:
+        for i in range(3):
+            syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        syncer.push(0, 1, 0, 1.0, _ones(1.0))
+        syncer.push(1, 1, 0, 1.0, _ones(1.0))
+        assert syncer.status()["grace_in_force"] == 4.0
+        clock.t = 0.2
+        syncer.push(2, 1, 0, 1.0, _ones(1.0))
+        assert syncer.round == 1 and syncer.status()["grace_in_force"] == 0.4
+        clock.t = 1.0
+        syncer.push(0, 1, 1, 1.0, _ones(1.0))
+        syncer.push(1, 1, 1, 1.0, _ones(1.0))
+        clock.t = 1.39
+        syncer.heartbeat(2, 1)
+        assert syncer.round == 1
+        clock.t = 1.41
+        syncer.heartbeat(2, 1)
+        assert syncer.round == 2 and syncer.members[2].status == "present"
+        assert syncer.push(2, 1, 1, 1.0, _ones(1.0)) == 1
+    finally:
+        syncer.close()
+
+
+def test_a_learner_joining_while_a_round_is_open_joins_the_next_round(tmp_path):
+    """The open round does not wait for a joiner: its join returns once the round has closed,
+    with the new anchor and round; the learners of the open round closed it alone."""
+    import threading
+
+    x = {"w": np.zeros(3, np.float32)}
+    syncer = _syncer(tmp_path, _algorithm(), learners=3)
+    try:
+        for i in (0, 1):
+            syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        syncer.push(0, 1, 0, 1.0, _ones(1.0))
+        joined = {}
+        joiner = threading.Thread(target=lambda: joined.update(r=syncer.join(
+            2, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))))  # fmt: skip
+        joiner.start()
+        joiner.join(0.3)
+        assert joiner.is_alive() and syncer.round == 0  # round 0 still waits for learner 1 only
+        syncer.push(1, 1, 0, 1.0, _ones(1.0))
+        joiner.join(5.0)
+        generation, rnd, anchor = joined["r"]
+        assert (generation, rnd) == (1, 1)
+        np.testing.assert_array_equal(anchor["['w']"], syncer.anchor[0])
+        assert syncer.status()["members"][2]["joined_round"] == 0
+    finally:
+        syncer.close()
+
+
+def test_a_killed_learner_is_dropped_the_round_goes_on_and_its_restart_rejoins(tmp_path):
+    """The stand-in of the chaos tests, on a test clock: learner 1 dies mid-round (no push, no
+    heartbeat); once silent for ``dead_after`` it is dropped and the round closes with learner 0
+    alone; its restart joins again with a new generation and the next round waits for it; a
+    late push of the dead generation is refused and changes nothing."""
+    clock, x = _Clock(), {"w": np.zeros(3, np.float32)}
+    syncer = _syncer(tmp_path, _algorithm(), learners=2, dead_after=5.0, clock=clock)
+    try:
+        for i in (0, 1):
+            syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        syncer.push(0, 1, 0, 1.0, _ones(1.0))
+        clock.t = 4.9
+        syncer.heartbeat(0, 1)
+        assert syncer.round == 0 and syncer.members[1].status == "present"
+        clock.t = 5.1
+        syncer.heartbeat(0, 1)
+        assert syncer.round == 1 and syncer.members[1].status == "dropped"
+        generation, rnd, _ = syncer.join(1, wire.describe(x), {"outer.sync_every": 3},
+                                         wire.named(x))  # fmt: skip
+        assert (generation, rnd) == (2, 1)
+        with pytest.raises(Refused, match="learner 1 generation 1 is not a member"):
+            syncer.push(1, 1, 1, 1.0, _ones(9.0))
+        syncer.push(0, 1, 1, 1.0, _ones(1.0))
+        assert syncer.round == 1 and syncer.status()["waiting_for"] == [1]
+        syncer.push(1, 2, 1, 1.0, _ones(3.0))
+        assert syncer.round == 2
+        want = _nesterov(np.zeros(3, np.float32), [np.full(3, 1.0, np.float32),
+                                                   np.full(3, 2.0, np.float32)])  # fmt: skip
+        np.testing.assert_allclose(syncer.anchor[0], want[1], rtol=1e-6)
+    finally:
+        syncer.close()
 
 
 def test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_nothing(tmp_path):
@@ -243,6 +403,14 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
     chex.assert_trees_all_equal(got["state"].params, want["state"].params)
     assert got["final_eval_loss"] == want["final_eval_loss"]
+    # its metrics report the syncer's rounds (not the zeros of a sync it does not take)
+    rounds = helpers.events(tmp_path / "learner", "round")
+    assert [(e["step"], e["base_round"], e["round"], e["late"]) for e in rounds] == [
+        (5, 0, 1, 0), (10, 1, 2, 0)]  # fmt: skip
+    floats = sum(x.nbytes for x in jax.tree.leaves(want["state"].anchor))
+    assert all(floats < e["bytes_sent"] < floats * 1.05 for e in rounds)
+    assert all(floats < e["bytes_received"] < floats * 1.05 for e in rounds)
+    assert not helpers.events(tmp_path / "learner", "sync")
 
 
 def test_a_syncer_stopped_and_restarted_mid_run_loses_nothing(tmp_path, monkeypatch):

@@ -221,9 +221,24 @@ class SyncerConfig:
     address: str = _key("", "HOST:PORT of the syncer; a run with it is a learner; empty: none")
     learner: int = _key(0, "this learner's index in [0, syncer.learners): its data shards")
     learners: int = _key(1, "the learners declared: the data is split into this many parts")
-    timeout: float = _key(60.0, "seconds a round waits after its first push for the others")
+    timeout: float = _key(60.0, "seconds a round waits after its first push for the others; "
+                          "then it closes without them")  # fmt: skip
     dead_after: float = _key(30.0, "seconds of silence after which a learner is dropped")
     heartbeat: float = _key(2.0, "seconds between a learner's heartbeats")
+    quorum: int = _key(
+        0,
+        "0: a round waits for every learner (synchronous); K: it closes "
+        "once K have pushed and the grace has passed; late pushes join the next",
+    )
+    grace: float = _key(10.0, "quorum rounds: seconds a round waits after its quorum for the "
+                        "others (at most)")  # fmt: skip
+    adaptive_grace: bool = _key(
+        True,
+        "quorum rounds: the grace follows how late learners "
+        "came in the last 8 rounds (1.5x, in [0.1, 1] x grace)",
+    )
+    max_late: int = _key(4, "quorum rounds: a push at most this many rounds late is merged; "
+                         "later ones are refused as stale")  # fmt: skip
     status_port: int = _key(0, "the syncer's status page, /status and /metrics on this port; "
                             "0: off")  # fmt: skip
     token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else the "

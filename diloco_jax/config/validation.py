@@ -123,6 +123,12 @@ def _validate_syncer(cfg: Config) -> None:
         ("syncer.heartbeat", sy.heartbeat < sy.dead_after,
          f"must be shorter than syncer.dead_after = {sy.dead_after} (a live learner would be "
          "dropped)"),
+        ("syncer.quorum", 0 <= sy.quorum <= sy.learners,
+         f"must be in [0, syncer.learners = {sy.learners}] (0: every learner, synchronous)"),
+        ("syncer.grace", sy.grace > 0 and sy.grace <= sy.timeout,
+         f"must be > 0 seconds and at most syncer.timeout = {sy.timeout} (the deadline closes "
+         "a round first)"),
+        ("syncer.max_late", sy.max_late >= 1, "must be an integer >= 1 (rounds)"),
         ("syncer.token_file", not sy.token_file or pathlib.Path(sy.token_file).is_file(),
          "must be a file holding the token"),
     ]  # fmt: skip

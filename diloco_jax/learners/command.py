@@ -54,7 +54,8 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path) -> Syncer:
     sy = cfg.syncer
     return Syncer(algorithm, workdir, keys=learner_lib.shared_keys(config_lib.keys(cfg)),
                   learners=sy.learners, timeout=sy.timeout, dead_after=sy.dead_after,
-                  outer_scale=recipe.outer_lr_input(cfg))  # fmt: skip
+                  quorum=sy.quorum, grace=sy.grace, adaptive_grace=sy.adaptive_grace,
+                  max_late=sy.max_late, outer_scale=recipe.outer_lr_input(cfg))  # fmt: skip
 
 
 def serve(cfg: config_lib.Config, workdir: pathlib.Path):

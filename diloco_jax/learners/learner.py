@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -72,7 +73,8 @@ class Learner:
         self.client, self.algorithm, self.learner, self.keys = client, algorithm, learner, keys
         self.rows_per_round, self.log = rows_per_round, log
         self.generation, self.round = 0, 0
-        self.lost_rounds = 0
+        self.lost_rounds = self.late_pushes = 0
+        self.last: dict = {}  # the last round, as the run's ``round`` event reports it
         axes = state_lib.vmap_axes(algorithm.kinds)
         contribute = jax.vmap(algorithm.contribution, in_axes=(axes,), out_axes=(axes, 0, 0),
                               axis_name=REPLICA)  # fmt: skip
@@ -124,6 +126,17 @@ class Learner:
         fields = {"learner": self.learner, "generation": self.generation, "round": self.round,
                   "weight": weight}  # fmt: skip
         pushed = dict(zip(names, mean, strict=True))
+        start, sent, received = time.monotonic(), self.client.bytes_sent, self.client.bytes_received
+        state, f = self._push(state, fields, pushed)
+        self.last = {"base_round": fields["round"], "round": self.round,
+                     "late": int(f.get("late", 0)), "seconds_waited": time.monotonic() - start,
+                     "bytes_sent": self.client.bytes_sent - sent,
+                     "bytes_received": self.client.bytes_received - received,
+                     "restarted": bool(f.get("restarted"))}  # fmt: skip
+        return state
+
+    def _push(self, state, fields: dict, pushed: dict):
+        """Push, then restart from the syncer's answer; returns ``(state, reply fields)``."""
         try:
             f, arrays = self.client.call("Push", fields, pushed)
         except service.RefusedBySyncer as e:
@@ -135,12 +148,18 @@ class Learner:
                 self.log.warning("the syncer is at round %d: restarting from its anchor (the "
                                  "steps since round %d are in it only if that round closed with "
                                  "them)", self.round, base)  # fmt: skip
-                return self._restart(state, wire.unnamed(state.anchor, arrays))
+                restarted = {"round": self.round, "restarted": True}
+                return self._restart(state, wire.unnamed(state.anchor, arrays)), restarted
             # the same round (a restarted syncer that does not know this learner): push again
             fields = {**fields, "generation": self.generation}
             f, arrays = self.client.call("Push", fields, pushed)
+        if f.get("late"):
+            self.late_pushes += 1
+            self.log.info("this learner's push was %d round(s) late: it joins round %d, and "
+                          "the learner goes on from that round's anchor", f["late"],
+                          f["round"])  # fmt: skip
         self.round = int(f["round"])
-        return self._restart(state, wire.unnamed(state.anchor, arrays))
+        return self._restart(state, wire.unnamed(state.anchor, arrays)), f
 
     def close(self) -> None:
         self._stop.set()

@@ -9,7 +9,8 @@ changes nothing. Methods of the service ``diloco_jax.Syncer``:
 - ``Join`` (stream -> stream): learner index, parameters described, training keys, its anchor
   -> generation, round, the syncer's anchor.
 - ``Push`` (stream -> stream): learner, generation, base round, weight, its mean
-  pseudo-gradient -> the anchor of the next round, once that round has closed.
+  pseudo-gradient -> the anchor of the next round, once that round has closed (a late push
+  in quorum rounds: the current anchor at once), and how many rounds late the push was.
 - ``Heartbeat``, ``Leave`` (one message each way).
 
 A refusal is ``FAILED_PRECONDITION`` with the syncer's one-line reason.
@@ -114,13 +115,13 @@ class Server:
     def _push(self, requests, context):
         f, arrays = self._read(requests, context)
         learner, generation, base = int(f["learner"]), int(f["generation"]), int(f["round"])
-        self._refusing(context, lambda: self.syncer.push(learner, generation, base,
-                                                         float(f["weight"]), arrays))  # fmt: skip
+        late = self._refusing(context, lambda: self.syncer.push(
+            learner, generation, base, float(f["weight"]), arrays))  # fmt: skip
         rnd, anchor = self.syncer.wait(base, self.wait_timeout)
         if rnd <= base:
             context.abort(_grpc().StatusCode.DEADLINE_EXCEEDED,
                           f"round {base} did not close in {self.wait_timeout:.0f}s")  # fmt: skip
-        return self._answer({"round": rnd}, anchor)
+        return self._answer({"round": rnd, "late": late}, anchor)
 
     def _heartbeat(self, requests, context):
         f, _ = self._read(requests, context)
@@ -156,7 +157,7 @@ class Client:
         self._channel = grpc.insecure_channel(address, options=_options(max_bytes))
         self._calls = {name: self._channel.stream_stream(f"/{SERVICE}/{name}")
                        for name in ("Join", "Push", "Heartbeat", "Leave")}  # fmt: skip
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_sent = self.bytes_received = 0  # on the wire: headers, arrays, framing
 
     def call(self, name: str, fields: dict, arrays: dict | None = None,
              timeout: float | None = None) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
@@ -170,9 +171,10 @@ class Client:
             try:
                 replies = self._calls[name](iter(chunks), metadata=self._metadata,
                                             timeout=timeout or self.timeout)  # fmt: skip
-                out = wire.decode(replies, self.max_bytes)
+                got: list[int] = []
+                out = wire.decode(_kept(replies, got), self.max_bytes)
                 self.bytes_sent += sum(len(c) for c in chunks)
-                self.bytes_received += sum(a.nbytes for a in out[1].values())
+                self.bytes_received += sum(got)
                 return out
             except grpc.RpcError as e:
                 code = e.code()
@@ -191,6 +193,13 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def _kept(chunks, sizes: list[int]) -> Iterator[bytes]:
+    """``chunks``, noting each one's size in ``sizes``."""
+    for chunk in chunks:
+        sizes.append(len(chunk))
+        yield chunk
 
 
 def arrays_of(named: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -36,8 +36,19 @@ def _registry(syncer: Syncer) -> tuple[CollectorRegistry, Callable[[], dict]]:
         ),  # fmt: skip
         "timeout": Gauge(
             "diloco_syncer_round_timeout_seconds",
-            "a round's grace after its first push",
+            "a round's deadline after its first push",
             registry=registry,
+        ),  # fmt: skip
+        "quorum": Gauge(
+            "diloco_syncer_quorum", "pushes a round needs (0: every learner)", registry=registry
+        ),  # fmt: skip
+        "grace": Gauge(
+            "diloco_syncer_grace_seconds",
+            "the grace window in force after a quorum",
+            registry=registry,
+        ),  # fmt: skip
+        "late": Gauge(
+            "diloco_syncer_late_pushes", "pushes merged into a later round", registry=registry
         ),  # fmt: skip
     }
 
@@ -52,6 +63,9 @@ def _registry(syncer: Syncer) -> tuple[CollectorRegistry, Callable[[], dict]]:
         gauges["bytes_out"].set(st["bytes_out"])
         gauges["waited"].set(st["waited_seconds"])
         gauges["timeout"].set(st["timeout"])
+        gauges["quorum"].set(st["quorum"])
+        gauges["grace"].set(st["grace_in_force"])
+        gauges["late"].set(sum(m["late"] for m in st["members"].values()))
         return st
 
     return registry, update
@@ -61,16 +75,18 @@ def page(st: dict) -> str:
     """The status as a small HTML page."""
     rows = "".join(
         f"<tr><td>{i}</td><td>{html.escape(m['status'])}</td><td>{m['generation']}</td>"
-        f"<td>{m['joined_round']}</td><td>{m['pushes']}</td></tr>"
+        f"<td>{m['joined_round']}</td><td>{m['pushes']}</td><td>{m['late']}</td></tr>"
         for i, m in st["members"].items()
     )
+    grace = f", grace {st['grace_in_force']}s (at most {st['grace']}s)" if st["quorum"] else ""
     return (
         "<!doctype html><title>diloco-jax syncer</title><h1>syncer</h1>"
-        f"<p>round {st['round']}, {st['learners']} learners declared, mode {st['mode']}, "
-        f"timeout {st['timeout']}s, dead after {st['dead_after']}s; waiting for "
-        f"{len(st['pending'])} pushes in; {st['bytes_in']:,} bytes in, {st['bytes_out']:,} out"
-        "</p><table><tr><th>learner</th><th>status</th><th>generation</th><th>joined at round"
-        f"</th><th>pushes</th></tr>{rows}</table>"
+        f"<p>round {st['round']}, {st['learners']} learners declared, mode {st['mode']}{grace}, "
+        f"timeout {st['timeout']}s, dead after {st['dead_after']}s; {len(st['pending'])} "
+        f"pushes in, waiting for {st['waiting_for']}; {st['bytes_in']:,} bytes in, "
+        f"{st['bytes_out']:,} out</p><table><tr><th>learner</th><th>status</th>"
+        "<th>generation</th><th>joined at round</th><th>pushes</th><th>late</th></tr>"
+        f"{rows}</table>"
     )
 
 

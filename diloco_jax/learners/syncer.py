@@ -1,27 +1,40 @@
 """The syncer: holds the anchor (the outer parameters) and the outer optimizer's state of
 independent learners, and takes the outer step when a round closes.
 
-A round ``r`` collects one push per learner: its mean pseudo-gradient against the anchor of
-round ``r``, with its weight (the examples it trained on). Synchronous rounds
-(``syncer.mode = sync``) close when every present learner has pushed, or at the round's
-deadline (``syncer.timeout`` seconds after its first push), when the silent ones are dropped.
+A round ``r`` collects one push per learner: its mean pseudo-gradient against the anchor it
+last received, with its weight (the examples it trained on). A round opens at its first push;
+the learners present then are the ones it waits for (one that joins later joins the next round:
+its join returns when the open round closes). When a round closes:
+
+- synchronous (``syncer.quorum = 0``): when every learner it waits for has pushed, or at its
+  deadline (``syncer.timeout`` seconds after the first push), when the silent ones are dropped;
+- quorum (``syncer.quorum = K``): when all have pushed, or ``K`` have and the grace window has
+  passed since the K-th push, or at the deadline (nobody is dropped: a learner that misses the
+  round pushes late). The grace window is ``syncer.grace`` seconds, or with
+  ``syncer.adaptive_grace`` 1.5 x the longest wait after the quorum that brought a push in any of
+  the last 8 rounds, between 0.1 x and 1 x ``syncer.grace``: learners that come together are
+  waited for, a chronic straggler is not.
+
 Closing a round: the pushes' weighted mean (float32, in learner order), the outer step of the
 core (:meth:`diloco_jax.algorithm.Diloco.outer_step`, the same optax transform and learning
 rate as a run's sync), the new anchor and outer state written with orbax (atomically) under
-``WORKDIR/checkpoints/<round>``, and only then the new anchor sent to the learners that wait
-for it. A restarted syncer reads its newest checkpoint and goes on from that round.
+``WORKDIR/checkpoints/<round>`` with the members, and only then the new anchor sent to the
+learners that wait for it. A restarted syncer reads its newest checkpoint and goes on from that
+round with the same members and generations (their pushes are accepted without a new join).
 
 The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object per event):
 - a learner joins at any time and receives the current anchor and round; the first learner to
   join a syncer with no checkpoint brings the initial anchor. A learner whose parameters
   (names, shapes, dtypes) or training keys differ is refused, naming the first difference.
 - a learner index that joins again gets a new generation; pushes of the old one are refused.
-- a push against an older round than the current one (the learner missed a round) is refused
-  as stale: the learner restarts from the current anchor (its work since is lost; quorum
-  rounds, which merge late work, are not built yet).
+- a push against the anchor of an older round (the learner missed a round): in synchronous
+  rounds it is refused as stale and the learner restarts from the current anchor (its work
+  since is lost); in quorum rounds it joins the open round with its weight, if it is at most
+  ``syncer.max_late`` rounds behind, and its learner gets the current anchor at once.
 - a learner silent for ``syncer.dead_after`` seconds (no push, no heartbeat) is dropped at the
   next check; a dropped learner's push is refused until it joins again.
 - a push whose values are not all finite is left out of the round (the core's NaN guard).
+- a retried push counts once.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import logging
 import pathlib
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import jax
@@ -55,6 +69,7 @@ class Member:
     last_seen: float
     status: str = "present"  # present | dropped | left
     pushes: int = 0
+    late: int = 0  # pushes merged into a later round than the one they were computed for
 
 
 @dataclasses.dataclass
@@ -63,6 +78,7 @@ class Push:
     weight: float
     mean: list  # float32 leaves, in the anchor's order
     finite: bool
+    late: int = 0  # rounds behind the one it joins
 
 
 def digest(leaves: list) -> str:
@@ -79,13 +95,19 @@ class Syncer:
     ``algorithm``: the core's :class:`~diloco_jax.algorithm.Diloco` built from the syncer's
     config; ``outer_scale``: what multiplies its outer update (the outer learning rate where
     the optimizer is built with rate 1, as in a run); ``keys``: the training keys every learner
-    must share (its config's, compared at join); ``learners``: the declared learner count."""
+    must share (its config's, compared at join); ``learners``: the declared learner count;
+    the rest as the ``syncer.*`` keys of the same names (see the module's docstring)."""
+
+    HISTORY = 8  # rounds the adaptive grace window remembers
 
     def __init__(self, algorithm, workdir: pathlib.Path, *, keys: dict, learners: int,
-                 timeout: float, dead_after: float, outer_scale: float = 1.0,
+                 timeout: float, dead_after: float, quorum: int = 0, grace: float = 10.0,
+                 adaptive_grace: bool = True, max_late: int = 4, outer_scale: float = 1.0,
                  clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
         self.timeout, self.dead_after, self.outer_scale = timeout, dead_after, outer_scale
+        self.quorum, self.grace, self.adaptive_grace = quorum, grace, adaptive_grace
+        self.max_late = max_late
         self.clock = clock
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -97,6 +119,11 @@ class Syncer:
         self.anchor: list[np.ndarray] | None = None
         self.outer_state: Any = None
         self.deadline: float | None = None
+        self.expected: set[int] = set()  # the learners the open round waits for
+        self._quorum_at: float | None = None  # when the open round reached its quorum
+        self._grace_now = grace  # the grace window of the open round
+        self._lags: list[float] = []  # seconds after the quorum of this round's later pushes
+        self._history: deque[float] = deque(maxlen=self.HISTORY)
         self.bytes_in = self.bytes_out = 0
         self.waited = 0.0  # seconds rounds stood open
         self._opened: float | None = None
@@ -117,8 +144,8 @@ class Syncer:
         step = self._mngr.latest_step()
         if step is None:
             return
-        meta = checkpoint.saved_meta(self._mngr, step)
-        described = meta["config"]["leaves"]
+        meta = checkpoint.saved_meta(self._mngr, step)["config"]
+        described = meta["leaves"]
         like_anchor = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for _, s, d in described]
         like_outer = jax.eval_shape(self.algorithm.outer.init, like_anchor)
         like = {"anchor": like_anchor, "outer": jax.tree.leaves(like_outer)}
@@ -127,14 +154,18 @@ class Syncer:
         self.anchor = [np.asarray(x) for x in saved["anchor"]]
         self.outer_state = jax.tree.unflatten(jax.tree.structure(like_outer), saved["outer"])
         self.round = step
-        self.event("restored", anchor=digest(self.anchor))
+        # the members of the last round, present again: their pushes need no new join
+        for i, generation in meta.get("members", {}).items():
+            self.members[int(i)] = Member(int(generation), step, self.clock())
+        self.event("restored", anchor=digest(self.anchor), members=sorted(self.members))
 
     def _save(self) -> None:
         state = {"anchor": self.anchor, "outer": jax.tree.leaves(self.outer_state)}
         assert self.anchor is not None
         described = [[n, list(a.shape), str(a.dtype)]
                      for n, a in zip(self.names, self.anchor, strict=True)]  # fmt: skip
-        meta = {"leaves": described, "keys": self.keys, "round": self.round}
+        members = {str(i): self.members[i].generation for i in self.present()}
+        meta = {"leaves": described, "keys": self.keys, "round": self.round, "members": members}
         checkpoint.save(self._mngr, self.round, state, meta, wait=True)
 
     # ---- what learners ask ------------------------------------------------------------------
@@ -142,7 +173,9 @@ class Syncer:
     def join(self, learner: int, describe: list, keys: dict, anchor: dict[str, np.ndarray]):
         """Admits ``learner`` (its parameters described by :func:`wire.describe`, its training
         ``keys``; ``anchor``: its own, used only when the syncer has none yet); returns
-        ``(generation, round, anchor by name)``. Raises :class:`Refused`."""
+        ``(generation, round, anchor by name)``. A learner the open round does not wait for
+        joins the next round: this returns when the open one has closed. Raises
+        :class:`Refused`."""
         if not 0 <= learner < self.learners:
             raise Refused(f"learner {learner} is not in [0, {self.learners}) (syncer.learners)")
         for key, value in self.keys.items():
@@ -164,10 +197,12 @@ class Syncer:
             old = self.members.get(learner)
             generation = 1 if old is None else old.generation + 1
             self.members[learner] = Member(generation, self.round, self.clock())
-            dropped = self.pending.pop(learner, None)
+            waits = bool(self.pending) and learner not in self.expected
             self.event("joined", learner=learner, generation=generation,
-                       replaced_push=dropped is not None)  # fmt: skip
-            self._close_if_due()
+                       next_round=waits)  # fmt: skip
+            if waits:  # the open round goes on without it; it starts from the next anchor
+                self._wait_past(self.round, self.timeout + self.grace)
+            self._advance()
             return generation, self.round, dict(zip(self.names, self.anchor, strict=True))
 
     def heartbeat(self, learner: int, generation: int) -> int:
@@ -176,33 +211,39 @@ class Syncer:
         with self.lock:
             member = self._member(learner, generation)
             member.last_seen = self.clock()
-            self._check_deadlines()
+            self._advance()
             return self.round
 
     def leave(self, learner: int, generation: int) -> None:
         with self.lock:
             member = self._member(learner, generation)
             member.status = "left"
-            self.pending.pop(learner, None)
             self.event("left", learner=learner, generation=generation)
-            self._close_if_due()
+            self._advance()
 
     def push(self, learner: int, generation: int, base_round: int, weight: float,
-             mean: dict[str, np.ndarray]) -> None:  # fmt: skip
+             mean: dict[str, np.ndarray]) -> int:  # fmt: skip
         """Adds ``learner``'s mean pseudo-gradient against the anchor of ``base_round`` to the
-        open round. Raises :class:`Refused` (stale, dropped, old generation, wrong leaves)."""
+        open round; returns how many rounds late it is (0: on time). Raises :class:`Refused`
+        (stale, dropped, old generation, wrong leaves)."""
         with self.lock:
             member = self._member(learner, generation)
-            member.last_seen = self.clock()
-            if base_round < self.round:
-                self.event("refused", learner=learner, reason="stale", base_round=base_round)
-                raise Refused(f"stale: computed against round {base_round}, the syncer is at "
-                              f"round {self.round}; restart from its anchor")  # fmt: skip
-            if base_round > self.round:
+            now = member.last_seen = self.clock()
+            late = self.round - base_round
+            if late < 0:
                 raise Refused(f"round {base_round} has not started (the syncer is at "
                               f"{self.round})")  # fmt: skip
+            if late and (not self.quorum or late > self.max_late):
+                rule = (
+                    "synchronous rounds merge no late work"
+                    if not self.quorum
+                    else f"more than syncer.max_late = {self.max_late} rounds behind"
+                )
+                self.event("refused", learner=learner, reason="stale", base_round=base_round)
+                raise Refused(f"stale: computed against round {base_round}, the syncer is at "
+                              f"round {self.round} ({rule}); restart from its anchor")  # fmt: skip
             if learner in self.pending:
-                return  # a retried push counts once
+                return late  # a retried push counts once
             leaves = []
             for name, a in zip(self.names, self.anchor or [], strict=True):
                 if name not in mean or mean[name].shape != a.shape:
@@ -211,27 +252,36 @@ class Syncer:
             finite = all(bool(np.isfinite(x).all()) for x in leaves)
             if not finite:
                 self.event("not_finite", learner=learner)
-            if not self.pending:
-                self._opened = self.clock()
-                self.deadline = self._opened + self.timeout
-            self.pending[learner] = Push(generation, float(weight), leaves, finite)
+            if not self.pending:  # the round opens: it waits for the learners present now
+                self._opened, self.deadline = now, now + self.timeout
+                self.expected = set(self.present())
+            self.pending[learner] = Push(generation, float(weight), leaves, finite, late)
             member.pushes += 1
+            member.late += late > 0
+            if self._quorum_at is not None:
+                self._lags.append(now - self._quorum_at)
+            elif self.quorum and len(self.pending) >= self.quorum:
+                self._quorum_at, self._grace_now = now, self.grace_in_force()
             self.event("pushed", learner=learner, generation=generation, weight=weight,
-                       finite=finite)  # fmt: skip
-            self._close_if_due()
+                       finite=finite, late=late)  # fmt: skip
+            self._advance()
+            return late
 
     def wait(self, after_round: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
         """Blocks until the syncer is past ``after_round`` (or ``timeout`` seconds, checking the
         round's deadline meanwhile); returns ``(round, anchor by name)``."""
-        end = self.clock() + timeout
         with self.lock:
-            while self.round <= after_round:
-                left = end - self.clock()
-                if left <= 0:
-                    break
-                self.lock.wait(min(left, 0.05))
-                self._check_deadlines()
+            self._wait_past(after_round, timeout)
             return self.round, dict(zip(self.names, self.anchor or [], strict=True))
+
+    def _wait_past(self, after_round: int, timeout: float) -> None:
+        end = self.clock() + timeout
+        while self.round <= after_round:
+            left = end - self.clock()
+            if left <= 0:
+                break
+            self.lock.wait(min(left, 0.05))
+            self._advance()
 
     # ---- rounds -----------------------------------------------------------------------------
 
@@ -247,24 +297,33 @@ class Syncer:
     def present(self) -> list[int]:
         return sorted(i for i, m in self.members.items() if m.status == "present")
 
-    def _check_deadlines(self) -> None:
+    def grace_in_force(self) -> float:
+        """The grace window a round gets once it has its quorum (see the module's docstring)."""
+        if not self.adaptive_grace or not self._history:
+            return self.grace
+        return min(self.grace, max(0.1 * self.grace, 1.5 * max(self._history)))
+
+    def _advance(self) -> None:
+        """Drops silent learners and closes the open round when one of its rules says so."""
         now = self.clock()
         for i in self.present():
             m = self.members[i]
             if i not in self.pending and now - m.last_seen > self.dead_after:
                 m.status = "dropped"
                 self.event("dropped", learner=i, reason=f"silent for {now - m.last_seen:.1f}s")
-        if self.pending and self.deadline is not None and now >= self.deadline:
-            for i in self.present():
-                if i not in self.pending:
+        if not self.pending:
+            return
+        waiting = [i for i in self.present() if i in self.expected and i not in self.pending]
+        if not waiting:
+            self._close("all pushed")
+        elif self._quorum_at is not None and now >= self._quorum_at + self._grace_now:
+            self._close(f"quorum and {self._grace_now:.2f}s of grace")
+        elif self.deadline is not None and now >= self.deadline:
+            if not self.quorum:
+                for i in waiting:
                     self.members[i].status = "dropped"
                     self.event("dropped", learner=i, reason="no push by the round's deadline")
-        self._close_if_due()
-
-    def _close_if_due(self) -> None:
-        if not self.pending or any(i not in self.pending for i in self.present()):
-            return
-        self._close()
+            self._close("deadline")
 
     @staticmethod
     def _merge(pushes: list[Push]) -> tuple[list, float]:
@@ -286,7 +345,7 @@ class Syncer:
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
         return self.algorithm.outer_step(mean, anchor, outer_state, self.outer_scale, anyone)
 
-    def _close(self) -> None:
+    def _close(self, why: str) -> None:
         order = sorted(self.pending)
         pushes = [self.pending[i] for i in order]
         mean, total_w = self._merge(pushes)
@@ -294,23 +353,31 @@ class Syncer:
         self.anchor = [np.asarray(x) for x in jax.device_get(anchor)]
         self.outer_state = jax.device_get(outer)
         self.waited += self.clock() - (self._opened or self.clock())
+        if self._quorum_at is not None:
+            self._history.append(max(self._lags, default=0.0))
         closed = self.round
         self.round += 1
         self._save()  # before anyone sees the new anchor
-        self.event("closed", closed=closed, learners=order,
+        self.event("closed", closed=closed, learners=order, why=why,
+                   late=[i for i, p in zip(order, pushes, strict=True) if p.late],
                    weights=[p.weight for p in pushes], total_weight=total_w,
                    anchor=digest(self.anchor))  # fmt: skip
         self.pending, self.deadline, self._opened = {}, None, None
+        self.expected, self._quorum_at, self._lags = set(), None, []
         self.lock.notify_all()
 
     def status(self) -> dict[str, Any]:
         """What the status page and ``/metrics`` show."""
         with self.lock:
             return {
-                "round": self.round, "learners": self.learners, "mode": "sync",
+                "round": self.round, "learners": self.learners,
+                "mode": f"quorum {self.quorum}" if self.quorum else "sync",
+                "quorum": self.quorum, "grace": self.grace,
+                "grace_in_force": round(self.grace_in_force(), 3) if self.quorum else 0.0,
                 "timeout": self.timeout, "dead_after": self.dead_after,
                 "members": {i: dataclasses.asdict(m) for i, m in sorted(self.members.items())},
-                "pending": sorted(self.pending), "bytes_in": self.bytes_in,
+                "pending": sorted(self.pending), "waiting_for": sorted(self.expected - set(
+                    self.pending)), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "waited_seconds": round(self.waited, 3),
             }  # fmt: skip
 

@@ -88,9 +88,13 @@ def _crossed(step: int, chunk: int, every: int) -> bool:
     return every > 0 and step // every > (step - chunk) // every
 
 
-def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float) -> None:
+def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float,
+                  learner=None) -> None:  # fmt: skip
     cfg, n = s.cfg, s.cfg.train.log_every
-    if cfg.algorithm == "diloco":
+    if learner is not None:  # its syncs are the syncer's rounds
+        if learner.last and step % cfg.outer.sync_every == 0:
+            runlog.write("round", step, **learner.last)
+    elif cfg.algorithm == "diloco":
         reporting.log_syncs(runlog, s.algorithm.plan, step - n, metrics_NxR)
     loss_R = metrics_NxR["loss"][-1]
     tokens_per_s = s.layout.replicas * cfg.data.batch_size * s.tokens_per_row * n / seconds
@@ -281,7 +285,7 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
         step += cfg.train.log_every
         if r.learner is not None and step % cfg.outer.sync_every == 0:
             state = r.learner.sync(state)  # the syncer's round: push, wait, restart
-        _report_chunk(s, r.runlog, bar, step, metrics_NxR, call_seconds[-1])
+        _report_chunk(s, r.runlog, bar, step, metrics_NxR, call_seconds[-1], r.learner)
         distributed.check_replicated(s, state, step)
         asked = r.live.agree(r.runlog, stop, step)  # HTTP controls, as every process agrees
         evaluated = _between_calls(s, r, state, step, total, asked, phases)
