@@ -176,10 +176,15 @@ def run_learners(args, workdir: pathlib.Path, failures: bool) -> dict:
     done = [events(workdir / f"learner_{i}" / "metrics.jsonl", "done")
             for i in range(args.learners)]  # fmt: skip
     losses = [d[-1]["final_eval_loss"] for d in done if d]
-    return {"wall_s": wall, "useful_steps": useful, "kills": kills, "rc": proc.returncode,
-            "final_eval_loss": min(losses) if losses else None,
-            "rounds": sum(e["event"] == "closed" for e in t),
-            "late_pushes": sum(len(e.get("late", [])) for e in t if e["event"] == "closed")}
+    return {
+        "wall_s": wall,
+        "useful_steps": useful,
+        "kills": kills,
+        "rc": proc.returncode,
+        "final_eval_loss": min(losses) if losses else None,
+        "rounds": sum(e["event"] == "closed" for e in t),
+        "late_pushes": sum(len(e.get("late", [])) for e in t if e["event"] == "closed"),
+    }
 
 
 def run_spmd(args, workdir: pathlib.Path, failures: bool) -> dict:
@@ -208,9 +213,15 @@ def run_spmd(args, workdir: pathlib.Path, failures: bool) -> dict:
                 raise RuntimeError(f"the SPMD run failed with status {rc}")
     wall = time.monotonic() - start
     done = events(workdir / "metrics.jsonl", "done")
-    return {"wall_s": wall, "useful_steps": float(args.learners * steps), "kills": kills,
-            "rc": rc, "final_eval_loss": done[-1]["final_eval_loss"] if done else None,
-            "rounds": args.rounds, "late_pushes": 0}
+    return {
+        "wall_s": wall,
+        "useful_steps": float(args.learners * steps),
+        "kills": kills,
+        "rc": rc,
+        "final_eval_loss": done[-1]["final_eval_loss"] if done else None,
+        "rounds": args.rounds,
+        "late_pushes": 0,
+    }
 
 
 def main() -> None:
@@ -248,8 +259,10 @@ def main() -> None:
           "final eval loss |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['wall_s']:.1f} | {r['useful_steps']:.0f} | {r['kills']} | "
-              f"{r['late_pushes']} | {r['goodput']:.0%} | {r['final_eval_loss']:.4f} |")
+        print(
+            f"| {name} | {r['wall_s']:.1f} | {r['useful_steps']:.0f} | {r['kills']} | "
+            f"{r['late_pushes']} | {r['goodput']:.0%} | {r['final_eval_loss']:.4f} |"
+        )
     print(f"\nresults: {out / 'bench_learners.json'}")
 
 
