@@ -413,6 +413,34 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     assert not helpers.events(tmp_path / "learner", "sync")
 
 
+def test_a_learner_ends_when_the_syncer_closes_the_runs_last_round(tmp_path, monkeypatch):
+    """``syncer.rounds = 1``: the syncer closes round 0 and is finished; the learner ends at its
+    next sync (step 5 of 10), evaluates the final anchor there and saves it; a learner that
+    joins afterwards ends at once with the same anchor."""
+    from diloco_jax.learners.command import make_syncer
+    from diloco_jax.train import train
+
+    cfg = _tiny(**{"parallel.replicas": 1, "syncer.rounds": 1})
+    syncer = make_syncer(cfg, tmp_path / "syncer")
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
+    learner = _tiny(**{"parallel.replicas": 1, "syncer.address": f"127.0.0.1:{server.port}"})
+    try:
+        got = train(learner, tmp_path / "learner", show_progress=False)
+        late = train(learner, tmp_path / "late", show_progress=False)
+    finally:
+        server.stop()
+        syncer.close()
+    assert syncer.round == 1 and syncer.finished
+    assert got["steps"] == 5 and late["steps"] == 0
+    assert helpers.events(tmp_path / "learner", "eval")[-1]["step"] == 5
+    np.testing.assert_array_equal(wire.named(got["state"].anchor)[syncer.names[0]],
+                                  syncer.anchor[0])  # fmt: skip
+    assert late["final_eval_loss"] == got["final_eval_loss"]
+    assert [e["event"] for e in map(json.loads, (tmp_path / "syncer" / "syncer.jsonl").open())
+            ].count("finished") == 1  # fmt: skip
+
+
 def test_a_syncer_stopped_and_restarted_mid_run_loses_nothing(tmp_path, monkeypatch):
     """The syncer is stopped after round 1 and a new one started on its directory and port
     while the learner trains on: the learner retries until it answers, joins again (the new

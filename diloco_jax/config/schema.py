@@ -239,6 +239,9 @@ class SyncerConfig:
     )
     max_late: int = _key(4, "quorum rounds: a push at most this many rounds late is merged; "
                          "later ones are refused as stale")  # fmt: skip
+    rounds: int = _key(0, "the run's length in outer steps: once the syncer has closed this "
+                       "many rounds, each learner ends at its next sync (0: each runs "
+                       "train.total_steps)")  # fmt: skip
     status_port: int = _key(0, "the syncer's status page, /status and /metrics on this port; "
                             "0: off")  # fmt: skip
     token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else the "

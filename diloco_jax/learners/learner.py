@@ -73,6 +73,7 @@ class Learner:
         self.client, self.algorithm, self.learner, self.keys = client, algorithm, learner, keys
         self.rows_per_round, self.log = rows_per_round, log
         self.generation, self.round = 0, 0
+        self.finished = False  # the syncer has closed the run's last round (syncer.rounds)
         self.lost_rounds = self.late_pushes = 0
         self.last: dict = {}  # the last round, as the run's ``round`` event reports it
         axes = state_lib.vmap_axes(algorithm.kinds)
@@ -98,6 +99,7 @@ class Learner:
                                               "describe": wire.describe(anchor),
                                               "keys": self.keys}, wire.named(anchor))  # fmt: skip
         self.generation, self.round = int(f["generation"]), int(f["round"])
+        self.finished = bool(f.get("finished"))
         self.log.info("joined the syncer at %s as learner %d (generation %d) at round %d",
                       self.client.address, self.learner, self.generation, self.round)  # fmt: skip
         if not self._beats.is_alive():
@@ -158,7 +160,10 @@ class Learner:
             self.log.info("this learner's push was %d round(s) late: it joins round %d, and "
                           "the learner goes on from that round's anchor", f["late"],
                           f["round"])  # fmt: skip
-        self.round = int(f["round"])
+        self.round, self.finished = int(f["round"]), bool(f.get("finished"))
+        if self.finished:
+            self.log.info("the syncer has closed the run's last round (%d): this learner ends "
+                          "with its anchor", self.round)  # fmt: skip
         return self._restart(state, wire.unnamed(state.anchor, arrays)), f
 
     def close(self) -> None:

@@ -110,18 +110,20 @@ class Server:
         generation, rnd, anchor = self._refusing(
             context, lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"], arrays)
         )
-        return self._answer({"generation": generation, "round": rnd}, anchor)
+        return self._answer({"generation": generation, "round": rnd,
+                             "finished": self.syncer.finished}, anchor)  # fmt: skip
 
     def _push(self, requests, context):
         f, arrays = self._read(requests, context)
         learner, generation, base = int(f["learner"]), int(f["generation"]), int(f["round"])
         late = self._refusing(context, lambda: self.syncer.push(
             learner, generation, base, float(f["weight"]), arrays))  # fmt: skip
-        rnd, anchor = self.syncer.wait(base, self.wait_timeout)
-        if rnd <= base:
+        rnd, anchor = self.syncer.wait(base, 0.0 if self.syncer.finished else self.wait_timeout)
+        if rnd <= base and not self.syncer.finished:
             context.abort(_grpc().StatusCode.DEADLINE_EXCEEDED,
                           f"round {base} did not close in {self.wait_timeout:.0f}s")  # fmt: skip
-        return self._answer({"round": rnd, "late": late}, anchor)
+        return self._answer({"round": rnd, "late": late, "finished": self.syncer.finished},
+                            anchor)  # fmt: skip
 
     def _heartbeat(self, requests, context):
         f, _ = self._read(requests, context)

@@ -102,12 +102,13 @@ class Syncer:
 
     def __init__(self, algorithm, workdir: pathlib.Path, *, keys: dict, learners: int,
                  timeout: float, dead_after: float, quorum: int = 0, grace: float = 10.0,
-                 adaptive_grace: bool = True, max_late: int = 4, outer_scale: float = 1.0,
+                 adaptive_grace: bool = True, max_late: int = 4, rounds: int = 0,
+                 outer_scale: float = 1.0,
                  clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
         self.timeout, self.dead_after, self.outer_scale = timeout, dead_after, outer_scale
         self.quorum, self.grace, self.adaptive_grace = quorum, grace, adaptive_grace
-        self.max_late = max_late
+        self.max_late, self.rounds = max_late, rounds
         self.clock = clock
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -221,6 +222,11 @@ class Syncer:
             self.event("left", learner=learner, generation=generation)
             self._advance()
 
+    @property
+    def finished(self) -> bool:
+        """The run's last round (``syncer.rounds``) has closed: pushes are no longer merged."""
+        return bool(self.rounds) and self.round >= self.rounds
+
     def push(self, learner: int, generation: int, base_round: int, weight: float,
              mean: dict[str, np.ndarray]) -> int:  # fmt: skip
         """Adds ``learner``'s mean pseudo-gradient against the anchor of ``base_round`` to the
@@ -229,6 +235,8 @@ class Syncer:
         with self.lock:
             member = self._member(learner, generation)
             now = member.last_seen = self.clock()
+            if self.finished:
+                return 0  # the run is over: the learner gets the final anchor and ends
             late = self.round - base_round
             if late < 0:
                 raise Refused(f"round {base_round} has not started (the syncer is at "
@@ -358,6 +366,8 @@ class Syncer:
         closed = self.round
         self.round += 1
         self._save()  # before anyone sees the new anchor
+        if self.finished:
+            self.event("finished", rounds=self.rounds)
         self.event("closed", closed=closed, learners=order, why=why,
                    late=[i for i, p in zip(order, pushes, strict=True) if p.late],
                    weights=[p.weight for p in pushes], total_weight=total_w,
@@ -372,7 +382,8 @@ class Syncer:
             return {
                 "round": self.round, "learners": self.learners,
                 "mode": f"quorum {self.quorum}" if self.quorum else "sync",
-                "quorum": self.quorum, "grace": self.grace,
+                "quorum": self.quorum, "grace": self.grace, "rounds": self.rounds,
+                "finished": self.finished,
                 "grace_in_force": round(self.grace_in_force(), 3) if self.quorum else 0.0,
                 "timeout": self.timeout, "dead_after": self.dead_after,
                 "members": {i: dataclasses.asdict(m) for i, m in sorted(self.members.items())},

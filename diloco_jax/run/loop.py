@@ -267,6 +267,11 @@ class Calls(NamedTuple):
     host_seconds: list  # the loop's own time after each call
 
 
+def _syncer_done(r: Run) -> bool:
+    """A learner whose syncer has closed the run's last round (``syncer.rounds``)."""
+    return r.learner is not None and r.learner.finished
+
+
 def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
               phases: reporting.Phases, *, show_progress: bool) -> Calls:  # fmt: skip
     """Calls the compiled step (``train.log_every`` steps a call) until ``total`` steps or a
@@ -276,7 +281,8 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
     show = show_progress and r.lead and cfg.log.progress_bar  # TQDM_DISABLE: progress_bar
     bar = progress_bar(total, initial=step, enabled=show)
     eval_loss, train_start, call_seconds, host_seconds = None, time.time(), [], []
-    while step < total and not agree_to_stop(stop):
+    evaluated_at = -1
+    while step < total and not _syncer_done(r) and not agree_to_stop(stop):
         control = chunk_control(cfg, s, step, r.live.outer_scale)
         tick = time.time()
         state, metrics_NxR = run(state, s.replicas_R, s.data(step), control)
@@ -289,14 +295,15 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
         distributed.check_replicated(s, state, step)
         asked = r.live.agree(r.runlog, stop, step)  # HTTP controls, as every process agrees
         evaluated = _between_calls(s, r, state, step, total, asked, phases)
-        eval_loss = eval_loss if evaluated is None else evaluated
+        eval_loss, evaluated_at = (eval_loss, evaluated_at) if evaluated is None else (
+            evaluated, step)  # fmt: skip
         host_seconds.append(time.time() - tick - call_seconds[-1])
     bar.close()
     if stop.requested:
         log.warning("%s: stopping at step %d %s", stop.requested, step,
                     saving(cfg.train.checkpoint))  # fmt: skip
-    elif eval_loss is None:  # resumed a run that had already finished
-        eval_loss = evaluate(s, r.runlog, state, step, total)
+    elif eval_loss is None or (_syncer_done(r) and evaluated_at != step):  # resumed a finished run,
+        eval_loss = evaluate(s, r.runlog, state, step, total)  # or the syncer's last round
     return Calls(state, step, eval_loss, time.time() - train_start, call_seconds, host_seconds)
 
 
