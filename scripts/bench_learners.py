@@ -17,12 +17,15 @@ same DiLoCo job (the tiny preset, one replica per learner, ``--learners`` replic
   host slows the whole job (every step waits for it), so the process runs at ``--slow`` speed.
 
 Every run ends when the anchor has taken ``--rounds`` outer steps (learners: ``syncer.rounds``;
-SPMD: ``train.total_steps``). Reported per run: wall time (start to end, start-up included),
-useful replica-steps (the inner steps whose pseudo-gradient reached the anchor: from the
-syncer's tape for learners; every step for SPMD, whose lost work is redone), goodput = (useful
-steps / the failure-free run's) x (the failure-free run's wall time / this run's), relative to
-the same layout without failures, and the final evaluation loss. Prints a Markdown table and
-writes ``DIR/bench_learners.json``.
+SPMD: ``train.total_steps``); the inner learning rate is constant after its warm-up, so both
+layouts train the same thing without failures. Reported per run: wall time (start to end,
+start-up included), useful replica-steps (the inner steps whose pseudo-gradient reached the
+anchor: from the syncer's tape for learners; every step for SPMD, whose lost work is redone),
+and goodput: useful replica-steps over the replica-steps the machines could have taken in that
+wall time, each at its own pace (the layout's failure-free pace, the slow one at ``--slow`` of
+it): ``useful / (wall x pace x (L - 1 + slow))``. So a failure-free run is 100%, and a slow
+host that holds every SPMD replica back costs SPMD its fast hosts' idle time. Also the final
+evaluation loss. Prints a Markdown table and writes ``DIR/bench_learners.json``.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def job_flags(args, steps: int) -> list[str]:
             f"--config.train.eval_every={steps}", "--config.train.sample_chars=0",
             "--config.log.figures=false", "--config.log.progress_bar=false",
             f"--config.data.batch_size={BATCH}", "--config.model.d_model=64",
-            "--config.model.num_layers=2"]  # fmt: skip
+            "--config.model.num_layers=2", "--config.inner.final_lr_fraction=1.0"]  # fmt: skip
 
 
 def env() -> dict:
@@ -146,7 +149,7 @@ def events(path: pathlib.Path, kind: str) -> list[dict]:
 
 
 def run_learners(args, workdir: pathlib.Path, failures: bool) -> dict:
-    steps = args.rounds * args.sync_every * 4  # a learner's schedule; syncer.rounds ends it
+    steps = args.rounds * args.sync_every * 2  # at most; syncer.rounds ends the run
     flags = [*job_flags(args, steps), "--config.parallel.replicas=1",
              f"--config.syncer.rounds={args.rounds}", "--config.syncer.heartbeat=0.5",
              "--config.syncer.dead_after=20", "--config.syncer.timeout=120"]  # fmt: skip
@@ -246,9 +249,9 @@ def main() -> None:
         print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
     for layout in ("learners", "SPMD"):
         clean, chaos = results[f"{layout}, no failures"], results[f"{layout}, failures"]
-        for r in (clean, chaos):
-            r["goodput"] = ((r["useful_steps"] / clean["useful_steps"])
-                            * (clean["wall_s"] / r["wall_s"]))  # fmt: skip
+        pace = clean["useful_steps"] / args.learners / clean["wall_s"]  # replica-steps/s each
+        for r, hosts in ((clean, args.learners), (chaos, args.learners - 1 + args.slow)):
+            r["goodput"] = r["useful_steps"] / (r["wall_s"] * pace * hosts)
         chaos["loss_change"] = chaos["final_eval_loss"] - clean["final_eval_loss"]
     (out / "bench_learners.json").write_text(json.dumps(results, indent=1))
     print(f"\n{args.learners} learners x 1 replica, {args.rounds} rounds of {args.sync_every} "
