@@ -1,7 +1,7 @@
 """Benchmark: goodput of L learners and a syncer against one SPMD job, under the same failures.
 
-    uv run python scripts/bench_learners.py [--learners 4] [--rounds 30] [--sync_every 10]
-        [--kill_every 6] [--slow 0.5] [--quorum 3] [--out DIR]
+    uv run python scripts/bench_learners.py [--learners 4] [--rounds 16] [--sync_every 40]
+        [--kill_every 4] [--slow 0.5] [--quorum 2] [--out DIR]
 
 Four runs on this machine, each a fresh process tree, each ``--rounds`` outer steps of the
 same DiLoCo job (the tiny preset, one replica per learner, ``--learners`` replicas in all):
@@ -230,11 +230,11 @@ def run_spmd(args, workdir: pathlib.Path, failures: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--learners", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--sync_every", type=int, default=10)
-    parser.add_argument("--kill_every", type=int, default=6, help="rounds between kills")
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--sync_every", type=int, default=40)
+    parser.add_argument("--kill_every", type=int, default=4, help="rounds between kills")
     parser.add_argument("--slow", type=float, default=0.5, help="the slow learner's speed")
-    parser.add_argument("--quorum", type=int, default=3)
+    parser.add_argument("--quorum", type=int, default=2)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="bench_learners_"))

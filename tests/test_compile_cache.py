@@ -139,3 +139,38 @@ def test_an_executable_read_again_comes_from_memory_and_a_changed_program_does_n
     other = jax.jit(lambda x: x * 5.0 - 3.0)(x_N)  # another program: compiled
     assert compile_cache.hits() == before + 2
     assert other.tolist() == [-3.0, 2.0, 7.0, 12.0, 17.0]
+
+
+def test_kept_executables_follow_both_signatures_of_jaxs_cache_read():
+    """The in-memory layer over JAX's persistent-cache read works with the 4-argument read of
+    JAX 0.10 and the 5-argument one of later JAX (host callbacks): a second read of the same key
+    and devices comes from memory; a read with host callbacks always goes to JAX."""
+    import types
+
+    calls = []
+
+    def read4(cache_key, compile_options, backend, executable_devices):
+        calls.append(cache_key)
+        return (f"exe-{cache_key}", 7)
+
+    def read5(cache_key, compile_options, backend, executable_devices, host_callbacks=()):
+        calls.append(cache_key)
+        return (f"exe-{cache_key}-{len(host_callbacks)}", 7)
+
+    devices = [types.SimpleNamespace(id=0)]
+    backend = object()
+    with compile_cache._loaded_lock:
+        compile_cache._loaded.clear()
+    four = compile_cache.remembering(read4)
+    assert four("k4", None, backend, devices) == ("exe-k4", 7)
+    assert four("k4", None, backend, devices) == ("exe-k4", 7)
+    assert calls == ["k4"]
+    five = compile_cache.remembering(read5)
+    assert five("k5", None, backend, devices, ()) == ("exe-k5-0", 7)
+    assert five("k5", None, backend, devices) == ("exe-k5-0", 7)
+    assert calls == ["k4", "k5"]
+    assert five("k5", None, backend, devices, [print]) == ("exe-k5-1", 7)
+    assert five("k5", None, backend, devices, host_callbacks=[print]) == ("exe-k5-1", 7)
+    assert calls == ["k4", "k5", "k5", "k5"]
+    with compile_cache._loaded_lock:
+        compile_cache._loaded.clear()

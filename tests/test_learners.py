@@ -334,7 +334,8 @@ def test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_nothing(tmp_path
         assert syncer.members == {} and syncer.anchor is None
         right = service.Client(f"127.0.0.1:{server.port}", TOKEN, timeout=10)
         f, anchor = right.call("Join", fields, wire.named(x))
-        assert f == {"generation": 1, "round": 0} and list(anchor) == ["['w']"]
+        assert f == {"generation": 1, "round": 0, "finished": False}
+        assert list(anchor) == ["['w']"]
         f, anchor = right.call("Push", {"learner": 0, "generation": 1, "round": 0, "weight": 1.0},
                                {"['w']": np.ones(3, np.float32)})  # fmt: skip
         assert f["round"] == 1

@@ -92,20 +92,33 @@ _loaded_lock = threading.Lock()
 
 def keep_loaded() -> None:
     """Wraps JAX's persistent-cache read with the in-process memory above (once). Where this
-    JAX has no such function, nothing changes: runs read the cache as before."""
+    JAX has no such function, nothing changes: runs read the cache as before. Newer JAX passes
+    more arguments (the program's host callbacks): a read with any such argument set bypasses
+    the memory, since its executable is bound to them."""
     from jax._src import compilation_cache as jax_cache
 
     read = getattr(jax_cache, "get_executable_and_time", None)
     if read is None or getattr(read, "keeps_loaded", False):
         return
+    jax_cache.get_executable_and_time = remembering(read)
 
-    def get_executable_and_time(cache_key, compile_options, backend, executable_devices):
-        key = (cache_key, id(backend), tuple(d.id for d in executable_devices))
+
+def remembering(read):
+    """``read`` (JAX's ``get_executable_and_time(cache_key, compile_options, backend,
+    executable_devices, ...)``) with the last :data:`KEEP_LOADED` executables it found kept in
+    memory, keyed by cache key, backend and devices."""
+
+    def get_executable_and_time(cache_key, compile_options, backend, *more, **named):
+        devices = more[0] if more else named.get("executable_devices")
+        extra = [*more[1:], *(v for k, v in named.items() if k != "executable_devices")]
+        if devices is None or any(extra):  # not a read this memory can stand for
+            return read(cache_key, compile_options, backend, *more, **named)
+        key = (cache_key, id(backend), tuple(d.id for d in devices))
         with _loaded_lock:
             if key in _loaded:
                 _loaded.move_to_end(key)
                 return _loaded[key]
-        found = read(cache_key, compile_options, backend, executable_devices)
+        found = read(cache_key, compile_options, backend, *more, **named)
         if found[0] is not None:
             with _loaded_lock:
                 _loaded[key] = found
@@ -114,7 +127,7 @@ def keep_loaded() -> None:
         return found
 
     get_executable_and_time.keeps_loaded = True  # type: ignore[attr-defined]
-    jax_cache.get_executable_and_time = get_executable_and_time
+    return get_executable_and_time
 
 
 def hits() -> int:
