@@ -7,7 +7,8 @@ gRPC (``grpcio``, the ``learners`` extra) with raw byte messages: every request 
 changes nothing. Methods of the service ``diloco_jax.Syncer``:
 
 - ``Join`` (stream -> stream): learner index, parameters described, training keys, its anchor
-  -> generation, round, the syncer's anchor.
+  -> generation, round, the syncer's anchor (with ``check_only``: the checks alone, no arrays,
+  nothing admitted; a learner asks before it compiles).
 - ``Push`` (stream -> stream): learner, generation, base round, weight, its mean
   pseudo-gradient -> the anchor of the next round, once that round has closed (a late push
   in quorum rounds: the current anchor at once), and how many rounds late the push was.
@@ -108,8 +109,9 @@ class Server:
     def _join(self, requests, context):
         f, arrays = self._read(requests, context)
         generation, rnd, anchor = self._refusing(
-            context, lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"], arrays)
-        )
+            context, lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"], arrays,
+                                              bool(f.get("check_only", False)))
+        )  # fmt: skip
         return self._answer({"generation": generation, "round": rnd,
                              "finished": self.syncer.finished}, anchor)  # fmt: skip
 

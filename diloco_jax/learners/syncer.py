@@ -11,9 +11,10 @@ its join returns when the open round closes). When a round closes:
 - quorum (``syncer.quorum = K``): when all have pushed, or ``K`` have and the grace window has
   passed since the K-th push, or at the deadline (nobody is dropped: a learner that misses the
   round pushes late). The grace window is ``syncer.grace`` seconds, or with
-  ``syncer.adaptive_grace`` 1.5 x the longest wait after the quorum that brought a push in any of
-  the last 8 rounds, between 0.1 x and 1 x ``syncer.grace``: learners that come together are
-  waited for, a chronic straggler is not.
+  ``syncer.adaptive_grace`` 1.5 x the longest lag behind its round's quorum of a push in the
+  last 8 rounds (late pushes included) that came within ``syncer.grace``, at most
+  ``syncer.grace``: learners that come soon after the quorum are waited for, no longer than they
+  need; a straggler further behind is not, and with nobody behind a round closes at its quorum.
 
 Closing a round: the pushes' weighted mean (float32, in learner order), the outer step of the
 core (:meth:`diloco_jax.algorithm.Diloco.outer_step`, the same optax transform and learning
@@ -123,7 +124,8 @@ class Syncer:
         self.expected: set[int] = set()  # the learners the open round waits for
         self._quorum_at: float | None = None  # when the open round reached its quorum
         self._grace_now = grace  # the grace window of the open round
-        self._lags: list[float] = []  # seconds after the quorum of this round's later pushes
+        self._lags: list[float] = []  # seconds behind their round's quorum of this round's pushes
+        self._quorum_times: dict[int, float] = {}  # when recent rounds reached their quorum
         self._history: deque[float] = deque(maxlen=self.HISTORY)
         self.bytes_in = self.bytes_out = 0
         self.waited = 0.0  # seconds rounds stood open
@@ -171,12 +173,14 @@ class Syncer:
 
     # ---- what learners ask ------------------------------------------------------------------
 
-    def join(self, learner: int, describe: list, keys: dict, anchor: dict[str, np.ndarray]):
+    def join(self, learner: int, describe: list, keys: dict, anchor: dict[str, np.ndarray],
+             check_only: bool = False):  # fmt: skip
         """Admits ``learner`` (its parameters described by :func:`wire.describe`, its training
         ``keys``; ``anchor``: its own, used only when the syncer has none yet); returns
         ``(generation, round, anchor by name)``. A learner the open round does not wait for
         joins the next round: this returns when the open one has closed. Raises
-        :class:`Refused`."""
+        :class:`Refused`. ``check_only``: the same checks, nothing admitted or changed
+        (a learner asks before its long compile; returns ``(0, round, {})``)."""
         if not 0 <= learner < self.learners:
             raise Refused(f"learner {learner} is not in [0, {self.learners}) (syncer.learners)")
         for key, value in self.keys.items():
@@ -184,6 +188,8 @@ class Syncer:
                 raise Refused(f"{key} is {keys.get(key)!r} on learner {learner} but {value!r} "
                               "on the syncer")  # fmt: skip
         with self.lock:
+            if check_only and self.anchor is None:
+                return 0, self.round, {}  # the first learner: nothing to compare with yet
             if self.anchor is None:
                 self.names = [n for n, _, _ in describe]
                 self.anchor = [np.asarray(anchor[n]) for n in self.names]
@@ -195,6 +201,8 @@ class Syncer:
             problem = wire.first_mismatch(mine, describe)
             if problem:
                 raise Refused(f"learner {learner}'s model differs from the syncer's: {problem}")
+            if check_only:
+                return 0, self.round, {}
             old = self.members.get(learner)
             generation = 1 if old is None else old.generation + 1
             self.members[learner] = Member(generation, self.round, self.clock())
@@ -266,10 +274,16 @@ class Syncer:
             self.pending[learner] = Push(generation, float(weight), leaves, finite, late)
             member.pushes += 1
             member.late += late > 0
+            behind = now - self._quorum_times.get(base_round, now) if late else None
+            if behind is not None and behind <= self.grace:  # a late one the window could wait for
+                self._lags.append(behind)
             if self._quorum_at is not None:
                 self._lags.append(now - self._quorum_at)
             elif self.quorum and len(self.pending) >= self.quorum:
                 self._quorum_at, self._grace_now = now, self.grace_in_force()
+                self._quorum_times[self.round] = now
+                for old in [r for r in self._quorum_times if r < self.round - self.max_late]:
+                    del self._quorum_times[old]
             self.event("pushed", learner=learner, generation=generation, weight=weight,
                        finite=finite, late=late)  # fmt: skip
             self._advance()
@@ -309,7 +323,7 @@ class Syncer:
         """The grace window a round gets once it has its quorum (see the module's docstring)."""
         if not self.adaptive_grace or not self._history:
             return self.grace
-        return min(self.grace, max(0.1 * self.grace, 1.5 * max(self._history)))
+        return min(self.grace, 1.5 * max(self._history))
 
     def _advance(self) -> None:
         """Drops silent learners and closes the open round when one of its rules says so."""
