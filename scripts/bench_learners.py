@@ -154,7 +154,7 @@ def run_learners(args, workdir: pathlib.Path, failures: bool) -> dict:
              f"--config.syncer.rounds={args.rounds}", "--config.syncer.heartbeat=0.5",
              "--config.syncer.dead_after=20", "--config.syncer.timeout=120"]  # fmt: skip
     if failures:
-        flags += [f"--config.syncer.quorum={args.quorum}", "--config.syncer.grace=5",
+        flags += [f"--config.syncer.quorum={args.quorum}", "--config.syncer.grace=2",
                   "--config.syncer.max_late=8"]  # fmt: skip
     command = [sys.executable, "-m", "diloco_jax.launch", "--learners", str(args.learners),
                "--max_restarts", "1000", "--", *flags, "--workdir", str(workdir)]  # fmt: skip

@@ -234,8 +234,8 @@ class SyncerConfig:
                         "others (at most)")  # fmt: skip
     adaptive_grace: bool = _key(
         True,
-        "quorum rounds: the grace follows how far behind the quorum learners "
-        "came in the last 8 rounds (1.5x, at most syncer.grace)",
+        "quorum rounds: the grace follows how late learners "
+        "came in the last 8 rounds (1.5x, in [0.1, 1] x grace)",
     )
     max_late: int = _key(4, "quorum rounds: a push at most this many rounds late is merged; "
                          "later ones are refused as stale")  # fmt: skip

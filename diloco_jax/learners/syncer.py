@@ -11,10 +11,10 @@ its join returns when the open round closes). When a round closes:
 - quorum (``syncer.quorum = K``): when all have pushed, or ``K`` have and the grace window has
   passed since the K-th push, or at the deadline (nobody is dropped: a learner that misses the
   round pushes late). The grace window is ``syncer.grace`` seconds, or with
-  ``syncer.adaptive_grace`` 1.5 x the longest lag behind its round's quorum of a push in the
-  last 8 rounds (late pushes included) that came within ``syncer.grace``, at most
-  ``syncer.grace``: learners that come soon after the quorum are waited for, no longer than they
-  need; a straggler further behind is not, and with nobody behind a round closes at its quorum.
+  ``syncer.adaptive_grace`` 1.5 x the longest wait after the quorum that brought a push in any of
+  the last 8 rounds, between 0.1 x and 1 x ``syncer.grace``: learners that come together are
+  waited for, a chronic straggler is not (its work is merged a round late, not lost: waiting
+  for it would hold every fast learner back).
 
 Closing a round: the pushes' weighted mean (float32, in learner order), the outer step of the
 core (:meth:`diloco_jax.algorithm.Diloco.outer_step`, the same optax transform and learning
@@ -124,8 +124,7 @@ class Syncer:
         self.expected: set[int] = set()  # the learners the open round waits for
         self._quorum_at: float | None = None  # when the open round reached its quorum
         self._grace_now = grace  # the grace window of the open round
-        self._lags: list[float] = []  # seconds behind their round's quorum of this round's pushes
-        self._quorum_times: dict[int, float] = {}  # when recent rounds reached their quorum
+        self._lags: list[float] = []  # seconds after the quorum of this round's later pushes
         self._history: deque[float] = deque(maxlen=self.HISTORY)
         self.bytes_in = self.bytes_out = 0
         self.waited = 0.0  # seconds rounds stood open
@@ -274,16 +273,10 @@ class Syncer:
             self.pending[learner] = Push(generation, float(weight), leaves, finite, late)
             member.pushes += 1
             member.late += late > 0
-            behind = now - self._quorum_times.get(base_round, now) if late else None
-            if behind is not None and behind <= self.grace:  # a late one the window could wait for
-                self._lags.append(behind)
             if self._quorum_at is not None:
                 self._lags.append(now - self._quorum_at)
             elif self.quorum and len(self.pending) >= self.quorum:
                 self._quorum_at, self._grace_now = now, self.grace_in_force()
-                self._quorum_times[self.round] = now
-                for old in [r for r in self._quorum_times if r < self.round - self.max_late]:
-                    del self._quorum_times[old]
             self.event("pushed", learner=learner, generation=generation, weight=weight,
                        finite=finite, late=late)  # fmt: skip
             self._advance()
@@ -323,7 +316,7 @@ class Syncer:
         """The grace window a round gets once it has its quorum (see the module's docstring)."""
         if not self.adaptive_grace or not self._history:
             return self.grace
-        return min(self.grace, 1.5 * max(self._history))
+        return min(self.grace, max(0.1 * self.grace, 1.5 * max(self._history)))
 
     def _advance(self) -> None:
         """Drops silent learners and closes the open round when one of its rules says so."""
