@@ -314,7 +314,8 @@ MUTANTS = [
            ["tests/test_learners.py::test_the_syncer_refuses_what_does_not_fit_and_leaves_a_bad_"
             "push_out"]),
     Mutant("the syncer merges a stale push", "faults", "diloco_jax/learners/syncer.py",
-           "            if base_round < self.round:", "            if False:",
+           "            if late and (not self.quorum or late > self.max_late):",
+           "            if False:",
            ["tests/test_learners.py::test_the_syncer_refuses_what_does_not_fit_and_leaves_a_bad_"
             "push_out"]),
     Mutant("the syncer takes any token", "command line", "diloco_jax/learners/service.py",
@@ -326,4 +327,37 @@ MUTANTS = [
            "            r.learner.sync(state)",
            ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
             "trains"]),
+    Mutant("a quorum round closes at its quorum, without the grace window", "faults",
+           "diloco_jax/learners/syncer.py",
+           "        elif self._quorum_at is not None and now >= self._quorum_at + self._grace_now:",
+           "        elif self._quorum_at is not None:",
+           ["tests/test_learners.py::test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_"
+            "its_weight"]),
+    Mutant("a late push counts towards the quorum of the round it joins", "faults",
+           "diloco_jax/learners/syncer.py", "sum(not p.late for p in self.pending.values())",
+           "len(self.pending)",
+           ["tests/test_learners.py::test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_"
+            "its_weight"]),
+    Mutant("a late push enters the merge with no weight", "faults",
+           "diloco_jax/learners/syncer.py",
+           "Push(generation, float(weight), leaves, finite, late)",
+           "Push(generation, float(weight) * (late == 0), leaves, finite, late)",
+           ["tests/test_learners.py::test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_"
+            "its_weight"]),
+    Mutant("a learner joining mid-round is handed the open round's anchor", "faults",
+           "diloco_jax/learners/syncer.py",
+           "            waits = bool(self.pending) and learner not in self.expected",
+           "            waits = False",
+           ["tests/test_learners.py::test_a_learner_joining_while_a_round_is_open_joins_the_next_"
+            "round"]),
+    Mutant("a restarted syncer forgets its members", "faults", "diloco_jax/learners/syncer.py",
+           '        for i, generation in meta.get("members", {}).items():',
+           "        for i, generation in {}.items():",
+           ["tests/test_learners.py::test_four_learners_through_a_syncer_equal_four_replicas_of_"
+            "the_core"]),
+    Mutant("a learner trains on after the syncer's last round", "faults",
+           "diloco_jax/run/loop.py", "    return r.learner is not None and r.learner.finished",
+           "    return False",
+           ["tests/test_learners.py::test_a_learner_ends_when_the_syncer_closes_the_runs_last_"
+            "round"]),
 ]  # fmt: skip

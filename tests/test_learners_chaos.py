@@ -17,7 +17,7 @@ import pytest
 
 from tests import helpers
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # 2-3 min in all; stand-ins: the docstring above
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOKEN = "chaos-test-token"
 RUN = ["--config", "tiny", "--config.parallel.replicas=1", "--config.train.total_steps=40",

@@ -163,9 +163,8 @@ class Learner:
             f, arrays = self.client.call("Push", fields, pushed)
         if f.get("late"):
             self.late_pushes += 1
-            self.log.info("this learner's push was %d round(s) late: it joins round %d, and "
-                          "the learner goes on from that round's anchor", f["late"],
-                          f["round"])  # fmt: skip
+            self.log.info("this learner's push was %d round(s) late: merged into round %d",
+                          f["late"], f["round"] - 1)  # fmt: skip
         self.round, self.finished = int(f["round"]), bool(f.get("finished"))
         if self.finished:
             self.log.info("the syncer has closed the run's last round (%d): this learner ends "

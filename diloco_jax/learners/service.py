@@ -10,8 +10,9 @@ changes nothing. Methods of the service ``diloco_jax.Syncer``:
   -> generation, round, the syncer's anchor (with ``check_only``: the checks alone, no arrays,
   nothing admitted; a learner asks before it compiles).
 - ``Push`` (stream -> stream): learner, generation, base round, weight, its mean
-  pseudo-gradient -> the anchor of the next round, once that round has closed (a late push
-  in quorum rounds: the current anchor at once), and how many rounds late the push was.
+  pseudo-gradient -> the anchor after the round it is merged into (its own round, or for a
+  late push in quorum rounds the open one), once that round has closed, and how many rounds
+  late the push was.
 - ``Heartbeat``, ``Leave`` (one message each way).
 
 A refusal is ``FAILED_PRECONDITION`` with the syncer's one-line reason.
@@ -120,8 +121,9 @@ class Server:
         learner, generation, base = int(f["learner"]), int(f["generation"]), int(f["round"])
         late = self._refusing(context, lambda: self.syncer.push(
             learner, generation, base, float(f["weight"]), arrays))  # fmt: skip
-        rnd, anchor = self.syncer.wait(base, 0.0 if self.syncer.finished else self.wait_timeout)
-        if rnd <= base and not self.syncer.finished:
+        joined = base + late  # the round this push is merged into: the answer follows it
+        rnd, anchor = self.syncer.wait(joined, 0.0 if self.syncer.finished else self.wait_timeout)
+        if rnd <= joined and not self.syncer.finished:
             context.abort(_grpc().StatusCode.DEADLINE_EXCEEDED,
                           f"round {base} did not close in {self.wait_timeout:.0f}s")  # fmt: skip
         return self._answer({"round": rnd, "late": late, "finished": self.syncer.finished},

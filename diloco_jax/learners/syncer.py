@@ -8,13 +8,14 @@ its join returns when the open round closes). When a round closes:
 
 - synchronous (``syncer.quorum = 0``): when every learner it waits for has pushed, or at its
   deadline (``syncer.timeout`` seconds after the first push), when the silent ones are dropped;
-- quorum (``syncer.quorum = K``): when all have pushed, or ``K`` have and the grace window has
-  passed since the K-th push, or at the deadline (nobody is dropped: a learner that misses the
-  round pushes late). The grace window is ``syncer.grace`` seconds, or with
-  ``syncer.adaptive_grace`` 1.5 x the longest wait after the quorum that brought a push in any of
-  the last 8 rounds, between 0.1 x and 1 x ``syncer.grace``: learners that come together are
-  waited for, a chronic straggler is not (its work is merged a round late, not lost: waiting
-  for it would hold every fast learner back).
+- quorum (``syncer.quorum = K``): when all have pushed, or ``K`` have pushed on time (late
+  pushes do not count) and the grace window has passed since the K-th, or at the deadline
+  (nobody is dropped: a learner that misses the round pushes late). The grace window is
+  ``syncer.grace`` seconds, or with ``syncer.adaptive_grace`` 1.5 x the longest wait after the
+  quorum that brought a push in any of the last 8 rounds, between 0.1 x and 1 x
+  ``syncer.grace``: learners that come together are waited for, a chronic straggler is not
+  (its work is merged a round late, not lost: waiting for it would hold every fast learner
+  back).
 
 Closing a round: the pushes' weighted mean (float32, in learner order), the outer step of the
 core (:meth:`diloco_jax.algorithm.Diloco.outer_step`, the same optax transform and learning
@@ -31,7 +32,9 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
 - a push against the anchor of an older round (the learner missed a round): in synchronous
   rounds it is refused as stale and the learner restarts from the current anchor (its work
   since is lost); in quorum rounds it joins the open round with its weight, if it is at most
-  ``syncer.max_late`` rounds behind, and its learner gets the current anchor at once.
+  ``syncer.max_late`` rounds behind, and its learner waits for that round to close, as the
+  others do, so it goes on in step with them (a learner that went on from the open round's
+  anchor at once would be late again at its next push, and every learner it delays too).
 - a learner silent for ``syncer.dead_after`` seconds (no push, no heartbeat) is dropped at the
   next check; a dropped learner's push is refused until it joins again.
 - a push whose values are not all finite is left out of the round (the core's NaN guard).
@@ -237,8 +240,9 @@ class Syncer:
     def push(self, learner: int, generation: int, base_round: int, weight: float,
              mean: dict[str, np.ndarray]) -> int:  # fmt: skip
         """Adds ``learner``'s mean pseudo-gradient against the anchor of ``base_round`` to the
-        open round; returns how many rounds late it is (0: on time). Raises :class:`Refused`
-        (stale, dropped, old generation, wrong leaves)."""
+        open round; returns how many rounds late it is (0: on time; the learner's answer is the
+        anchor after round ``base_round + late``). Raises :class:`Refused` (stale, dropped, old
+        generation, wrong leaves)."""
         with self.lock:
             member = self._member(learner, generation)
             now = member.last_seen = self.clock()
@@ -275,7 +279,7 @@ class Syncer:
             member.late += late > 0
             if self._quorum_at is not None:
                 self._lags.append(now - self._quorum_at)
-            elif self.quorum and len(self.pending) >= self.quorum:
+            elif self.quorum and sum(not p.late for p in self.pending.values()) >= self.quorum:
                 self._quorum_at, self._grace_now = now, self.grace_in_force()
             self.event("pushed", learner=learner, generation=generation, weight=weight,
                        finite=finite, late=late)  # fmt: skip
