@@ -338,6 +338,11 @@ MUTANTS = [
            "len(self.pending)",
            ["tests/test_learners.py::test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_"
             "its_weight"]),
+    Mutant("a late learner goes on from the open round's anchor at once", "faults",
+           "diloco_jax/learners/service.py", "        joined = base + late",
+           "        joined = base",
+           ["tests/test_learners.py::test_over_grpc_a_late_learner_waits_for_the_round_its_push_"
+            "joined"]),
     Mutant("a late push enters the merge with no weight", "faults",
            "diloco_jax/learners/syncer.py",
            "Push(generation, float(weight), leaves, finite, late)",

@@ -350,6 +350,42 @@ def test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_nothing(tmp_path
         syncer.close()
 
 
+def test_over_grpc_a_late_learner_waits_for_the_round_its_push_joined(tmp_path):
+    """Quorum 1 of 2 with no grace to speak of: learner 0 closes round 0 alone; learner 1's push
+    for round 0 is late and joins round 1. Its answer is not round 1's open anchor but the one
+    after round 1 closes (learner 0 pushes for round 1), so both go on from round 2 together."""
+    import threading
+
+    syncer = _syncer(tmp_path, _algorithm(), learners=2, quorum=1, grace=0.01,
+                     adaptive_grace=False)  # fmt: skip
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    x = {"w": np.zeros(3, np.float32)}
+    clients = [service.Client(f"127.0.0.1:{server.port}", TOKEN, timeout=10) for _ in range(2)]
+
+    def push(i, rnd):
+        return clients[i].call("Push", {"learner": i, "generation": 1, "round": rnd,
+                                        "weight": 1.0}, _ones(1.0))[0]  # fmt: skip
+
+    try:
+        for i in (0, 1):
+            clients[i].call("Join", {"learner": i, "describe": wire.describe(x),
+                                     "keys": {"outer.sync_every": 3}}, wire.named(x))  # fmt: skip
+        assert push(0, 0)["round"] == 1
+        answers = {}
+        late = threading.Thread(target=lambda: answers.update(late=push(1, 0)))
+        late.start()
+        late.join(0.5)
+        assert late.is_alive() and syncer.round == 1  # waiting for round 1 to close
+        assert push(0, 1)["round"] == 2
+        late.join(10)
+        assert answers["late"] == {"round": 2, "late": 1, "finished": False}
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+        syncer.close()
+
+
 # ---- learners that are runs ----------------------------------------------------------------
 
 
