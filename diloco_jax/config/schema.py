@@ -225,23 +225,16 @@ class SyncerConfig:
                           "then it closes without them")  # fmt: skip
     dead_after: float = _key(30.0, "seconds of silence after which a learner is dropped")
     heartbeat: float = _key(2.0, "seconds between a learner's heartbeats")
-    quorum: int = _key(
-        0,
-        "0: a round waits for every learner (synchronous); K: it closes "
-        "once K have pushed and the grace has passed; late pushes join the next",
-    )
+    quorum: int = _key(0, "0: rounds wait for every learner; K: a round closes once K pushed "
+                       "on time and the grace passed")  # fmt: skip
     grace: float = _key(10.0, "quorum rounds: seconds a round waits after its quorum for the "
                         "others (at most)")  # fmt: skip
-    adaptive_grace: bool = _key(
-        True,
-        "quorum rounds: the grace follows how late learners "
-        "came in the last 8 rounds (1.5x, in [0.1, 1] x grace)",
-    )
-    max_late: int = _key(4, "quorum rounds: a push at most this many rounds late is merged; "
-                         "later ones are refused as stale")  # fmt: skip
-    rounds: int = _key(0, "the run's length in outer steps: once the syncer has closed this "
-                       "many rounds, each learner ends at its next sync (0: each runs "
-                       "train.total_steps)")  # fmt: skip
+    adaptive_grace: bool = _key(True, "quorum rounds: the grace follows how late learners came "
+                                "in the last 8 rounds")  # fmt: skip
+    max_late: int = _key(4, "quorum rounds: pushes up to this many rounds late are merged; later "
+                         "ones refused")  # fmt: skip
+    rounds: int = _key(0, "the run's outer steps: after this many rounds each learner ends at its "
+                       "next sync; 0: off")  # fmt: skip
     status_port: int = _key(0, "the syncer's status page, /status and /metrics on this port; "
                             "0: off")  # fmt: skip
     token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else the "
