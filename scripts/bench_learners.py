@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import signal
 import subprocess
 import sys
@@ -42,19 +41,11 @@ import tempfile
 import threading
 import time
 
+from bench_command import cpu_name  # scripts/: this script's own folder
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BATCH = 8
 TOKEN = "bench-learners-token"
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def job_flags(args, steps: int) -> list[str]:
