@@ -3,8 +3,8 @@
     uv run python scripts/bench_learners.py [--learners 4] [--rounds 16] [--sync_every 40]
         [--kill_every 4] [--slow 0.5] [--quorum 2] [--out DIR]
 
-Four runs on this machine, each a fresh process tree, each ``--rounds`` outer steps of the
-same DiLoCo job (the tiny preset, one replica per learner, ``--learners`` replicas in all):
+Four runs on this machine, each a fresh process tree, of the same DiLoCo job (the tiny preset
+at d_model 64, one replica per learner, ``--learners`` replicas in all):
 
 - ``learners, no failures``: ``diloco-launch --learners L``, synchronous rounds;
 - ``learners, failures``: the same with quorum rounds (``syncer.quorum = --quorum``, adaptive
@@ -16,15 +16,17 @@ same DiLoCo job (the tiny preset, one replica per learner, ``--learners`` replic
   steps) and started again from its checkpoint, as a scheduler restarts a failed job; the slow
   host slows the whole job (every step waits for it), so the process runs at ``--slow`` speed.
 
-Every run ends when the anchor has taken ``--rounds`` outer steps (learners: ``syncer.rounds``;
-SPMD: ``train.total_steps``); the inner learning rate is constant after its warm-up, so both
-layouts train the same thing without failures. Reported per run: wall time (start to end,
-start-up included), useful replica-steps (the inner steps whose pseudo-gradient reached the
-anchor: from the syncer's tape for learners; every step for SPMD, whose lost work is redone),
-and goodput: useful replica-steps over the replica-steps the machines could have taken in that
-wall time, each at its own pace (the layout's failure-free pace, the slow one at ``--slow`` of
-it): ``useful / (wall x pace x (L - 1 + slow))``. So a failure-free run is 100%, and a slow
-host that holds every SPMD replica back costs SPMD its fast hosts' idle time. Also the final
+Every run trains the same examples: ``--rounds`` outer steps of the SPMD job (its
+``train.total_steps``), and for the learners the same number of examples merged into the
+anchor (``syncer.examples``), however many rounds that takes; the inner learning rate is
+constant after its warm-up, so both layouts train the same thing without failures. Reported per
+run: wall time (start to end, start-up included), useful replica-steps (the inner steps whose
+pseudo-gradient reached the anchor: from the syncer's tape for learners; every step for SPMD,
+whose lost work is redone), the rounds it took, and goodput: useful replica-steps over the
+replica-steps the machines could have taken in that wall time, each at its own pace (the
+layout's failure-free pace, the slow one at ``--slow`` of it):
+``useful / (wall x pace x (L - 1 + slow))``. So a failure-free run is 100%, and a slow host
+that holds every SPMD replica back costs SPMD its fast hosts' idle time. Also the final
 evaluation loss. Prints a Markdown table and writes ``DIR/bench_learners.json``.
 """
 
@@ -139,10 +141,15 @@ def events(path: pathlib.Path, kind: str) -> list[dict]:
     return out
 
 
+def finished(workdir: pathlib.Path) -> bool:
+    return any(e["event"] == "finished" for e in tape(workdir))
+
+
 def run_learners(args, workdir: pathlib.Path, failures: bool) -> dict:
-    steps = args.rounds * args.sync_every * 2  # at most; syncer.rounds ends the run
+    steps = args.rounds * args.sync_every * 2  # at most; the examples budget ends the run
+    budget = args.learners * args.rounds * args.sync_every * BATCH  # the SPMD run's examples
     flags = [*job_flags(args, steps), "--config.parallel.replicas=1",
-             f"--config.syncer.rounds={args.rounds}", "--config.syncer.heartbeat=0.5",
+             f"--config.syncer.examples={budget}", "--config.syncer.heartbeat=0.5",
              "--config.syncer.dead_after=20", "--config.syncer.timeout=120"]  # fmt: skip
     if failures:
         flags += [f"--config.syncer.quorum={args.quorum}", "--config.syncer.grace=2",
@@ -158,7 +165,7 @@ def run_learners(args, workdir: pathlib.Path, failures: bool) -> dict:
     with Throttle(lambda: pid_of("diloco_jax.train", f"{workdir}/learner_{last}"), speed):
         while proc.poll() is None:
             closed = sum(e["event"] == "closed" for e in tape(workdir))
-            if failures and closed >= (kills + 1) * args.kill_every and closed < args.rounds:
+            if failures and closed >= (kills + 1) * args.kill_every and not finished(workdir):
                 pid = pid_of("diloco_jax.train", f"{workdir}/learner_0")
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
@@ -245,16 +252,17 @@ def main() -> None:
             r["goodput"] = r["useful_steps"] / (r["wall_s"] * pace * hosts)
         chaos["loss_change"] = chaos["final_eval_loss"] - clean["final_eval_loss"]
     (out / "bench_learners.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{args.learners} learners x 1 replica, {args.rounds} rounds of {args.sync_every} "
-          f"steps; failures: learner 0 SIGKILLed every {args.kill_every} rounds, learner "
-          f"{args.learners - 1} at {args.slow:.0%} speed, quorum {args.quorum}; {cpu_name()}, "
-          f"{os.cpu_count()} cores\n")  # fmt: skip
-    print("| run | wall s | useful replica-steps | kills | late pushes | goodput | "
+    print(f"\n{args.learners} learners x 1 replica, the examples of {args.rounds} rounds of "
+          f"{args.sync_every} steps; failures: learner 0 SIGKILLed every {args.kill_every} "
+          f"rounds, learner {args.learners - 1} at {args.slow:.0%} speed, quorum "
+          f"{args.quorum}; {cpu_name()}, {os.cpu_count()} cores\n")  # fmt: skip
+    print("| run | wall s | useful replica-steps | rounds | kills | late pushes | goodput | "
           "final eval loss |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
-            f"| {name} | {r['wall_s']:.1f} | {r['useful_steps']:.0f} | {r['kills']} | "
+            f"| {name} | {r['wall_s']:.1f} | {r['useful_steps']:.0f} | {r['rounds']} | "
+            f"{r['kills']} | "
             f"{r['late_pushes']} | {r['goodput']:.0%} | {r['final_eval_loss']:.4f} |"
         )
     print(f"\nresults: {out / 'bench_learners.json'}")

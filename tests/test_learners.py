@@ -265,6 +265,32 @@ def test_the_adaptive_grace_waits_for_learners_that_come_together_not_for_a_stra
         syncer.close()
 
 
+def test_a_syncer_with_an_examples_budget_finishes_once_it_is_merged(tmp_path):
+    """``syncer.examples = 5``: rounds merging 2 then 4 examples; the second finishes the run
+    (6 >= 5), a later push changes nothing, and a restarted syncer is still finished."""
+    x = {"w": np.zeros(3, np.float32)}
+    syncer = _syncer(tmp_path, _algorithm(), learners=2, examples=5.0)
+    try:
+        for i in (0, 1):
+            syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        for i in (0, 1):
+            syncer.push(i, 1, 0, 1.0, _ones(1.0))
+        assert syncer.round == 1 and not syncer.finished
+        for i in (0, 1):
+            syncer.push(i, 1, 1, 2.0, _ones(1.0))
+        assert syncer.round == 2 and syncer.finished and syncer.merged == 6.0
+        anchor = np.array(syncer.anchor[0])
+        assert syncer.push(0, 1, 2, 2.0, _ones(5.0)) == 0
+        np.testing.assert_array_equal(syncer.anchor[0], anchor)
+    finally:
+        syncer.close()
+    again = _syncer(tmp_path, _algorithm(), learners=2, examples=5.0)
+    try:
+        assert again.finished and again.merged == 6.0
+    finally:
+        again.close()
+
+
 def test_a_learner_joining_while_a_round_is_open_joins_the_next_round(tmp_path):
     """The open round does not wait for a joiner: its join returns once the round has closed,
     with the new anchor and round; the learners of the open round closed it alone."""

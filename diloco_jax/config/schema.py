@@ -235,6 +235,8 @@ class SyncerConfig:
                          "ones refused")  # fmt: skip
     rounds: int = _key(0, "the run's outer steps: after this many rounds each learner ends at its "
                        "next sync; 0: off")  # fmt: skip
+    examples: int = _key(0, "the run's budget: once this many examples have been merged each "
+                         "learner ends; 0: off")  # fmt: skip
     status_port: int = _key(0, "the syncer's status page, /status and /metrics on this port; "
                             "0: off")  # fmt: skip
     token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else the "

@@ -55,7 +55,7 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path) -> Syncer:
     return Syncer(algorithm, workdir, keys=learner_lib.shared_keys(config_lib.keys(cfg)),
                   learners=sy.learners, timeout=sy.timeout, dead_after=sy.dead_after,
                   quorum=sy.quorum, grace=sy.grace, adaptive_grace=sy.adaptive_grace,
-                  max_late=sy.max_late, rounds=sy.rounds,
+                  max_late=sy.max_late, rounds=sy.rounds, examples=sy.examples,
                   outer_scale=recipe.outer_lr_input(cfg))  # fmt: skip
 
 

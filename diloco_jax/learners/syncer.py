@@ -107,12 +107,13 @@ class Syncer:
     def __init__(self, algorithm, workdir: pathlib.Path, *, keys: dict, learners: int,
                  timeout: float, dead_after: float, quorum: int = 0, grace: float = 10.0,
                  adaptive_grace: bool = True, max_late: int = 4, rounds: int = 0,
-                 outer_scale: float = 1.0,
+                 examples: float = 0.0, outer_scale: float = 1.0,
                  clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
         self.timeout, self.dead_after, self.outer_scale = timeout, dead_after, outer_scale
         self.quorum, self.grace, self.adaptive_grace = quorum, grace, adaptive_grace
-        self.max_late, self.rounds = max_late, rounds
+        self.max_late, self.rounds, self.examples = max_late, rounds, examples
+        self.merged = 0.0  # examples whose pseudo-gradients reached the anchor, in all rounds
         self.clock = clock
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -158,7 +159,7 @@ class Syncer:
         self.names = [n for n, _, _ in described]
         self.anchor = [np.asarray(x) for x in saved["anchor"]]
         self.outer_state = jax.tree.unflatten(jax.tree.structure(like_outer), saved["outer"])
-        self.round = step
+        self.round, self.merged = step, float(meta.get("merged", 0.0))
         # the members of the last round, present again: their pushes need no new join
         for i, generation in meta.get("members", {}).items():
             self.members[int(i)] = Member(int(generation), step, self.clock())
@@ -170,7 +171,8 @@ class Syncer:
         described = [[n, list(a.shape), str(a.dtype)]
                      for n, a in zip(self.names, self.anchor, strict=True)]  # fmt: skip
         members = {str(i): self.members[i].generation for i in self.present()}
-        meta = {"leaves": described, "keys": self.keys, "round": self.round, "members": members}
+        meta = {"leaves": described, "keys": self.keys, "round": self.round, "members": members,
+                "merged": self.merged}  # fmt: skip
         checkpoint.save(self._mngr, self.round, state, meta, wait=True)
 
     # ---- what learners ask ------------------------------------------------------------------
@@ -234,8 +236,10 @@ class Syncer:
 
     @property
     def finished(self) -> bool:
-        """The run's last round (``syncer.rounds``) has closed: pushes are no longer merged."""
-        return bool(self.rounds) and self.round >= self.rounds
+        """The run's last round has closed (``syncer.rounds`` rounds, or ``syncer.examples``
+        examples merged): pushes are no longer merged."""
+        return (bool(self.rounds) and self.round >= self.rounds) or (
+            bool(self.examples) and self.merged >= self.examples)  # fmt: skip
 
     def push(self, learner: int, generation: int, base_round: int, weight: float,
              mean: dict[str, np.ndarray]) -> int:  # fmt: skip
@@ -376,9 +380,10 @@ class Syncer:
             self._history.append(max(self._lags, default=0.0))
         closed = self.round
         self.round += 1
+        self.merged += total_w
         self._save()  # before anyone sees the new anchor
         if self.finished:
-            self.event("finished", rounds=self.rounds)
+            self.event("finished", rounds=self.round, examples=self.merged)
         self.event("closed", closed=closed, learners=order, why=why,
                    late=[i for i, p in zip(order, pushes, strict=True) if p.late],
                    weights=[p.weight for p in pushes], total_weight=total_w,
@@ -394,6 +399,7 @@ class Syncer:
                 "round": self.round, "learners": self.learners,
                 "mode": f"quorum {self.quorum}" if self.quorum else "sync",
                 "quorum": self.quorum, "grace": self.grace, "rounds": self.rounds,
+                "examples": self.examples, "merged_examples": self.merged,
                 "finished": self.finished,
                 "grace_in_force": round(self.grace_in_force(), 3) if self.quorum else 0.0,
                 "timeout": self.timeout, "dead_after": self.dead_after,
