@@ -183,6 +183,109 @@ def _wait_for_port(port: int, proc: subprocess.Popen, seconds: float = 120.0) ->
     return False
 
 
+def _say(text: str) -> None:
+    print(f"launch: {text}", file=sys.stderr, flush=True)
+
+
+class _Learners:
+    """A syncer and its learners as child processes, each started again when it fails (up to
+    ``--max_restarts`` times); see the module's docstring."""
+
+    def __init__(self, opts: argparse.Namespace, workdir: str, rest: list[str]):
+        self.opts, self.workdir, self.count = opts, workdir, opts.learners
+        self.port = free_port()
+        self.common = [*rest, f"--config.syncer.address=127.0.0.1:{self.port}",
+                       f"--config.syncer.learners={self.count}"]  # fmt: skip
+        env = dict(os.environ)
+        env[TOKEN_ENV] = env.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if "host_platform_device_count" not in f]  # fmt: skip
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count="
+                                             f"{opts.devices_per_process}"])  # fmt: skip
+        tie, self._die_with_launcher = launcher_tie(opts.grace)
+        self.env = {**env, **tie}
+        self.group = _Group([], opts.grace)
+        self.restarts = [0] * (self.count + 1)  # the last: the syncer's
+        self.ended: set[int] = set()
+        self.failure = 0
+
+    def _start(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", *args], env=self.env,
+                                start_new_session=True,
+                                preexec_fn=self._die_with_launcher)  # fmt: skip
+
+    def _learner(self, i: int) -> subprocess.Popen:
+        return self._start(self.opts.module, "--workdir", f"{self.workdir}/learner_{i}",
+                           *self.common, f"--config.syncer.learner={i}")  # fmt: skip
+
+    def _syncer(self) -> subprocess.Popen:
+        return self._start("diloco_jax.syncer", "--workdir", f"{self.workdir}/syncer",
+                           *self.common)  # fmt: skip
+
+    def _again(self, slot: int, what: str, code: int) -> bool:
+        """Whether ``what`` (slot ``slot``) is to be started again after exiting with ``code``."""
+        if not code or self.group.deadline is not None:
+            return False
+        if self.restarts[slot] >= self.opts.max_restarts:
+            return False
+        self.restarts[slot] += 1
+        _say(f"{what} exited with status {code}; starting it again ({self.restarts[slot]} of "
+             f"{self.opts.max_restarts})")  # fmt: skip
+        return True
+
+    def _check(self) -> None:
+        """One look at every process: restarts, failures, the end of learners."""
+        procs = self.group.procs
+        if procs[0].poll() is not None and self.group.deadline is None:
+            code = procs[0].returncode
+            if self._again(self.count, "the syncer", code):  # the learners retry meanwhile
+                procs[0] = self._syncer()
+            else:
+                _say(f"the syncer exited with status {code}; stopping the learners")
+                self.failure = code or 1
+                self.group.stop()
+        for i in range(self.count):
+            code = procs[1 + i].poll()
+            if code is None or i in self.ended:
+                continue
+            if self._again(i, f"learner {i}", code):
+                procs[1 + i] = self._learner(i)
+                continue
+            self.ended.add(i)
+            if code and self.group.deadline is None:
+                self.failure = self.failure or code
+                _say(f"learner {i} exited with status {code}; the others go on")
+
+    def run(self) -> int:
+        group = self.group
+        previous = {sig: signal.signal(sig, group.on_signal)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
+        try:
+            group.procs.append(self._syncer())
+            if not _wait_for_port(self.port, group.procs[0]):
+                _say("the syncer did not start listening")
+                return group.procs[0].wait() or 1
+            _say(f"syncer at 127.0.0.1:{self.port} (workdir {self.workdir}/syncer), "
+                 f"{self.count} learners")  # fmt: skip
+            group.procs += [self._learner(i) for i in range(self.count)]
+            while len(self.ended) < self.count:
+                self._check()
+                if group.deadline is not None and time.monotonic() > group.deadline:
+                    group.send(signal.SIGKILL)
+                time.sleep(0.1)
+            group.stop()  # every learner has ended: the syncer's last round is already written
+            while group.procs[0].poll() is None:
+                if time.monotonic() > (group.deadline or 0.0):
+                    group.send(signal.SIGKILL)
+                time.sleep(0.1)
+            learners = group.procs[1:]
+            return self.failure or next((p.returncode for p in learners if p.returncode), 0)
+        finally:
+            group.send(signal.SIGKILL)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def run_learners(opts: argparse.Namespace, rest: list[str]) -> int:
     """A syncer and ``opts.learners`` learners on this machine (see the module's docstring)."""
     workdir, rest = split_workdir(rest)
@@ -190,84 +293,7 @@ def run_learners(opts: argparse.Namespace, rest: list[str]) -> int:
         print("error: --learners needs --workdir DIR (DIR/syncer and DIR/learner_I)",
               file=sys.stderr)  # fmt: skip
         return 2
-    port, count = free_port(), opts.learners
-    common = [*rest, f"--config.syncer.address=127.0.0.1:{port}",
-              f"--config.syncer.learners={count}"]  # fmt: skip
-    env = dict(os.environ)
-    env[TOKEN_ENV] = env.get(TOKEN_ENV) or secrets.token_urlsafe(24)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count="
-                                         f"{opts.devices_per_process}"])  # fmt: skip
-    tie, die_with_launcher = launcher_tie(opts.grace)
-
-    def start(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", *args], env={**env, **tie},
-                                start_new_session=True, preexec_fn=die_with_launcher)  # fmt: skip
-
-    def learner(i: int) -> subprocess.Popen:
-        return start(opts.module, "--workdir", f"{workdir}/learner_{i}", *common,
-                     f"--config.syncer.learner={i}")  # fmt: skip
-
-    def start_syncer() -> subprocess.Popen:
-        return start("diloco_jax.syncer", "--workdir", f"{workdir}/syncer", *common)
-
-    group = _Group([], opts.grace)
-    previous = {sig: signal.signal(sig, group.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        syncer = start_syncer()
-        group.procs.append(syncer)
-        if not _wait_for_port(port, syncer):
-            print("launch: the syncer did not start listening", file=sys.stderr, flush=True)
-            return syncer.wait() or 1
-        print(f"launch: syncer at 127.0.0.1:{port} (workdir {workdir}/syncer), {count} learners",
-              file=sys.stderr, flush=True)  # fmt: skip
-        learners = [learner(i) for i in range(count)]
-        group.procs += learners
-        restarts, failure = [0] * (count + 1), 0  # the last: the syncer's
-        ended: set[int] = set()
-        while len(ended) < count:
-            if syncer.poll() is not None and group.deadline is None:
-                code = syncer.returncode
-                if code and restarts[-1] < opts.max_restarts:  # the learners retry meanwhile
-                    restarts[-1] += 1
-                    print(f"launch: the syncer exited with status {code}; starting it again "
-                          f"({restarts[-1]} of {opts.max_restarts})", file=sys.stderr,
-                          flush=True)  # fmt: skip
-                    syncer = group.procs[0] = start_syncer()
-                else:
-                    print(f"launch: the syncer exited with status {code}; stopping the "
-                          "learners", file=sys.stderr, flush=True)  # fmt: skip
-                    failure = code or 1
-                    group.stop()
-            for i, p in enumerate(learners):
-                code = p.poll()
-                if code is None or i in ended:
-                    continue
-                if code and group.deadline is None and restarts[i] < opts.max_restarts:
-                    restarts[i] += 1
-                    print(f"launch: learner {i} exited with status {code}; starting it again "
-                          f"({restarts[i]} of {opts.max_restarts})", file=sys.stderr,
-                          flush=True)  # fmt: skip
-                    learners[i] = group.procs[1 + i] = learner(i)
-                    continue
-                ended.add(i)
-                if code and group.deadline is None:
-                    failure = failure or code
-                    print(f"launch: learner {i} exited with status {code}; the others go on",
-                          file=sys.stderr, flush=True)  # fmt: skip
-            if group.deadline is not None and time.monotonic() > group.deadline:
-                group.send(signal.SIGKILL)
-            time.sleep(0.1)
-        group.stop()  # every learner has ended: the syncer's last round is already written
-        while syncer.poll() is None:
-            if time.monotonic() > (group.deadline or 0.0):
-                group.send(signal.SIGKILL)
-            time.sleep(0.1)
-        return failure or next((p.returncode for p in learners if p.returncode), 0)
-    finally:
-        group.send(signal.SIGKILL)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return _Learners(opts, workdir, rest).run()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,6 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import pathlib
@@ -57,6 +56,7 @@ import jax
 import numpy as np
 
 from diloco_jax.learners import wire
+from diloco_jax.learners.rounds import Member, Push, digest, merge
 from diloco_jax.runtime import checkpoint
 
 log = logging.getLogger("diloco_jax")
@@ -64,33 +64,6 @@ log = logging.getLogger("diloco_jax")
 
 class Refused(ValueError):
     """A request the syncer turns down; the message says why (sent back to the learner)."""
-
-
-@dataclasses.dataclass
-class Member:
-    generation: int
-    joined_round: int
-    last_seen: float
-    status: str = "present"  # present | dropped | left
-    pushes: int = 0
-    late: int = 0  # pushes merged into a later round than the one they were computed for
-
-
-@dataclasses.dataclass
-class Push:
-    generation: int
-    weight: float
-    mean: list  # float32 leaves, in the anchor's order
-    finite: bool
-    late: int = 0  # rounds behind the one it joins
-
-
-def digest(leaves: list) -> str:
-    """A short hash of a list of arrays (the tape's anchor hash)."""
-    h = hashlib.sha256()
-    for x in leaves:
-        h.update(np.ascontiguousarray(x).tobytes())
-    return h.hexdigest()[:16]
 
 
 class Syncer:
@@ -348,22 +321,6 @@ class Syncer:
                     self.event("dropped", learner=i, reason="no push by the round's deadline")
             self._close("deadline")
 
-    @staticmethod
-    def _merge(pushes: list[Push]) -> tuple[list, float]:
-        """The pushes' mean weighted by their examples: ``sum_l (w_l / W) m_l`` in float32, in
-        learner order (each weight divided first, so equal weights scale exactly and one
-        learner's mean passes unchanged); leaves out pushes that are not finite."""
-        finite = [p for p in pushes if p.finite and p.weight > 0]
-        total_w = sum(p.weight for p in finite)
-        if not finite:
-            return [np.zeros_like(x) for x in pushes[0].mean], 0.0
-        total: list | None = None
-        for p in finite:
-            share = np.float32(p.weight / total_w)
-            part = [share * x for x in p.mean]
-            total = part if total is None else [t + x for t, x in zip(total, part, strict=True)]
-        return total or [], total_w
-
     def _outer_step(self, mean, anchor, outer_state, anyone):
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
         return self.algorithm.outer_step(mean, anchor, outer_state, self.outer_scale, anyone)
@@ -371,7 +328,7 @@ class Syncer:
     def _close(self, why: str) -> None:
         order = sorted(self.pending)
         pushes = [self.pending[i] for i in order]
-        mean, total_w = self._merge(pushes)
+        mean, total_w = merge(pushes)
         anchor, outer = self._step(mean, self.anchor, self.outer_state, total_w > 0)
         self.anchor = [np.asarray(x) for x in jax.device_get(anchor)]
         self.outer_state = jax.device_get(outer)
