@@ -56,7 +56,6 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     own_code = task is not None or given != user_optimizers.NONE  # not kept as a program
     run, loaded = loop.compile_step(s, start.state, phases,
                                     None if own_code else programs.material(s.cfg))  # fmt: skip
-    start = loop.join_syncer(r, start)  # a learner: from its syncer's anchor
     total = loop.total_steps(s.cfg)
     user_task = task is not None or bool(s.cfg.task.factory)
     if int(start.state.step) == 0 and loop.eval_at_start(s.cfg, user_task=user_task):

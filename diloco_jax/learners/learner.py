@@ -88,12 +88,6 @@ class Learner:
 
     # ---- joining ----------------------------------------------------------------------------
 
-    def check(self, anchor) -> None:
-        """Asks the syncer whether it would admit this learner (its keys and parameters), before
-        the long compile; raises :class:`service.RefusedBySyncer` if not."""
-        self.client.call("Join", {"learner": self.learner, "describe": wire.describe(anchor),
-                                  "keys": self.keys, "check_only": True})  # fmt: skip
-
     def join(self, state):
         """Joins the syncer with this run's anchor; returns ``state`` restarted from the
         syncer's anchor (its own where it is the first learner)."""

@@ -7,8 +7,7 @@ gRPC (``grpcio``, the ``learners`` extra) with raw byte messages: every request 
 changes nothing. Methods of the service ``diloco_jax.Syncer``:
 
 - ``Join`` (stream -> stream): learner index, parameters described, training keys, its anchor
-  -> generation, round, the syncer's anchor (with ``check_only``: the checks alone, no arrays,
-  nothing admitted; a learner asks before it compiles).
+  -> generation, round, the syncer's anchor.
 - ``Push`` (stream -> stream): learner, generation, base round, weight, its mean
   pseudo-gradient -> the anchor after the round it is merged into (its own round, or for a
   late push in quorum rounds the open one), once that round has closed, and how many rounds
@@ -110,9 +109,8 @@ class Server:
     def _join(self, requests, context):
         f, arrays = self._read(requests, context)
         generation, rnd, anchor = self._refusing(
-            context, lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"], arrays,
-                                              bool(f.get("check_only", False)))
-        )  # fmt: skip
+            context, lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"], arrays)
+        )
         return self._answer({"generation": generation, "round": rnd,
                              "finished": self.syncer.finished}, anchor)  # fmt: skip
 

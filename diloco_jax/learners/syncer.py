@@ -150,14 +150,12 @@ class Syncer:
 
     # ---- what learners ask ------------------------------------------------------------------
 
-    def join(self, learner: int, describe: list, keys: dict, anchor: dict[str, np.ndarray],
-             check_only: bool = False):  # fmt: skip
+    def join(self, learner: int, describe: list, keys: dict, anchor: dict[str, np.ndarray]):
         """Admits ``learner`` (its parameters described by :func:`wire.describe`, its training
         ``keys``; ``anchor``: its own, used only when the syncer has none yet); returns
         ``(generation, round, anchor by name)``. A learner the open round does not wait for
         joins the next round: this returns when the open one has closed. Raises
-        :class:`Refused`. ``check_only``: the same checks, nothing admitted or changed
-        (a learner asks before its long compile; returns ``(0, round, {})``)."""
+        :class:`Refused`."""
         if not 0 <= learner < self.learners:
             raise Refused(f"learner {learner} is not in [0, {self.learners}) (syncer.learners)")
         for key, value in self.keys.items():
@@ -165,8 +163,6 @@ class Syncer:
                 raise Refused(f"{key} is {keys.get(key)!r} on learner {learner} but {value!r} "
                               "on the syncer")  # fmt: skip
         with self.lock:
-            if check_only and self.anchor is None:
-                return 0, self.round, {}  # the first learner: nothing to compare with yet
             if self.anchor is None:
                 self.names = [n for n, _, _ in describe]
                 self.anchor = [np.asarray(anchor[n]) for n in self.names]
@@ -178,8 +174,6 @@ class Syncer:
             problem = wire.first_mismatch(mine, describe)
             if problem:
                 raise Refused(f"learner {learner}'s model differs from the syncer's: {problem}")
-            if check_only:
-                return 0, self.round, {}
             old = self.members.get(learner)
             generation = 1 if old is None else old.generation + 1
             self.members[learner] = Member(generation, self.round, self.clock())

@@ -170,18 +170,11 @@ def open_run(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, serv
         s.layout.replicas * cfg.data.batch_size * s.tokens_per_row, s.unit,
     )  # fmt: skip
     learner = None
-    if cfg.syncer.address:  # a learner: refused now if it would be, before the compile
+    if cfg.syncer.address:  # a learner: it starts from the syncer's anchor (refused before
+        # the compile if it would be; a synchronous round waits for it while it compiles)
         learner = learners.connect(cfg, s.algorithm, config_lib.keys(cfg), log)
-        learner.check(start.state.anchor)
+        start = start._replace(state=learner.join(start.state))
     return Run(lead, mngr, runlog, live, learner), start
-
-
-def join_syncer(r: Run, start):
-    """A learner, compiled and ready, joins its syncer and starts from its anchor (the syncer
-    waits for no learner that is still compiling); another run starts as it is."""
-    if r.learner is None:
-        return start
-    return start._replace(state=r.learner.join(start.state))
 
 
 def compile_step(s: Setup, state, phases: reporting.Phases, material: dict | None = None):
