@@ -355,6 +355,12 @@ MUTANTS = [
            "            waits = False",
            ["tests/test_learners.py::test_a_learner_joining_while_a_round_is_open_joins_the_next_"
             "round"]),
+    Mutant("a synchronous run's first round leaves out declared learners not yet joined",
+           "faults", "diloco_jax/learners/syncer.py",
+           "                    self.expected |= set(range(self.learners))",
+           "                    pass",
+           ["tests/test_learners.py::test_a_learner_joining_while_a_round_is_open_joins_the_next_"
+            "round"]),
     Mutant("a restarted syncer forgets its members", "faults", "diloco_jax/learners/syncer.py",
            '        for i, generation in meta.get("members", {}).items():',
            "        for i, generation in {}.items():",

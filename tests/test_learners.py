@@ -292,28 +292,40 @@ def test_a_syncer_with_an_examples_budget_finishes_once_it_is_merged(tmp_path):
 
 
 def test_a_learner_joining_while_a_round_is_open_joins_the_next_round(tmp_path):
-    """The open round does not wait for a joiner: its join returns once the round has closed,
-    with the new anchor and round; the learners of the open round closed it alone."""
+    """A synchronous run's first round waits for every declared learner: learner 2, not yet
+    joined, is waited for and its join returns at once, in round 0. Later rounds do not wait for
+    a joiner: learner 2 leaves, joins again while round 1 is open, and its join returns once
+    learners 0 and 1 have closed round 1, with the new anchor and round."""
     import threading
 
     x = {"w": np.zeros(3, np.float32)}
     syncer = _syncer(tmp_path, _algorithm(), learners=3)
+
+    def join(i):
+        return syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+
     try:
         for i in (0, 1):
-            syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
-        syncer.push(0, 1, 0, 1.0, _ones(1.0))
+            join(i)
+        for i in (0, 1):
+            syncer.push(i, 1, 0, 1.0, _ones(1.0))
+        assert syncer.round == 0 and syncer.status()["waiting_for"] == [2]
+        assert join(2)[:2] == (1, 0)  # in round 0 at once
+        syncer.push(2, 1, 0, 1.0, _ones(1.0))
+        assert syncer.round == 1
+        syncer.leave(2, 1)
+        syncer.push(0, 1, 1, 1.0, _ones(1.0))
         joined = {}
-        joiner = threading.Thread(target=lambda: joined.update(r=syncer.join(
-            2, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))))  # fmt: skip
+        joiner = threading.Thread(target=lambda: joined.update(r=join(2)))
         joiner.start()
         joiner.join(0.3)
-        assert joiner.is_alive() and syncer.round == 0  # round 0 still waits for learner 1 only
-        syncer.push(1, 1, 0, 1.0, _ones(1.0))
+        assert joiner.is_alive() and syncer.round == 1  # round 1 still waits for learner 1 only
+        syncer.push(1, 1, 1, 1.0, _ones(1.0))
         joiner.join(5.0)
         generation, rnd, anchor = joined["r"]
-        assert (generation, rnd) == (1, 1)
+        assert (generation, rnd) == (2, 2)
         np.testing.assert_array_equal(anchor["['w']"], syncer.anchor[0])
-        assert syncer.status()["members"][2]["joined_round"] == 0
+        assert syncer.status()["members"][2]["joined_round"] == 1
     finally:
         syncer.close()
 

@@ -148,7 +148,8 @@ def _start(workdir: pathlib.Path, module: str, *extra: str) -> subprocess.Popen:
 
 
 def test_a_new_learner_joins_at_a_later_round_and_the_others_go_on(tmp_path):
-    """Three learners declared, two started; learner 2 starts once round 2 has closed (160 steps
+    """Three learners declared, two started; round 0 waits for the third until its deadline
+    (10 s), then closes without it. Learner 2 starts once round 2 has closed (160 steps
     each: 32 rounds, so the first two are still training when it has started). It joins
     at the next round without holding up the open one; the rounds before it closed with learners
     0 and 1, later ones with all three."""
@@ -156,7 +157,7 @@ def test_a_new_learner_joins_at_a_later_round_and_the_others_go_on(tmp_path):
 
     port = free_port()
     address = [f"--config.syncer.address=127.0.0.1:{port}", "--config.syncer.learners=3",
-               "--config.train.total_steps=160"]  # fmt: skip
+               "--config.train.total_steps=160", "--config.syncer.timeout=10"]  # fmt: skip
     syncer = _start(tmp_path / "syncer", "diloco_jax.syncer", *address)
     procs = []
     try:

@@ -4,7 +4,8 @@ independent learners, and takes the outer step when a round closes.
 A round ``r`` collects one push per learner: its mean pseudo-gradient against the anchor it
 last received, with its weight (the examples it trained on). A round opens at its first push;
 the learners present then are the ones it waits for (one that joins later joins the next round:
-its join returns when the open round closes). When a round closes:
+its join returns when the open round closes; a synchronous run's first round waits for every
+declared learner, joined or not, so they start together). When a round closes:
 
 - synchronous (``syncer.quorum = 0``): when every learner it waits for has pushed, or at its
   deadline (``syncer.timeout`` seconds after the first push), when the silent ones are dropped;
@@ -245,6 +246,8 @@ class Syncer:
             if not self.pending:  # the round opens: it waits for the learners present now
                 self._opened, self.deadline = now, now + self.timeout
                 self.expected = set(self.present())
+                if not self.quorum and self.round == 0:  # a synchronous run starts together:
+                    self.expected |= set(range(self.learners))  # every declared learner
             self.pending[learner] = Push(generation, float(weight), leaves, finite, late)
             member.pushes += 1
             member.late += late > 0
@@ -303,14 +306,15 @@ class Syncer:
                 self.event("dropped", learner=i, reason=f"silent for {now - m.last_seen:.1f}s")
         if not self.pending:
             return
-        waiting = [i for i in self.present() if i in self.expected and i not in self.pending]
+        waiting = [i for i in sorted(self.expected) if i not in self.pending and (
+            i not in self.members or self.members[i].status == "present")]  # fmt: skip
         if not waiting:
             self._close("all pushed")
         elif self._quorum_at is not None and now >= self._quorum_at + self._grace_now:
             self._close(f"quorum and {self._grace_now:.2f}s of grace")
         elif self.deadline is not None and now >= self.deadline:
             if not self.quorum:
-                for i in waiting:
+                for i in (i for i in waiting if i in self.members):  # not those never joined
                     self.members[i].status = "dropped"
                     self.event("dropped", learner=i, reason="no push by the round's deadline")
             self._close("deadline")
