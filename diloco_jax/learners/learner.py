@@ -74,7 +74,7 @@ class Learner:
         self.rows_per_round, self.log = rows_per_round, log
         self.generation, self.round = 0, 0
         self.finished = False  # the syncer has closed the run's last round (syncer.rounds)
-        self.lost_rounds = self.late_pushes = 0
+        self.lost_rounds = 0
         self.last: dict = {}  # the last round, as the run's ``round`` event reports it
         axes = state_lib.vmap_axes(algorithm.kinds)
         contribute = jax.vmap(algorithm.contribution, in_axes=(axes,), out_axes=(axes, 0, 0),
@@ -156,7 +156,6 @@ class Learner:
             fields = {**fields, "generation": self.generation}
             f, arrays = self.client.call("Push", fields, pushed)
         if f.get("late"):
-            self.late_pushes += 1
             self.log.info("this learner's push was %d round(s) late: merged into round %d",
                           f["late"], f["round"] - 1)  # fmt: skip
         self.round, self.finished = int(f["round"]), bool(f.get("finished"))

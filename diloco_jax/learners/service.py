@@ -123,7 +123,7 @@ class Server:
         rnd, anchor = self.syncer.wait(joined, 0.0 if self.syncer.finished else self.wait_timeout)
         if rnd <= joined and not self.syncer.finished:
             context.abort(_grpc().StatusCode.DEADLINE_EXCEEDED,
-                          f"round {base} did not close in {self.wait_timeout:.0f}s")  # fmt: skip
+                          f"round {joined} did not close in {self.wait_timeout:.0f}s")  # fmt: skip
         return self._answer({"round": rnd, "late": late, "finished": self.syncer.finished},
                             anchor)  # fmt: skip
 

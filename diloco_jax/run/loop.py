@@ -269,7 +269,8 @@ class Calls(NamedTuple):
 
 
 def _syncer_done(r: Run) -> bool:
-    """A learner whose syncer has closed the run's last round (``syncer.rounds``)."""
+    """A learner whose syncer has closed the run's last round (``syncer.rounds`` or
+    ``syncer.examples``)."""
     return r.learner is not None and r.learner.finished
 
 
@@ -296,8 +297,8 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
         distributed.check_replicated(s, state, step)
         asked = r.live.agree(r.runlog, stop, step)  # HTTP controls, as every process agrees
         evaluated = _between_calls(s, r, state, step, total, asked, phases)
-        eval_loss, evaluated_at = (eval_loss, evaluated_at) if evaluated is None else (
-            evaluated, step)  # fmt: skip
+        if evaluated is not None:
+            eval_loss, evaluated_at = evaluated, step
         host_seconds.append(time.time() - tick - call_seconds[-1])
     bar.close()
     if stop.requested:
