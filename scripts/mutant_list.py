@@ -371,4 +371,28 @@ MUTANTS = [
            "    return False",
            ["tests/test_learners.py::test_a_learner_ends_when_the_syncer_closes_the_runs_last_"
             "round"]),
+    Mutant("a learner's push ignores the codec and travels in float32", "faults",
+           "diloco_jax/learners/learner.py",
+           "payload.encode(wire.leaf_names(state.anchor), mean, self.codec, replicas)",
+           "payload.encode(wire.leaf_names(state.anchor), mean, None, replicas)",
+           ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
+            "trains"]),
+    Mutant("the syncer accepts a top-k push with a position sent twice", "faults",
+           "diloco_jax/learners/payload.py",
+           "        if np.unique(positions).size != positions.size:",
+           "        if False:",
+           ["tests/test_learners.py::test_a_push_travels_through_the_cores_codec_and_costs_the_"
+            "simulators_payload"]),
+    Mutant("an overlapped learner restarts from its own anchor, never the syncer's answer",
+           "faults", "diloco_jax/learners/learner.py",
+           "            state = self._land(state, previous.result(), start)",
+           "            state = self._restart(state, state.anchor)",
+           ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
+            "trains"]),
+    Mutant("an overlapped learner pushes every round for the same round", "faults",
+           "diloco_jax/learners/learner.py",
+           "        self.round = int(f[\"round\"]) + (self._inflight is not None)",
+           "        self.round = int(f[\"round\"])",
+           ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
+            "trains"]),
 ]  # fmt: skip

@@ -59,6 +59,54 @@ def test_a_message_round_trips_and_a_damaged_one_is_refused_by_name():
         wire.unnamed(other, back)
 
 
+@pytest.mark.parametrize("name", ["none", "bf16", "int8", "fp8", "int4", "topk"])
+def test_a_push_travels_through_the_cores_codec_and_costs_the_simulators_payload(name):
+    """A learner's push, encoded with ``compress.codec``: a leaf under ``min_size`` stays
+    float32; the rest decode to the core's own code of their concatenation (blockwise: the
+    core's round trip on whole blocks; topk: the k largest values where they were, two
+    replicas' worth). Its bytes are ``comms.push_payload``. A damaged one is refused, named."""
+    from diloco_jax.algorithm import compress
+    from diloco_jax.learners import payload
+    from diloco_jax.simulated import comms
+
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.normal(size=(40, 30)).astype(np.float32), "b": np.ones(7, np.float32),
+            "c": rng.normal(size=500).astype(np.float32)}  # fmt: skip
+    codec = compress.Codec(name, block=64, topk_fraction=0.05, min_size=100)
+    names, leaves = wire.leaf_names(tree), jax.tree.leaves(tree)
+    described = wire.describe(tree)
+    message = payload.encode(names, leaves, codec, replicas=2)
+    assert payload.push_bytes(message) == comms.push_payload(tree, codec, replicas=2)
+    got = dict(zip(names, payload.decode(described, message, codec), strict=True))
+    np.testing.assert_array_equal(got["['b']"], tree["b"])
+    flat = np.concatenate([tree["a"].ravel(), tree["c"].ravel()])
+    back = np.concatenate([got["['a']"].ravel(), got["['c']"].ravel()])
+    if name == "topk":
+        keep = np.argsort(-np.abs(flat))[: 2 * compress.topk_count(flat.size, 0.05)]
+        want = np.zeros_like(flat)
+        want[keep] = flat[keep]
+    else:
+        padded = np.pad(flat, (0, -flat.size % 64)).reshape(-1, 64)
+        want = np.asarray(compress.roundtrip(jnp.asarray(padded), name)).ravel()[: flat.size]
+    np.testing.assert_array_equal(back, want)
+    if name == "none":
+        return
+    key = "codec/positions" if name == "topk" else "codec/0"
+    with pytest.raises(wire.WireError, match=f"the push lacks {key}"):
+        payload.decode(described, {k: v for k, v in message.items() if k != key}, codec)
+    cut = {**message, key: message[key][:-1]}
+    with pytest.raises(wire.WireError, match=f"{key} is"):
+        payload.decode(described, cut, codec)
+    if name == "topk":
+        positions = message[key].copy()
+        positions[1] = positions[0]
+        with pytest.raises(wire.WireError, match="sent twice"):
+            payload.decode(described, {**message, key: positions}, codec)
+        positions[1] = flat.size
+        with pytest.raises(wire.WireError, match="outside"):
+            payload.decode(described, {**message, key: positions}, codec)
+
+
 # ---- the syncer's rounds against the core's own sync ---------------------------------------
 
 
@@ -459,14 +507,28 @@ def test_a_learners_data_is_its_part_of_every_learners():
                                   np.asarray(everyone.shards_RxS)[2:4])  # fmt: skip
 
 
-def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monkeypatch):
+INT8 = {"compress.codec": "int8", "compress.min_size": 64, "compress.error_feedback": True}
+DELAYED = {"outer.mode": "delayed", "train.total_steps": 15}  # three syncs
+
+
+@pytest.mark.parametrize("variant", [{}, INT8, DELAYED], ids=["float32", "int8", "overlapped"])
+def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monkeypatch,
+                                                                  variant):  # fmt: skip
     """``train()`` as the only learner of a syncer (served from this process) equals DiLoCo
     with one replica: the learner's steps, its pushes and restarts between calls, the syncer's
-    outer step. The same final anchor (bitwise) and evaluation."""
+    outer step. The same final anchor (bitwise) and evaluation.
+
+    With int8 and error feedback: the learner's replica encodes its pseudo-gradient as the core
+    does, and its push carries that code again (one replica: the same values); the push's
+    bytes are the simulator's parameter-server payload. Overlapped (``outer.mode=delayed``):
+    the push goes on in the background and the learner restarts from the anchor of the push
+    before, which is the simulator's delayed outer step, bit for bit."""
+    from diloco_jax.config import recipe
     from diloco_jax.learners.command import make_syncer
+    from diloco_jax.simulated import comms
     from diloco_jax.train import train
 
-    one = {"parallel.replicas": 1, "parallel.runtime": "sim"}
+    one = {"parallel.replicas": 1, "parallel.runtime": "sim", **variant}
     want = train(_tiny(**one), tmp_path / "one", show_progress=False)
     syncer = make_syncer(_tiny(**one), tmp_path / "syncer")
     server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
@@ -477,22 +539,32 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     finally:
         server.stop()
         syncer.close()
-    assert syncer.round == 2
-    chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
-    chex.assert_trees_all_equal(got["state"].params, want["state"].params)
-    assert got["final_eval_loss"] == want["final_eval_loss"]
-    # its metrics report the syncer's rounds (not the zeros of a sync it does not take)
+    # overlapped too: the learner's last push is answered before it ends
+    assert syncer.round == (3 if variant is DELAYED else 2)
+    if variant is not INT8:
+        chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
+        chex.assert_trees_all_equal(got["state"].params, want["state"].params)
+        assert got["final_eval_loss"] == want["final_eval_loss"]
+    else:  # two programs round differently (a fused multiply-add, the push's block scales
+        # divided again): float32 rounding, 3e-8 at most here, far below an int8 code step
+        chex.assert_trees_all_close(got["state"].anchor, want["state"].anchor, rtol=0, atol=1e-6)
+        assert got["final_eval_loss"] == pytest.approx(want["final_eval_loss"], abs=1e-5)
+    # its metrics report the syncer's rounds (not the zeros of a sync it does not take);
+    # overlapped, the round a sync reports is the one before (the first sync has none)
     rounds = helpers.events(tmp_path / "learner", "round")
-    assert [(e["step"], e["base_round"], e["round"], e["late"]) for e in rounds] == [
-        (5, 0, 1, 0), (10, 1, 2, 0)]  # fmt: skip
+    assert [(e["step"], e["base_round"], e["round"], e["late"]) for e in rounds] == (
+        [(10, 0, 1, 0), (15, 1, 2, 0)] if variant is DELAYED else [(5, 0, 1, 0), (10, 1, 2, 0)]
+    )
     # the bytes on the wire: the simulator's accounting for a syncer (a parameter server: the
-    # payload each way) plus the messages' framing (a JSON header naming the leaves, checksums)
-    from diloco_jax.simulated import comms
-
-    payload = comms.sync_payload(want["state"].anchor, None, replicas=2)
-    simulated = comms.bytes_per_replica(payload, 2, "parameter_server")
-    framing = [e["bytes_sent"] + e["bytes_received"] - simulated for e in rounds]
-    assert all(0 < f < 4096 for f in framing), framing  # 0.8-0.95 KB each way, 12 leaves
+    # push one way, the float32 anchor the other) plus the messages' framing (a JSON header
+    # naming the leaves, checksums)
+    anchor = want["state"].anchor
+    up = comms.bytes_per_replica(comms.push_payload(anchor, recipe.codec_of(_tiny(**variant))),
+                                 2, "parameter_server")  # fmt: skip
+    down = comms.payload_bytes(anchor)  # the float32 anchor, whatever the codec
+    assert (up < down / 3.5) == (variant is INT8)  # int8: 1 byte a value and a scale per 256
+    framing = [(e["bytes_sent"] - up, e["bytes_received"] - down) for e in rounds]
+    assert all(0 < f < 2048 for pair in framing for f in pair), framing  # 0.7-1 KB, 12 leaves
     assert not helpers.events(tmp_path / "learner", "sync")
 
 
@@ -628,6 +700,18 @@ def test_a_learner_the_syncer_refuses_fails_in_one_line(tmp_path, monkeypatch, c
                                             "but 5 on the syncer")  # fmt: skip
     assert not any(line.startswith("error") for line in err[:-1])
     assert syncer.members == {}
+
+
+def test_an_accumulator_is_not_a_learners_codec():
+    """DCT momentum and SparseLoCo are exchanges with per-replica state, not codecs a push can
+    travel through: a learner's config with one is refused in one line, naming the key."""
+    from diloco_jax import config as config_lib
+
+    learner = {"syncer.address": "127.0.0.1:9", "parallel.replicas": 1}
+    config_lib.validate(_tiny(**learner, **{"compress.codec": "topk"}))
+    with pytest.raises(config_lib.ConfigError, match="compress.codec = 'dct' is invalid: dct and "
+                       "sparseloco are exchanges, not codecs"):  # fmt: skip
+        config_lib.validate(_tiny(**learner, **{"compress.codec": "dct"}))
 
 
 def test_the_status_page_and_metrics_show_the_learners_and_rounds(tmp_path):

@@ -21,9 +21,9 @@ def test_payload_and_bytes_hand_computed():
     tree = {"w": jnp.zeros((3, 4), jnp.float32), "b": jnp.zeros(5, jnp.bfloat16)}
     assert comms.payload_bytes(tree) == 3 * 4 * 4 + 5 * 2
     assert comms.payload_bytes(tree, jnp.bfloat16) == 17 * 2
-    # ring: 2 (R - 1) / R * P; parameter server: 2 P; one replica sends nothing
+    # ring: 2 (R - 1) / R * P; parameter server: P (it receives as much); one sends nothing
     assert comms.bytes_per_replica(1000, 4, "ring") == 1500
-    assert comms.bytes_per_replica(1000, 4, "parameter_server") == 2000
+    assert comms.bytes_per_replica(1000, 4, "parameter_server") == 1000
     assert comms.bytes_per_replica(1000, 1, "ring") == 0
     assert comms.reduces("diloco", 100, 10) == 10 and comms.reduces("ddp", 100, 10) == 100
     assert comms.reduces("single", 100, 10) == 0

@@ -97,11 +97,13 @@ def sync_payloads(cfg: Config, params, replicas: int) -> tuple[list[int], str]:
     diloco = cfg.algorithm == "diloco"
     if diloco and cfg.noloco.enabled:
         return [gossip.pair_payload(params)], comms.PAIRWISE
-    payloads = comms.sync_payloads(
-        params, codec_of(cfg) if diloco else None, replicas,
-        dct_config=dct_of(cfg) if diloco else None,
-        num_fragments=cfg.streaming.fragments if diloco else 1,
-    )  # fmt: skip
+    codec, dct_config = (codec_of(cfg), dct_of(cfg)) if diloco else (None, None)
+    fragments = cfg.streaming.fragments if diloco else 1
+    if cfg.sim.topology == "parameter_server" and dct_config is None:
+        return comms.sync_payloads(params, codec, 1, num_fragments=fragments,
+                                   payload=comms.push_payload), cfg.sim.topology  # fmt: skip
+    payloads = comms.sync_payloads(params, codec, replicas, dct_config=dct_config,
+                                   num_fragments=fragments)  # fmt: skip
     return payloads, cfg.sim.topology
 
 

@@ -107,7 +107,7 @@ def validate(cfg: Config) -> None:
 
 def _validate_syncer(cfg: Config) -> None:
     """The syncer's keys; a learner (``syncer.address`` set) runs plain DiLoCo on the
-    simulator's layout for now (the syncer's rounds are synchronous)."""
+    simulator's layout for now, its push through a codec (not an accumulator's exchange)."""
     sy, t, o = cfg.syncer, cfg.train, cfg.outer
     host, _, port = sy.address.rpartition(":")
     rules = [
@@ -135,8 +135,7 @@ def _validate_syncer(cfg: Config) -> None:
          "must be a file holding the token"),
     ]  # fmt: skip
     if sy.address:
-        plain = {"algorithm": cfg.algorithm == "diloco", "outer.mode": o.mode == "sync",
-                 "compress.codec": cfg.compress.codec == "none",
+        plain = {"algorithm": cfg.algorithm == "diloco", "outer.mode": o.mode != "eager",
                  "streaming.fragments": cfg.streaming.fragments == 1,
                  "noloco.enabled": not cfg.noloco.enabled,
                  "desloc.first_moment_every": not (cfg.desloc.first_moment_every
@@ -144,8 +143,10 @@ def _validate_syncer(cfg: Config) -> None:
                  "sim.quorum": not cfg.sim.quorum, "sim.chunk": not cfg.sim.chunk,
                  "parallel.runtime": cfg.parallel.runtime in ("auto", "sim")}  # fmt: skip
         rules += [(key, ok, "is not supported by a learner yet (syncer.address): it runs plain "
-                   "DiLoCo on the simulator's layout, with synchronous rounds")
-                  for key, ok in plain.items()]  # fmt: skip
+                   "DiLoCo on the simulator's layout") for key, ok in plain.items()]  # fmt: skip
+        rules.append(("compress.codec", cfg.compress.codec not in ("dct", "sparseloco"),
+                      "dct and sparseloco are exchanges, not codecs: a learner's push goes "
+                      "through none, bf16, int8, fp8, int4 or topk"))  # fmt: skip
         rules.append(("outer.sync_every", o.sync_every % t.log_every == 0,
                       f"must be a multiple of train.log_every = {t.log_every} for a learner "
                       "(its syncs happen between calls)"))  # fmt: skip

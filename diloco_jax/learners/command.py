@@ -56,7 +56,7 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path) -> Syncer:
                   learners=sy.learners, timeout=sy.timeout, dead_after=sy.dead_after,
                   quorum=sy.quorum, grace=sy.grace, adaptive_grace=sy.adaptive_grace,
                   max_late=sy.max_late, rounds=sy.rounds, examples=sy.examples,
-                  outer_scale=recipe.outer_lr_input(cfg))  # fmt: skip
+                  outer_scale=recipe.outer_lr_input(cfg), codec=recipe.codec_of(cfg))  # fmt: skip
 
 
 def serve(cfg: config_lib.Config, workdir: pathlib.Path):

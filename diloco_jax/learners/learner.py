@@ -8,12 +8,18 @@ At a sync boundary (between calls; ``outer.sync_every`` a multiple of ``train.lo
    (:meth:`~diloco_jax.algorithm.Diloco.contribution`): the weighted mean of the learner's
    replicas' pseudo-gradients (the in-job collective; a replica whose own is not finite left
    out) and their mean weight.
-2. The mean goes to the syncer with the learner's weight (its examples this round: replicas
-   contributing x batch rows x steps) and the round it was computed against; the reply is the
-   anchor of the next round, once every learner of the round has pushed (or the round's
-   deadline passed).
+2. The mean goes to the syncer, encoded with the run's codec (:mod:`.payload`), with the
+   learner's weight (its examples this round: replicas contributing x batch rows x steps) and
+   the round it is for; the reply is the anchor of the next round, once every learner of the
+   round has pushed (or the round's rule closed it without them).
 3. ``restart``: each replica restarts from that anchor as a sync lands in the core
    (:meth:`~diloco_jax.algorithm.Diloco.restart`); the inner optimizer's state is kept.
+
+Overlapped rounds (``outer.mode = delayed``): the push of step 2 goes on in a thread while the
+replicas train on; step 3 takes the answer of the push before (at the first sync there is none:
+the replicas restart from the anchor they had). This is the simulator's delayed outer step,
+where each sync applies the previous sync's mean, with the communication really behind the
+computation: a sync waits only when the round of the push before has not closed yet.
 
 A refused push (the learner missed a round, or was dropped) makes the learner join again and
 restart from the syncer's current anchor: the work since its last sync is lost, and said so.
@@ -21,12 +27,13 @@ restart from the syncer's current anchor: the work since its last sync is lost, 
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -35,13 +42,16 @@ from diloco_jax.algorithm import state as state_lib
 from diloco_jax.base.access import TOKEN_ENV
 from diloco_jax.base.axes import REPLICA
 from diloco_jax.base.errors import ConfigError
-from diloco_jax.learners import service, wire
+from diloco_jax.config import recipe
+from diloco_jax.learners import payload, service, wire
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
 SHARED_KEYS = ("algorithm", "outer.optimizer", "outer.learning_rate", "outer.momentum",
                "outer.nesterov", "outer.sync_every", "outer.schedule", "outer.warmup",
                "outer.b1", "outer.b2", "outer.eps", "outer.weight_decay", "outer.mode",
-               "outer.final_lr_fraction", "compress.codec", "streaming.fragments",
+               "outer.final_lr_fraction", "compress.codec", "compress.block",
+               "compress.topk_fraction", "compress.min_size", "compress.error_feedback",
+               "streaming.fragments",
                "syncer.learners", "seed", "train.total_steps")  # fmt: skip
 
 
@@ -65,12 +75,27 @@ def token(token_file: str, environ=os.environ) -> str:
     return text
 
 
+class Exchanged(NamedTuple):
+    """A push and the syncer's answer."""
+
+    fields: dict  # the push's, as sent
+    reply: dict  # the answer's fields: the round it goes on from, late, finished
+    arrays: dict  # the answer's anchor, by name
+    counts: list  # (bytes sent, bytes received) of each call it took
+    seconds: float  # from sending to the answer
+
+
 class Learner:
     """The learner's side of the rounds for a run's ``algorithm`` and replica-stacked state."""
 
     def __init__(self, client: service.Client, algorithm, *, learner: int, keys: dict,
-                 rows_per_round: int, heartbeat: float, log):  # fmt: skip
+                 rows_per_round: int, heartbeat: float, log, codec=None,
+                 overlap: bool = False):  # fmt: skip
         self.client, self.algorithm, self.learner, self.keys = client, algorithm, learner, keys
+        self.codec = codec  # how the push travels (:mod:`.payload`); None: float32
+        self.overlap = overlap  # outer.mode = delayed: train on while the push is on its way
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push")
+        self._inflight: concurrent.futures.Future | None = None
         self.rows_per_round, self.log = rows_per_round, log
         self.generation, self.round = 0, 0
         self.finished = False  # the syncer has closed the run's last round (syncer.rounds)
@@ -91,13 +116,13 @@ class Learner:
     def join(self, state):
         """Joins the syncer with this run's anchor; returns ``state`` restarted from the
         syncer's anchor (its own where it is the first learner)."""
-        arrays = self._join(state.anchor)
+        arrays = self._join(wire.named(state.anchor))
         return self._restart(state, wire.unnamed(state.anchor, arrays))
 
-    def _join(self, anchor) -> dict:
-        f, arrays = self.client.call("Join", {"learner": self.learner,
-                                              "describe": wire.describe(anchor),
-                                              "keys": self.keys}, wire.named(anchor))  # fmt: skip
+    def _join(self, anchor: dict[str, np.ndarray], counts: list | None = None) -> dict:
+        described = [[n, list(a.shape), str(a.dtype)] for n, a in anchor.items()]
+        fields = {"learner": self.learner, "describe": described, "keys": self.keys}
+        f, arrays = self.client.call("Join", fields, anchor, counts=counts)
         self.generation, self.round = int(f["generation"]), int(f["round"])
         self.finished = bool(f.get("finished"))
         self.log.info("joined the syncer at %s as learner %d (generation %d) at round %d",
@@ -117,54 +142,93 @@ class Learner:
 
     # ---- a sync -----------------------------------------------------------------------------
 
-    def sync(self, state):
-        """The round at a sync boundary: push, wait, restart (see the module's docstring)."""
+    def sync(self, state, last: bool = False):
+        """The round at a sync boundary: push, wait, restart (see the module's docstring);
+        overlapped, the push goes on in the background and the restart takes the anchor of the
+        push before. The ``last`` sync of a run waits for its push's answer (not restarting from
+        it, as the simulator's delayed step does not), so the syncer has it before the run's
+        final checkpoint."""
         state, mean_R, total_w_R = self._contribute(state)
         mean = jax.tree.map(lambda x: np.asarray(x[0]), mean_R)
         total_w = float(np.asarray(total_w_R[0]))
         replicas = int(np.asarray(total_w_R).shape[0])
-        weight = total_w * replicas * self.rows_per_round
-        names = wire.leaf_names(state.anchor)
         fields = {"learner": self.learner, "generation": self.generation, "round": self.round,
-                  "weight": weight}  # fmt: skip
-        pushed = dict(zip(names, mean, strict=True))
-        start, sent, received = time.monotonic(), self.client.bytes_sent, self.client.bytes_received
-        state, f = self._push(state, fields, pushed)
-        self.last = {"base_round": fields["round"], "round": self.round,
-                     "late": int(f.get("late", 0)), "seconds_waited": time.monotonic() - start,
-                     "bytes_sent": self.client.bytes_sent - sent,
-                     "bytes_received": self.client.bytes_received - received,
-                     "restarted": bool(f.get("restarted"))}  # fmt: skip
+                  "weight": total_w * replicas * self.rows_per_round}  # fmt: skip
+        pushed = payload.encode(wire.leaf_names(state.anchor), mean, self.codec, replicas)
+        anchor = wire.named(state.anchor)  # the join's, should the syncer have none
+        start = time.monotonic()
+        if not self.overlap:
+            return self._land(state, self._exchange(fields, pushed, anchor), start)
+        previous, self._inflight = self._inflight, self._sender.submit(
+            self._exchange, fields, pushed, anchor)  # fmt: skip
+        self.round += 1  # the next push is for the round after this one's
+        if previous is None:  # the first: no anchor to take yet (the anchor moves by zero)
+            self.last = {}
+            state = self._restart(state, state.anchor)
+        else:
+            state = self._land(state, previous.result(), start)
+        if last:
+            self.drain()
         return state
 
-    def _push(self, state, fields: dict, pushed: dict):
-        """Push, then restart from the syncer's answer; returns ``(state, reply fields)``."""
+    def drain(self) -> None:
+        """Waits for the push on its way, if any (overlapped rounds), up to the client's
+        timeout; a failure is said and not raised (the run's own state is whole)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
         try:
-            f, arrays = self.client.call("Push", fields, pushed)
+            self.finished = self.finished or bool(inflight.result(self.client.timeout).reply.get(
+                "finished"))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - said; the run ends with what it has
+            self.log.warning("the last push was not answered: %s", e)
+
+    def _exchange(self, fields: dict, pushed: dict, anchor: dict) -> Exchanged:
+        """The push and the syncer's answer (a refused push: joined again; the same round is
+        pushed again, a later one's anchor taken as it is). Safe in the sending thread."""
+        counts: list = []
+        sent = time.monotonic()
+        try:
+            f, arrays = self.client.call("Push", fields, pushed, counts=counts)
         except service.RefusedBySyncer as e:
-            base = self.round
+            base = fields["round"]
             self.log.warning("the syncer refused this learner's push (%s): joining again", e)
-            arrays = self._join(state.anchor)
+            arrays = self._join(anchor, counts)
             if self.round != base:  # the syncer moved on: this round's work is lost
                 self.lost_rounds += 1
                 self.log.warning("the syncer is at round %d: restarting from its anchor (the "
                                  "steps since round %d are in it only if that round closed with "
                                  "them)", self.round, base)  # fmt: skip
-                restarted = {"round": self.round, "restarted": True}
-                return self._restart(state, wire.unnamed(state.anchor, arrays)), restarted
+                f = {"round": self.round, "restarted": True}
+                return Exchanged(fields, f, arrays, counts, time.monotonic() - sent)
             # the same round (a restarted syncer that does not know this learner): push again
             fields = {**fields, "generation": self.generation}
-            f, arrays = self.client.call("Push", fields, pushed)
+            f, arrays = self.client.call("Push", fields, pushed, counts=counts)
+        return Exchanged(fields, f, arrays, counts, time.monotonic() - sent)
+
+    def _land(self, state, got: Exchanged, start: float):
+        """``state`` restarted from the answer's anchor; the round's report in ``last``."""
+        f = got.reply
         if f.get("late"):
             self.log.info("this learner's push was %d round(s) late: merged into round %d",
                           f["late"], f["round"] - 1)  # fmt: skip
-        self.round, self.finished = int(f["round"]), bool(f.get("finished"))
+        # overlapped, one push is on its way: the next is for the round after its
+        self.round = int(f["round"]) + (self._inflight is not None)
+        self.finished = bool(f.get("finished"))
         if self.finished:
             self.log.info("the syncer has closed the run's last round (%d): this learner ends "
-                          "with its anchor", self.round)  # fmt: skip
-        return self._restart(state, wire.unnamed(state.anchor, arrays)), f
+                          "with its anchor", f["round"])  # fmt: skip
+        self.last = {"base_round": got.fields["round"], "round": int(f["round"]),
+                     "late": int(f.get("late", 0)), "seconds_waited": time.monotonic() - start,
+                     "seconds_in_flight": got.seconds,
+                     "bytes_sent": sum(c[0] for c in got.counts),
+                     "bytes_received": sum(c[1] for c in got.counts),
+                     "restarted": bool(f.get("restarted"))}  # fmt: skip
+        return self._restart(state, wire.unnamed(state.anchor, got.arrays))
 
     def close(self) -> None:
+        self.drain()
+        self._sender.shutdown(wait=False)
         self._stop.set()
         try:
             self.client.call("Leave", {"learner": self.learner, "generation": self.generation},
@@ -180,4 +244,5 @@ def connect(cfg, algorithm, flat_config: dict, log) -> Learner:
     client = service.Client(sy.address, token(sy.token_file), timeout=sy.timeout * 4 + 60)
     rows = cfg.data.batch_size * cfg.outer.sync_every
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),
-                   rows_per_round=rows, heartbeat=sy.heartbeat, log=log)  # fmt: skip
+                   rows_per_round=rows, heartbeat=sy.heartbeat, log=log,
+                   codec=recipe.codec_of(cfg), overlap=cfg.outer.mode == "delayed")  # fmt: skip

@@ -164,10 +164,11 @@ class Client:
         self.bytes_sent = self.bytes_received = 0  # on the wire: headers, arrays, framing
 
     def call(self, name: str, fields: dict, arrays: dict | None = None,
-             timeout: float | None = None) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
-        """One request; returns the reply's ``(fields, arrays)``. Raises
-        :class:`RefusedBySyncer` for a refusal, ``SyncerUnreachable`` when the syncer stays
-        unreachable for ``patience`` seconds."""
+             timeout: float | None = None, counts: list | None = None,
+             ) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
+        """One request; returns the reply's ``(fields, arrays)`` (and appends ``(bytes sent,
+        bytes received)`` to ``counts``). Raises :class:`RefusedBySyncer` for a refusal,
+        ``SyncerUnreachable`` when the syncer stays unreachable for ``patience`` seconds."""
         grpc = _grpc()
         start, delay = time.monotonic(), 0.2
         while True:
@@ -179,6 +180,8 @@ class Client:
                 out = wire.decode(_kept(replies, got), self.max_bytes)
                 self.bytes_sent += sum(len(c) for c in chunks)
                 self.bytes_received += sum(got)
+                if counts is not None:
+                    counts.append((sum(len(c) for c in chunks), sum(got)))
                 return out
             except grpc.RpcError as e:
                 code = e.code()

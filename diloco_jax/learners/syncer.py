@@ -56,7 +56,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from diloco_jax.learners import wire
+from diloco_jax.learners import payload, wire
 from diloco_jax.learners.rounds import Member, Push, digest, merge
 from diloco_jax.runtime import checkpoint
 
@@ -81,9 +81,10 @@ class Syncer:
     def __init__(self, algorithm, workdir: pathlib.Path, *, keys: dict, learners: int,
                  timeout: float, dead_after: float, quorum: int = 0, grace: float = 10.0,
                  adaptive_grace: bool = True, max_late: int = 4, rounds: int = 0,
-                 examples: float = 0.0, outer_scale: float = 1.0,
+                 examples: float = 0.0, outer_scale: float = 1.0, codec=None,
                  clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
+        self.codec = codec  # how pushes travel (:mod:`.payload`; None: float32)
         self.timeout, self.dead_after, self.outer_scale = timeout, dead_after, outer_scale
         self.quorum, self.grace, self.adaptive_grace = quorum, grace, adaptive_grace
         self.max_late, self.rounds, self.examples = max_late, rounds, examples
@@ -235,11 +236,12 @@ class Syncer:
                               f"round {self.round} ({rule}); restart from its anchor")  # fmt: skip
             if learner in self.pending:
                 return late  # a retried push counts once
-            leaves = []
-            for name, a in zip(self.names, self.anchor or [], strict=True):
-                if name not in mean or mean[name].shape != a.shape:
-                    raise Refused(f"the push lacks {name} {list(a.shape)} or has another shape")
-                leaves.append(np.asarray(mean[name], np.float32))
+            described = [[n, list(a.shape), str(a.dtype)]
+                         for n, a in zip(self.names, self.anchor or [], strict=True)]  # fmt: skip
+            try:
+                leaves = payload.decode(described, mean, self.codec)
+            except wire.WireError as e:
+                raise Refused(str(e)) from None
             finite = all(bool(np.isfinite(x).all()) for x in leaves)
             if not finite:
                 self.event("not_finite", learner=learner)

@@ -292,7 +292,7 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
         call_seconds.append(time.time() - tick)
         step += cfg.train.log_every
         if r.learner is not None and step % cfg.outer.sync_every == 0:
-            state = r.learner.sync(state)  # the syncer's round: push, wait, restart
+            state = r.learner.sync(state, last=step >= total)  # push, wait, restart
         _report_chunk(s, r.runlog, bar, step, metrics_NxR, call_seconds[-1], r.learner)
         distributed.check_replicated(s, state, step)
         asked = r.live.agree(r.runlog, stop, step)  # HTTP controls, as every process agrees

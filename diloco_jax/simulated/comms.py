@@ -5,8 +5,10 @@ Bytes come from each leaf's size and wire dtype. Per replica and per reduce of `
 * ring all-reduce (reduce-scatter then all-gather, each ``R - 1`` steps of ``P / R``): every
   replica sends ``2 (R - 1) / R * P`` bytes (and receives as many); time
   ``2 (R - 1) * (latency + P / (R * bandwidth))``;
-* parameter server: every replica sends ``P`` and receives ``P`` (``2 P``); the server's link
-  carries ``R * P`` each way, so the time is ``2 * (latency + R * P / bandwidth)``;
+* parameter server: every replica sends its own ``P`` (:func:`push_payload`) and receives
+  ``P``; the server's link carries ``R * P`` each way, so the time is
+  ``2 * (latency + R * P / bandwidth)`` (independent learners' syncer,
+  :mod:`diloco_jax.learners`, is one; its answer is the float32 anchor, whatever the codec);
 * pairwise (NoLoCo's exchange with one partner): every replica sends ``P`` to its partner and
   receives as much, at once: ``latency + P / bandwidth``.
 
@@ -78,15 +80,31 @@ def sync_payload(
     return small + compress.encoded_bytes(compress.padded_size(count, replicas, codec.block), codec)
 
 
+def push_payload(tree: Any, codec: compress.Codec | None, replicas: int = 1) -> int:
+    """``P`` of one member's push to a parameter server (a learner's to its syncer,
+    :mod:`diloco_jax.learners.payload`): its own message, not cut into ring chunks. Leaves under
+    ``codec.min_size`` in float32; the others concatenated, padded to whole blocks and encoded;
+    ``topk`` sends ``k`` (value, position) pairs, ``k`` the top-k count of each of the member's
+    ``replicas`` replicas together (at most every value)."""
+    leaves = jax.tree.leaves(tree)
+    if codec is None or codec.name == "none":
+        return payload_bytes(tree)
+    small = sum(4 * leaf.size for leaf in leaves if leaf.size < codec.min_size)
+    count = sum(leaf.size for leaf in leaves if leaf.size >= codec.min_size)
+    if count == 0:
+        return small
+    if codec.name == "topk":
+        return small + 8 * min(count, replicas * compress.topk_count(count, codec.topk_fraction))
+    return small + compress.encoded_bytes(compress.padded_size(count, 1, codec.block), codec)
+
+
 def bytes_per_replica(payload: int, replicas: int, topology: str = "ring") -> float:
     """Bytes one replica sends in one reduce of ``payload`` bytes (0 for a single replica)."""
     if replicas <= 1:
         return 0.0
     if topology == "ring":
         return 2 * (replicas - 1) / replicas * payload
-    if topology == "parameter_server":
-        return 2.0 * payload
-    if topology == PAIRWISE:
+    if topology in ("parameter_server", PAIRWISE):
         return float(payload)
     raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
 
@@ -118,11 +136,15 @@ def sync_payloads(
     *,
     dct_config: DctConfig | None = None,
     num_fragments: int = 1,
+    payload=None,
 ) -> list[int]:
     """``P`` of each fragment's sync (one entry without streaming), fragments as
-    :func:`diloco_jax.algorithm.fragments.strided` assigns them."""
+    :func:`diloco_jax.algorithm.fragments.strided` assigns them; ``payload(leaves, codec,
+    replicas)`` (:func:`push_payload`), or :func:`sync_payload` by default."""
     leaves = jax.tree.leaves(tree)
     groups = fragments.groups(fragments.strided(tree, num_fragments), num_fragments)
+    if payload is not None:
+        return [payload([leaves[i] for i in idx], codec, replicas) for idx in groups]
     return [sync_payload([leaves[i] for i in idx], codec, replicas, dct_config) for idx in groups]
 
 
