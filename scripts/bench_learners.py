@@ -1,7 +1,8 @@
 """Benchmark: goodput of L learners and a syncer against one SPMD job, under the same failures.
 
     uv run python scripts/bench_learners.py [--learners 4] [--rounds 16] [--sync_every 40]
-        [--kill_every 4] [--slow 0.5] [--quorum 2] [--out DIR]
+        [--kill_every 4] [--slow 0.5] [--quorum 2] [--weigh_rounds] [--layouts learners,SPMD]
+        [--out DIR]
 
 Four runs on this machine, each a fresh process tree, of the same DiLoCo job (the tiny preset
 at d_model 64, one replica per learner, ``--learners`` replicas in all):
@@ -154,6 +155,8 @@ def run_learners(args, workdir: pathlib.Path, failures: bool) -> dict:
     if failures:
         flags += [f"--config.syncer.quorum={args.quorum}", "--config.syncer.grace=2",
                   "--config.syncer.max_late=8"]  # fmt: skip
+    if args.weigh_rounds:
+        flags.append("--config.syncer.weigh_rounds=true")
     command = [sys.executable, "-m", "diloco_jax.launch", "--learners", str(args.learners),
                "--max_restarts", "1000", "--", *flags, "--workdir", str(workdir)]  # fmt: skip
     last = args.learners - 1
@@ -233,19 +236,28 @@ def main() -> None:
     parser.add_argument("--kill_every", type=int, default=4, help="rounds between kills")
     parser.add_argument("--slow", type=float, default=0.5, help="the slow learner's speed")
     parser.add_argument("--quorum", type=int, default=2)
+    parser.add_argument(
+        "--weigh_rounds",
+        action="store_true",
+        help="syncer.weigh_rounds: the outer step in proportion to the examples",
+    )
+    parser.add_argument("--layouts", default="learners,SPMD", help="which runs (comma list)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="bench_learners_"))
+    layouts = args.layouts.split(",")
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name, fn, failures in [("learners, no failures", run_learners, False),
                                ("learners, failures", run_learners, True),
                                ("SPMD, no failures", run_spmd, False),
                                ("SPMD, failures", run_spmd, True)]:  # fmt: skip
+        if name.split(",")[0] not in layouts:
+            continue
         workdir = out / name.replace(", ", "_").replace(" ", "_")
         results[name] = fn(args, workdir, failures)
         print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
-    for layout in ("learners", "SPMD"):
+    for layout in layouts:
         clean, chaos = results[f"{layout}, no failures"], results[f"{layout}, failures"]
         pace = clean["useful_steps"] / args.learners / clean["wall_s"]  # replica-steps/s each
         for r, hosts in ((clean, args.learners), (chaos, args.learners - 1 + args.slow)):

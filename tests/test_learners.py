@@ -172,6 +172,28 @@ def test_four_learners_through_a_syncer_equal_four_replicas_of_the_core(tmp_path
         again.close()
 
 
+def test_weighed_rounds_move_the_anchor_by_the_examples_merged(tmp_path):
+    """``syncer.weigh_rounds``: a round where one learner of two pushed (half a full round's
+    examples) takes the outer step on half its mean, as a syncer that does not weigh rounds
+    fed that half; a full round is unchanged, bit for bit."""
+    x = {"w": np.zeros(3, np.float32)}
+    mean = np.array([0.5, -1.25, 3.0], np.float32)
+    anchors = []
+    for name, full, pushed in [("weighed", 8.0, mean), ("halved", 0.0, mean * np.float32(0.5)),
+                               ("full", 4.0, mean), ("plain", 0.0, mean)]:  # fmt: skip
+        syncer = _syncer(tmp_path / name, _algorithm(), learners=1, full_round=full)
+        try:
+            syncer.join(0, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+            syncer.push(0, 1, 0, 4.0, {"['w']": pushed})
+            anchors.append(syncer.anchor[0])
+        finally:
+            syncer.close()
+    weighed, halved, full, plain = anchors
+    np.testing.assert_array_equal(weighed, halved)
+    np.testing.assert_array_equal(full, plain)
+    assert not np.array_equal(weighed, plain)
+
+
 def test_the_syncer_refuses_what_does_not_fit_and_leaves_a_bad_push_out(tmp_path):
     algorithm = _algorithm()
     x = {"w": np.zeros(3, np.float32)}
@@ -509,9 +531,11 @@ def test_a_learners_data_is_its_part_of_every_learners():
 
 INT8 = {"compress.codec": "int8", "compress.min_size": 64, "compress.error_feedback": True}
 DELAYED = {"outer.mode": "delayed", "train.total_steps": 15}  # three syncs
+MESH = {"parallel.replicas": 2, "parallel.runtime": "mesh"}  # two devices, a replica each
 
 
-@pytest.mark.parametrize("variant", [{}, INT8, DELAYED], ids=["float32", "int8", "overlapped"])
+@pytest.mark.parametrize("variant", [{}, INT8, DELAYED, MESH],
+                         ids=["float32", "int8", "overlapped", "mesh of 2"])  # fmt: skip
 def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monkeypatch,
                                                                   variant):  # fmt: skip
     """``train()`` as the only learner of a syncer (served from this process) equals DiLoCo
@@ -522,7 +546,8 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     does, and its push carries that code again (one replica: the same values); the push's
     bytes are the simulator's parameter-server payload. Overlapped (``outer.mode=delayed``):
     the push goes on in the background and the learner restarts from the anchor of the push
-    before, which is the simulator's delayed outer step, bit for bit."""
+    before, which is the simulator's delayed outer step, bit for bit. On a mesh of two devices
+    (two replicas under ``shard_map``): the mesh runtime's two replicas, bit for bit."""
     from diloco_jax.config import recipe
     from diloco_jax.learners.command import make_syncer
     from diloco_jax.simulated import comms
@@ -566,6 +591,60 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     framing = [(e["bytes_sent"] - up, e["bytes_received"] - down) for e in rounds]
     assert all(0 < f < 2048 for pair in framing for f in pair), framing  # 0.7-1 KB, 12 leaves
     assert not helpers.events(tmp_path / "learner", "sync")
+
+
+@pytest.mark.slow  # ~40 s, two processes; the default suite's stand-in: "mesh of 2" above
+def test_a_learner_of_two_processes_trains_what_two_replicas_train(tmp_path):
+    """One learner of two processes (``diloco-launch -n 2``, a replica on each process's
+    device, the mesh runtime): process 0 pushes, both restart from the answer it broadcasts.
+    The syncer's last anchor and the learner's final evaluation equal the mesh runtime's two
+    replicas in one process (two devices) to float32 rounding: each process compiles the step
+    for its one device, which rounds the model's gradients otherwise (6e-8 at most here)."""
+    from diloco_jax.learners.command import make_syncer
+    from diloco_jax.train import train
+
+    two = {"parallel.replicas": 2}
+    want = train(_tiny(**two, **{"parallel.runtime": "mesh"}), tmp_path / "mesh",
+                 show_progress=False)  # fmt: skip
+    syncer = make_syncer(_tiny(**two), tmp_path / "syncer")
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    command = [
+        sys.executable,
+        "-m",
+        "diloco_jax.launch",
+        "-n",
+        "2",
+        "--devices_per_process",
+        "1",
+        "--",
+        "--config",
+        "tiny",
+        "--workdir",
+        str(tmp_path / "learner"),
+        "--config.parallel.replicas=2",
+        "--config.parallel.runtime=mesh",
+        "--config.train.total_steps=10",
+        "--config.train.sample_chars=0",
+        "--config.log.figures=false",
+        f"--config.syncer.address=127.0.0.1:{server.port}",
+    ]
+    env = helpers.child_env(DILOCO_SERVE_TOKEN=TOKEN, TQDM_DISABLE="1")
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+    finally:
+        server.stop()
+        syncer.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert syncer.round == 2
+    mine = dict(zip(syncer.names, syncer.anchor, strict=True))
+    for name, value in wire.named(want["state"].anchor).items():
+        np.testing.assert_allclose(mine[name], value, rtol=0, atol=1e-6, err_msg=name)
+    final = helpers.events(tmp_path / "learner", "done")[-1]["final_eval_loss"]
+    assert final == pytest.approx(want["final_eval_loss"], abs=1e-5)
+    tape = (tmp_path / "syncer" / "syncer.jsonl").read_text().splitlines()
+    joined = [e for e in map(json.loads, tape) if e["event"] == "joined"]
+    assert [e["learner"] for e in joined] == [0]  # one learner: process 0 joined, alone
 
 
 def test_a_learner_ends_when_the_syncer_closes_the_runs_last_round(tmp_path, monkeypatch):

@@ -141,7 +141,7 @@ def _validate_syncer(cfg: Config) -> None:
                  "desloc.first_moment_every": not (cfg.desloc.first_moment_every
                                                    or cfg.desloc.second_moment_every),
                  "sim.quorum": not cfg.sim.quorum, "sim.chunk": not cfg.sim.chunk,
-                 "parallel.runtime": cfg.parallel.runtime in ("auto", "sim")}  # fmt: skip
+                 "parallel.fsdp": not cfg.parallel.fsdp}  # fmt: skip
         rules += [(key, ok, "is not supported by a learner yet (syncer.address): it runs plain "
                    "DiLoCo on the simulator's layout") for key, ok in plain.items()]  # fmt: skip
         rules.append(("compress.codec", cfg.compress.codec not in ("dct", "sparseloco"),

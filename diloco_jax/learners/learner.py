@@ -37,13 +37,15 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.base.access import TOKEN_ENV
-from diloco_jax.base.axes import REPLICA
+from diloco_jax.base.axes import LOCAL_REPLICA, REPLICA
 from diloco_jax.base.errors import ConfigError
 from diloco_jax.config import recipe
 from diloco_jax.learners import payload, service, wire
+from diloco_jax.runtime import parallel
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
 SHARED_KEYS = ("algorithm", "outer.optimizer", "outer.learning_rate", "outer.momentum",
@@ -83,6 +85,8 @@ class Exchanged(NamedTuple):
     arrays: dict  # the answer's anchor, by name
     counts: list  # (bytes sent, bytes received) of each call it took
     seconds: float  # from sending to the answer
+    anchor: dict  # the anchor it was computed from, by name (what the answer's looks like)
+    error: Exception | None = None  # what went wrong on process 0 (raised on every process)
 
 
 class Learner:
@@ -90,7 +94,7 @@ class Learner:
 
     def __init__(self, client: service.Client, algorithm, *, learner: int, keys: dict,
                  rows_per_round: int, heartbeat: float, log, codec=None,
-                 overlap: bool = False):  # fmt: skip
+                 overlap: bool = False, mesh=None, replicas: int = 1):  # fmt: skip
         self.client, self.algorithm, self.learner, self.keys = client, algorithm, learner, keys
         self.codec = codec  # how the push travels (:mod:`.payload`); None: float32
         self.overlap = overlap  # outer.mode = delayed: train on while the push is on its way
@@ -101,11 +105,10 @@ class Learner:
         self.finished = False  # the syncer has closed the run's last round (syncer.rounds)
         self.lost_rounds = 0
         self.last: dict = {}  # the last round, as the run's ``round`` event reports it
-        axes = state_lib.vmap_axes(algorithm.kinds)
-        contribute = jax.vmap(algorithm.contribution, in_axes=(axes,), out_axes=(axes, 0, 0),
-                              axis_name=REPLICA)  # fmt: skip
-        self._contribute = jax.jit(contribute)
-        self._restart = jax.jit(jax.vmap(algorithm.restart, in_axes=(axes, None), out_axes=axes))
+        self.mesh = mesh  # the learner's own mesh (None: the simulator's layout)
+        self.replicas = replicas  # the learner's replicas, on every process together
+        self.lead = jax.process_index() == 0  # the one process of the learner that calls
+        self._contribute, self._restart_placed = _sync_parts(algorithm, mesh)
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeats, args=(heartbeat,), daemon=True,
                                        name="learner-heartbeat")  # fmt: skip
@@ -115,9 +118,46 @@ class Learner:
 
     def join(self, state):
         """Joins the syncer with this run's anchor; returns ``state`` restarted from the
-        syncer's anchor (its own where it is the first learner)."""
-        arrays = self._join(wire.named(state.anchor))
+        syncer's anchor (its own where it is the first learner). Process 0 joins; the others
+        of a learner of several processes receive what it got."""
+        anchor = wire.named(parallel.host_copy(state.anchor))
+        reply, arrays, error = {}, {}, None
+        if self.lead:
+            try:
+                arrays = self._join(anchor)
+                reply = {"round": self.round, "finished": self.finished}
+            except Exception as e:  # noqa: BLE001 - said to the other processes, then raised
+                error = e
+        reply, arrays = self._from_lead(reply, arrays, anchor, error)
         return self._restart(state, wire.unnamed(state.anchor, arrays))
+
+    def _restart(self, state, anchor):
+        """``state`` restarted from ``anchor`` (host arrays, the same on every process)."""
+        return self._restart_placed(state, parallel.replicated(anchor, self.mesh))
+
+    def _from_lead(self, reply: dict, arrays: dict, like: dict, error: Exception | None = None):
+        """Process 0's ``(reply, arrays)`` on every process of the learner (``like``: arrays of
+        the same names and shapes); process 0's ``error``, if any, raised on every process."""
+        if jax.process_count() == 1:
+            if error is not None:
+                raise error
+            return reply, arrays
+        from jax.experimental import multihost_utils
+
+        keys = ("round", "late", "finished", "restarted")
+        sent = np.asarray([error is not None, *(int(reply.get(k, 0)) for k in keys),
+                           self.generation], np.int32)  # fmt: skip
+        got, arrays = multihost_utils.broadcast_one_to_all(
+            (sent, arrays if self.lead and error is None else like))  # fmt: skip
+        ints = [int(v) for v in np.asarray(got)]
+        if ints[0]:
+            if error is not None:
+                raise error
+            raise service.SyncerUnreachable("process 0 of this learner failed to reach the "
+                                            "syncer (its log says why)")  # fmt: skip
+        reply = {**reply, **dict(zip(keys, ints[1:5], strict=True))}
+        self.generation, self.finished = ints[5], bool(reply["finished"])
+        return reply, {n: np.asarray(a) for n, a in arrays.items()}
 
     def _join(self, anchor: dict[str, np.ndarray], counts: list | None = None) -> dict:
         described = [[n, list(a.shape), str(a.dtype)] for n, a in anchor.items()]
@@ -127,7 +167,7 @@ class Learner:
         self.finished = bool(f.get("finished"))
         self.log.info("joined the syncer at %s as learner %d (generation %d) at round %d",
                       self.client.address, self.learner, self.generation, self.round)  # fmt: skip
-        if not self._beats.is_alive():
+        if not self._beats.is_alive():  # process 0 alone calls (and heartbeats)
             self._beats.start()
         return arrays
 
@@ -148,14 +188,13 @@ class Learner:
         push before. The ``last`` sync of a run waits for its push's answer (not restarting from
         it, as the simulator's delayed step does not), so the syncer has it before the run's
         final checkpoint."""
-        state, mean_R, total_w_R = self._contribute(state)
-        mean = jax.tree.map(lambda x: np.asarray(x[0]), mean_R)
-        total_w = float(np.asarray(total_w_R[0]))
-        replicas = int(np.asarray(total_w_R).shape[0])
+        state, mean, total_w = self._contribute(state)
+        mean, total_w = parallel.host_copy(mean), float(parallel.host_copy(total_w))
+        replicas = self.replicas
         fields = {"learner": self.learner, "generation": self.generation, "round": self.round,
                   "weight": total_w * replicas * self.rows_per_round}  # fmt: skip
         pushed = payload.encode(wire.leaf_names(state.anchor), mean, self.codec, replicas)
-        anchor = wire.named(state.anchor)  # the join's, should the syncer have none
+        anchor = wire.named(parallel.host_copy(state.anchor))  # the join's, should it be needed
         start = time.monotonic()
         if not self.overlap:
             return self._land(state, self._exchange(fields, pushed, anchor), start)
@@ -185,9 +224,21 @@ class Learner:
 
     def _exchange(self, fields: dict, pushed: dict, anchor: dict) -> Exchanged:
         """The push and the syncer's answer (a refused push: joined again; the same round is
-        pushed again, a later one's anchor taken as it is). Safe in the sending thread."""
+        pushed again, a later one's anchor taken as it is). Safe in the sending thread. On the
+        processes but the first, nothing: they receive process 0's answer (:meth:`_land`)."""
         counts: list = []
         sent = time.monotonic()
+        if not self.lead:
+            return Exchanged(fields, {}, {}, counts, 0.0, anchor)
+        try:
+            f, arrays, fields = self._push(fields, pushed, anchor, counts)
+        except Exception as e:  # noqa: BLE001 - raised where the answer lands, on every process
+            return Exchanged(fields, {}, {}, counts, time.monotonic() - sent, anchor, e)
+        return Exchanged(fields, f, arrays, counts, time.monotonic() - sent, anchor)
+
+    def _push(self, fields: dict, pushed: dict, anchor: dict, counts: list):
+        """``(reply fields, anchor by name, fields as last sent)`` of a push (see
+        :meth:`_exchange`)."""
         try:
             f, arrays = self.client.call("Push", fields, pushed, counts=counts)
         except service.RefusedBySyncer as e:
@@ -199,16 +250,16 @@ class Learner:
                 self.log.warning("the syncer is at round %d: restarting from its anchor (the "
                                  "steps since round %d are in it only if that round closed with "
                                  "them)", self.round, base)  # fmt: skip
-                f = {"round": self.round, "restarted": True}
-                return Exchanged(fields, f, arrays, counts, time.monotonic() - sent)
+                return {"round": self.round, "restarted": True}, arrays, fields
             # the same round (a restarted syncer that does not know this learner): push again
             fields = {**fields, "generation": self.generation}
             f, arrays = self.client.call("Push", fields, pushed, counts=counts)
-        return Exchanged(fields, f, arrays, counts, time.monotonic() - sent)
+        return f, arrays, fields
 
     def _land(self, state, got: Exchanged, start: float):
-        """``state`` restarted from the answer's anchor; the round's report in ``last``."""
-        f = got.reply
+        """``state`` restarted from the answer's anchor (process 0's, on every process); the
+        round's report in ``last``."""
+        f, arrays = self._from_lead(got.reply, got.arrays, got.anchor, got.error)
         if f.get("late"):
             self.log.info("this learner's push was %d round(s) late: merged into round %d",
                           f["late"], f["round"] - 1)  # fmt: skip
@@ -224,12 +275,15 @@ class Learner:
                      "bytes_sent": sum(c[0] for c in got.counts),
                      "bytes_received": sum(c[1] for c in got.counts),
                      "restarted": bool(f.get("restarted"))}  # fmt: skip
-        return self._restart(state, wire.unnamed(state.anchor, got.arrays))
+        return self._restart(state, wire.unnamed(state.anchor, arrays))
 
     def close(self) -> None:
         self.drain()
         self._sender.shutdown(wait=False)
         self._stop.set()
+        if not self.lead:
+            self.client.close()
+            return
         try:
             self.client.call("Leave", {"learner": self.learner, "generation": self.generation},
                              timeout=5.0)  # fmt: skip
@@ -238,11 +292,36 @@ class Learner:
         self.client.close()
 
 
-def connect(cfg, algorithm, flat_config: dict, log) -> Learner:
-    """The learner of a run with ``syncer.address``, not yet joined."""
+def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int = 1) -> Learner:
+    """The learner of a run with ``syncer.address``, not yet joined: its ``replicas`` on
+    ``mesh`` (None: the simulator's layout)."""
     sy = cfg.syncer
     client = service.Client(sy.address, token(sy.token_file), timeout=sy.timeout * 4 + 60)
     rows = cfg.data.batch_size * cfg.outer.sync_every
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),
                    rows_per_round=rows, heartbeat=sy.heartbeat, log=log,
-                   codec=recipe.codec_of(cfg), overlap=cfg.outer.mode == "delayed")  # fmt: skip
+                   codec=recipe.codec_of(cfg), overlap=cfg.outer.mode == "delayed", mesh=mesh,
+                   replicas=replicas)  # fmt: skip
+
+
+def _sync_parts(algorithm, mesh):
+    """``(contribute, restart)``: the core's parts of a sync taken between calls, for the
+    replicas of a run's layout. ``contribute(state) -> (state, mean, total_w)``, the mean and
+    the weight once (every replica has them); ``restart(state, anchor) -> state``, the anchor
+    placed on every device. ``vmap`` over the replicas (the simulator) or, on ``mesh``, over
+    each device's virtual replicas under ``shard_map`` over the devices, as the run's step."""
+    axes = state_lib.vmap_axes(algorithm.kinds)
+    inner = REPLICA if mesh is None else LOCAL_REPLICA
+    contribute_R = jax.vmap(algorithm.contribution, in_axes=(axes,), out_axes=(axes, 0, 0),
+                            axis_name=inner)  # fmt: skip
+    restart_R = jax.vmap(algorithm.restart, in_axes=(axes, None), out_axes=axes)
+
+    def contribute(state):
+        state, mean_R, total_w_R = contribute_R(state)
+        return state, jax.tree.map(lambda x: x[0], mean_R), total_w_R[0]
+
+    if mesh is None:
+        return jax.jit(contribute), jax.jit(restart_R)
+    specs = state_lib.specs(algorithm.kinds)
+    return (parallel.mesh_map(contribute, mesh, (specs,), (specs, P(), P())),
+            parallel.mesh_map(restart_R, mesh, (specs, P()), specs))  # fmt: skip

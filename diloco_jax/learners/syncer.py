@@ -39,6 +39,10 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
 - a learner silent for ``syncer.dead_after`` seconds (no push, no heartbeat) is dropped at the
   next check; a dropped learner's push is refused until it joins again.
 - a push whose values are not all finite is left out of the round (the core's NaN guard).
+- with ``syncer.weigh_rounds``, the merged mean is multiplied by the round's examples over a
+  full round's (every declared learner's replicas x batch rows x ``outer.sync_every``) before
+  the outer step: the absent learners count as pseudo-gradients of zero, so the anchor moves
+  in proportion to the examples merged, however thin or many the rounds.
 - a retried push counts once.
 """
 
@@ -82,9 +86,10 @@ class Syncer:
                  timeout: float, dead_after: float, quorum: int = 0, grace: float = 10.0,
                  adaptive_grace: bool = True, max_late: int = 4, rounds: int = 0,
                  examples: float = 0.0, outer_scale: float = 1.0, codec=None,
-                 clock=time.monotonic):  # fmt: skip
+                 full_round: float = 0.0, clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
         self.codec = codec  # how pushes travel (:mod:`.payload`; None: float32)
+        self.full_round = full_round  # examples of a round of every learner (0: rounds not weighed)
         self.timeout, self.dead_after, self.outer_scale = timeout, dead_after, outer_scale
         self.quorum, self.grace, self.adaptive_grace = quorum, grace, adaptive_grace
         self.max_late, self.rounds, self.examples = max_late, rounds, examples
@@ -329,6 +334,9 @@ class Syncer:
         order = sorted(self.pending)
         pushes = [self.pending[i] for i in order]
         mean, total_w = merge(pushes)
+        if self.full_round:  # a thin round moves the anchor less, a round with late work more
+            share = np.float32(total_w / self.full_round)
+            mean = [share * m for m in mean]
         anchor, outer = self._step(mean, self.anchor, self.outer_state, total_w > 0)
         self.anchor = [np.asarray(x) for x in jax.device_get(anchor)]
         self.outer_state = jax.device_get(outer)

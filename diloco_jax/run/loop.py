@@ -172,7 +172,8 @@ def open_run(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, serv
     learner = None
     if cfg.syncer.address:  # a learner: it starts from the syncer's anchor (refused before
         # the compile if it would be; a synchronous round waits for it while it compiles)
-        learner = learners.connect(cfg, s.algorithm, config_lib.keys(cfg), log)
+        learner = learners.connect(cfg, s.algorithm, config_lib.keys(cfg), log, mesh=s.mesh,
+                                   replicas=s.layout.replicas)  # fmt: skip
         start = start._replace(state=learner.join(start.state))
     return Run(lead, mngr, runlog, live, learner), start
 

@@ -119,7 +119,8 @@ def steps(cfg: config_lib.Config, layout, algorithm, problem, mesh, state):
         run = parallel.simulator_steps(make_step(local), kinds, steps, per_step_data=streamed)
         return run, algorithm.outer_params, None
     specs = parallel.state_specs(state, kinds, layout)
-    run = parallel.mesh_steps(make_step(algorithm), kinds, mesh, steps, per_step_data=streamed,
+    local = chunked.LocalOnly(algorithm) if cfg.syncer.address else algorithm  # a learner
+    run = parallel.mesh_steps(make_step(local), kinds, mesh, steps, per_step_data=streamed,
                               fsdp_specs=specs)  # fmt: skip
     outer_fn = jax.jit(algorithm.outer_params, out_shardings=parallel.replicated_sharding(mesh))
     return run, outer_fn, distributed.make_device_fingerprints(mesh, split=layout.fsdp)

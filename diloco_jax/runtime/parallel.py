@@ -246,6 +246,17 @@ def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int, *, per_step_data
     return jax.jit(run, donate_argnums=0, out_shardings=out_shardings)
 
 
+def mesh_map(fn, mesh: Mesh, in_specs, out_specs):
+    """``fn``, written for one replica-device's part (a ``vmap`` over its virtual replicas on
+    ``LOCAL_REPLICA``), under ``shard_map`` on ``mesh`` and jitted, its outputs placed as
+    ``out_specs`` say; manual axes and ``check_vma`` as in :func:`mesh_steps`. For the parts of
+    a sync taken between calls (a learner's, :mod:`diloco_jax.learners.learner`)."""
+    manual = {REPLICA} if mesh.shape[DATA] > 1 else {REPLICA, DATA}
+    run = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                        axis_names=manual, check_vma=False)  # fmt: skip
+    return jax.jit(run, out_shardings=_shardings(mesh, out_specs))
+
+
 def state_specs(state, kinds, layout: Layout):
     """The per-leaf ``PartitionSpec`` of a replica-stacked state under ``layout`` with FSDP
     (:func:`diloco_jax.runtime.fsdp.state_specs`); None without (the kinds' specs apply)."""
@@ -336,7 +347,8 @@ def host_copy(tree):
 
 
 __all__ = [
-    "Layout", "cpu_devices_for", "deterministic_gpu", "host_copy", "make_mesh", "mesh_steps",
+    "Layout", "cpu_devices_for", "deterministic_gpu", "host_copy", "make_mesh", "mesh_map",
+    "mesh_steps",
     "on_devices", "place", "put", "replicated", "resolve_layout", "simulator_steps", "shapes",
     "split_cpu", "split_over_replicas", "state_specs",
 ]  # fmt: skip
