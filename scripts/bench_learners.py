@@ -155,8 +155,8 @@ def run_learners(args, workdir: pathlib.Path, failures: bool) -> dict:
     if failures:
         flags += [f"--config.syncer.quorum={args.quorum}", "--config.syncer.grace=2",
                   "--config.syncer.max_late=8"]  # fmt: skip
-    if args.weigh_rounds:
-        flags.append("--config.syncer.weigh_rounds=true")
+    if args.unweighed:
+        flags.append("--config.syncer.weigh_rounds=false")
     command = [sys.executable, "-m", "diloco_jax.launch", "--learners", str(args.learners),
                "--max_restarts", "1000", "--", *flags, "--workdir", str(workdir)]  # fmt: skip
     last = args.learners - 1

@@ -173,25 +173,30 @@ def test_four_learners_through_a_syncer_equal_four_replicas_of_the_core(tmp_path
 
 
 def test_weighed_rounds_move_the_anchor_by_the_examples_merged(tmp_path):
-    """``syncer.weigh_rounds``: a round where one learner of two pushed (half a full round's
-    examples) takes the outer step on half its mean, as a syncer that does not weigh rounds
-    fed that half; a full round is unchanged, bit for bit."""
+    """``syncer.weigh_rounds``: after a round of both learners (whole weights 4 and 4), a round
+    where only learner 0 pushed (half a full round's examples) takes the outer step on half its
+    mean, as a syncer that does not weigh rounds fed that half; the round of both is unchanged,
+    bit for bit."""
     x = {"w": np.zeros(3, np.float32)}
-    mean = np.array([0.5, -1.25, 3.0], np.float32)
+    first = [np.array([0.5, -1.25, 3.0], np.float32), np.array([1.0, 0.25, -2.0], np.float32)]
+    second = np.array([-0.75, 2.0, 0.125], np.float32)
     anchors = []
-    for name, full, pushed in [("weighed", 8.0, mean), ("halved", 0.0, mean * np.float32(0.5)),
-                               ("full", 4.0, mean), ("plain", 0.0, mean)]:  # fmt: skip
-        syncer = _syncer(tmp_path / name, _algorithm(), learners=1, full_round=full)
+    for weighed, pushed in [(True, second), (False, second * np.float32(0.5))]:
+        syncer = _syncer(tmp_path / str(weighed), _algorithm(), learners=2, weigh_rounds=weighed)
         try:
-            syncer.join(0, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
-            syncer.push(0, 1, 0, 4.0, {"['w']": pushed})
+            for i in range(2):
+                syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+            for i in range(2):
+                syncer.push(i, 1, 0, 4.0, {"['w']": first[i]})
+            anchors.append(syncer.anchor[0])
+            syncer.leave(1, 1)
+            syncer.push(0, 1, 1, 4.0, {"['w']": pushed})
+            assert syncer.round == 2 and syncer.full_round() == 8.0
             anchors.append(syncer.anchor[0])
         finally:
             syncer.close()
-    weighed, halved, full, plain = anchors
-    np.testing.assert_array_equal(weighed, halved)
-    np.testing.assert_array_equal(full, plain)
-    assert not np.array_equal(weighed, plain)
+    np.testing.assert_array_equal(anchors[0], anchors[2])  # a full round: unchanged
+    np.testing.assert_array_equal(anchors[1], anchors[3])  # half a round: half the mean
 
 
 def test_the_syncer_refuses_what_does_not_fit_and_leaves_a_bad_push_out(tmp_path):

@@ -237,7 +237,7 @@ class SyncerConfig:
                        "next sync; 0: off")  # fmt: skip
     examples: int = _key(0, "the run's budget: once this many examples have been merged each "
                          "learner ends; 0: off")  # fmt: skip
-    weigh_rounds: bool = _key(False, "the outer step takes the mean x the round's examples / a "
+    weigh_rounds: bool = _key(True, "the outer step takes the mean x the round's examples / a "
                               "full round's: thin rounds move less")  # fmt: skip
     status_port: int = _key(0, "the syncer's status page, /status and /metrics on this port; "
                             "0: off")  # fmt: skip

@@ -107,7 +107,8 @@ def validate(cfg: Config) -> None:
 
 def _validate_syncer(cfg: Config) -> None:
     """The syncer's keys; a learner (``syncer.address`` set) runs plain DiLoCo on the
-    simulator's layout for now, its push through a codec (not an accumulator's exchange)."""
+    simulator's layout or a mesh without FSDP for now, its push through a codec (not an
+    accumulator's exchange)."""
     sy, t, o = cfg.syncer, cfg.train, cfg.outer
     host, _, port = sy.address.rpartition(":")
     rules = [
@@ -143,7 +144,7 @@ def _validate_syncer(cfg: Config) -> None:
                  "sim.quorum": not cfg.sim.quorum, "sim.chunk": not cfg.sim.chunk,
                  "parallel.fsdp": not cfg.parallel.fsdp}  # fmt: skip
         rules += [(key, ok, "is not supported by a learner yet (syncer.address): it runs plain "
-                   "DiLoCo on the simulator's layout") for key, ok in plain.items()]  # fmt: skip
+                   "DiLoCo, its replicas whole") for key, ok in plain.items()]  # fmt: skip
         rules.append(("compress.codec", cfg.compress.codec not in ("dct", "sparseloco"),
                       "dct and sparseloco are exchanges, not codecs: a learner's push goes "
                       "through none, bf16, int8, fp8, int4 or topk"))  # fmt: skip

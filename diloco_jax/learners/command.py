@@ -57,14 +57,7 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path) -> Syncer:
                   quorum=sy.quorum, grace=sy.grace, adaptive_grace=sy.adaptive_grace,
                   max_late=sy.max_late, rounds=sy.rounds, examples=sy.examples,
                   outer_scale=recipe.outer_lr_input(cfg), codec=recipe.codec_of(cfg),
-                  full_round=full_round(cfg) if sy.weigh_rounds else 0.0)  # fmt: skip
-
-
-def full_round(cfg: config_lib.Config) -> float:
-    """The examples of a round where every declared learner pushes, its replicas whole: each
-    learner with the syncer's ``parallel.replicas``."""
-    rows = cfg.data.batch_size * cfg.outer.sync_every
-    return float(cfg.syncer.learners * cfg.parallel.replicas * rows)
+                  weigh_rounds=sy.weigh_rounds)  # fmt: skip
 
 
 def serve(cfg: config_lib.Config, workdir: pathlib.Path):

@@ -39,10 +39,11 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
 - a learner silent for ``syncer.dead_after`` seconds (no push, no heartbeat) is dropped at the
   next check; a dropped learner's push is refused until it joins again.
 - a push whose values are not all finite is left out of the round (the core's NaN guard).
-- with ``syncer.weigh_rounds``, the merged mean is multiplied by the round's examples over a
-  full round's (every declared learner's replicas x batch rows x ``outer.sync_every``) before
-  the outer step: the absent learners count as pseudo-gradients of zero, so the anchor moves
-  in proportion to the examples merged, however thin or many the rounds.
+- with ``syncer.weigh_rounds`` (the default), the merged mean is multiplied by the round's
+  examples over a full round's (:meth:`Syncer.full_round`: every declared learner's largest
+  push) before the outer step: the absent learners count as pseudo-gradients of zero, so the
+  anchor moves in proportion to the examples merged, however thin or many the rounds (a round
+  of every learner, whole, is unchanged).
 - a retried push counts once.
 """
 
@@ -86,10 +87,11 @@ class Syncer:
                  timeout: float, dead_after: float, quorum: int = 0, grace: float = 10.0,
                  adaptive_grace: bool = True, max_late: int = 4, rounds: int = 0,
                  examples: float = 0.0, outer_scale: float = 1.0, codec=None,
-                 full_round: float = 0.0, clock=time.monotonic):  # fmt: skip
+                 weigh_rounds: bool = False, clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
         self.codec = codec  # how pushes travel (:mod:`.payload`; None: float32)
-        self.full_round = full_round  # examples of a round of every learner (0: rounds not weighed)
+        self.weigh_rounds = weigh_rounds
+        self.full_push: dict[int, float] = {}  # each learner's largest push: its whole weight
         self.timeout, self.dead_after, self.outer_scale = timeout, dead_after, outer_scale
         self.quorum, self.grace, self.adaptive_grace = quorum, grace, adaptive_grace
         self.max_late, self.rounds, self.examples = max_late, rounds, examples
@@ -256,6 +258,8 @@ class Syncer:
                 if not self.quorum and self.round == 0:  # a synchronous run starts together:
                     self.expected |= set(range(self.learners))  # every declared learner
             self.pending[learner] = Push(generation, float(weight), leaves, finite, late)
+            if finite:
+                self.full_push[learner] = max(self.full_push.get(learner, 0.0), float(weight))
             member.pushes += 1
             member.late += late > 0
             if self._quorum_at is not None:
@@ -326,6 +330,13 @@ class Syncer:
                     self.event("dropped", learner=i, reason="no push by the round's deadline")
             self._close("deadline")
 
+    def full_round(self) -> float:
+        """The examples of a round where every declared learner pushes its whole weight: each
+        learner's largest push so far; one not seen yet counts as the mean of those seen."""
+        seen = list(self.full_push.values())
+        typical = sum(seen) / len(seen) if seen else 1.0
+        return sum(self.full_push.get(i, typical) for i in range(self.learners))
+
     def _outer_step(self, mean, anchor, outer_state, anyone):
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
         return self.algorithm.outer_step(mean, anchor, outer_state, self.outer_scale, anyone)
@@ -334,8 +345,8 @@ class Syncer:
         order = sorted(self.pending)
         pushes = [self.pending[i] for i in order]
         mean, total_w = merge(pushes)
-        if self.full_round:  # a thin round moves the anchor less, a round with late work more
-            share = np.float32(total_w / self.full_round)
+        if self.weigh_rounds:  # a thin round moves the anchor less, a round with late work more
+            share = np.float32(total_w / self.full_round())
             mean = [share * m for m in mean]
         anchor, outer = self._step(mean, self.anchor, self.outer_state, total_w > 0)
         self.anchor = [np.asarray(x) for x in jax.device_get(anchor)]

@@ -30,7 +30,8 @@ def _noloco(cfg: config_lib.Config) -> bool:
 def runtime(cfg: config_lib.Config) -> str:
     """``parallel.runtime``, where ``auto`` means the simulator for a chunked one (sim.chunk),
     for NoLoCo (a mesh gives it one device per replica only when asked) and for a learner
-    (``syncer.address``: its replicas on one device, for now)."""
+    (``syncer.address``: its replicas on one device; a learner of several processes, or on a
+    mesh of its own, sets ``parallel.runtime=mesh``)."""
     sim = cfg.sim.chunk or _noloco(cfg) or cfg.syncer.address
     return "sim" if cfg.parallel.runtime == "auto" and sim else cfg.parallel.runtime
 

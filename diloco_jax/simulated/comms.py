@@ -66,18 +66,22 @@ def sync_payload(
     (:func:`diloco_jax.algorithm.dct.message_bytes`)."""
     leaves = jax.tree.leaves(tree)
     if dct_config is not None:
-        small = sum(4 * leaf.size for leaf in leaves if leaf.size < dct_config.min_size)
-        count = sum(leaf.size for leaf in leaves if leaf.size >= dct_config.min_size)
+        small, count = _split(leaves, dct_config.min_size)
         return small + (replicas * dct.message_bytes(count, dct_config) // 2 if count else 0)
     if codec is None or codec.name == "none":
         return payload_bytes(tree)
-    small = sum(4 * leaf.size for leaf in leaves if leaf.size < codec.min_size)
-    count = sum(leaf.size for leaf in leaves if leaf.size >= codec.min_size)
+    small, count = _split(leaves, codec.min_size)
     if count == 0:
         return small
     if codec.name == "topk":
         return small + replicas * compress.encoded_bytes(count, codec) // 2
     return small + compress.encoded_bytes(compress.padded_size(count, replicas, codec.block), codec)
+
+
+def _split(leaves: list, min_size: int) -> tuple[int, int]:
+    """``(float32 bytes of the leaves under min_size, values of the others)``."""
+    small = sum(4 * leaf.size for leaf in leaves if leaf.size < min_size)
+    return small, sum(leaf.size for leaf in leaves if leaf.size >= min_size)
 
 
 def push_payload(tree: Any, codec: compress.Codec | None, replicas: int = 1) -> int:
@@ -86,11 +90,9 @@ def push_payload(tree: Any, codec: compress.Codec | None, replicas: int = 1) -> 
     ``codec.min_size`` in float32; the others concatenated, padded to whole blocks and encoded;
     ``topk`` sends ``k`` (value, position) pairs, ``k`` the top-k count of each of the member's
     ``replicas`` replicas together (at most every value)."""
-    leaves = jax.tree.leaves(tree)
     if codec is None or codec.name == "none":
         return payload_bytes(tree)
-    small = sum(4 * leaf.size for leaf in leaves if leaf.size < codec.min_size)
-    count = sum(leaf.size for leaf in leaves if leaf.size >= codec.min_size)
+    small, count = _split(jax.tree.leaves(tree), codec.min_size)
     if count == 0:
         return small
     if codec.name == "topk":
