@@ -1,7 +1,7 @@
 """Benchmark: goodput of L learners and a syncer against one SPMD job, under the same failures.
 
     uv run python scripts/bench_learners.py [--learners 4] [--rounds 16] [--sync_every 40]
-        [--kill_every 4] [--slow 0.5] [--quorum 2] [--weigh_rounds] [--layouts learners,SPMD]
+        [--kill_every 4] [--slow 0.5] [--quorum 2] [--unweighed] [--layouts learners,SPMD]
         [--out DIR]
 
 Four runs on this machine, each a fresh process tree, of the same DiLoCo job (the tiny preset
@@ -237,9 +237,9 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=0.5, help="the slow learner's speed")
     parser.add_argument("--quorum", type=int, default=2)
     parser.add_argument(
-        "--weigh_rounds",
+        "--unweighed",
         action="store_true",
-        help="syncer.weigh_rounds: the outer step in proportion to the examples",
+        help="syncer.weigh_rounds=false: every round's outer step on its mean",
     )
     parser.add_argument("--layouts", default="learners,SPMD", help="which runs (comma list)")
     parser.add_argument("--out", default="")
