@@ -121,8 +121,8 @@ MUTANTS = [
            "return (replicas - 1) * (latency + payload / replicas / bytes_per_s)",
            ["tests/test_sim.py::test_reduce_time_hand_computed"]),
     Mutant("small float32 leaves counted at 2 bytes in a codec's payload", "runtime", COMMS,
-           "small = sum(4 * leaf.size for leaf in leaves if leaf.size < codec.min_size)",
-           "small = sum(2 * leaf.size for leaf in leaves if leaf.size < codec.min_size)",
+           "small = sum(4 * leaf.size for leaf in leaves if leaf.size < min_size)",
+           "small = sum(2 * leaf.size for leaf in leaves if leaf.size < min_size)",
            ["tests/test_compress.py::test_sync_payload_by_hand"]),
     Mutant("quorum sync bytes counted over every replica, late ones too", "runtime",
            "sim/accounting.py", "comms.bytes_per_replica(payload, int(m.sum()), sim.topology)",
@@ -323,8 +323,9 @@ MUTANTS = [
            ["tests/test_learners.py::test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_"
             "nothing"]),
     Mutant("a learner never restarts from the syncer's anchor", "faults",
-           "diloco_jax/run/loop.py", "            state = r.learner.sync(state)",
-           "            r.learner.sync(state)",
+           "diloco_jax/run/loop.py",
+           "            state = r.learner.sync(state, last=step >= total)",
+           "            r.learner.sync(state, last=step >= total)",
            ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
             "trains"]),
     Mutant("a quorum round closes at its quorum, without the grace window", "faults",
@@ -395,4 +396,16 @@ MUTANTS = [
            "        self.round = int(f[\"round\"])",
            ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
             "trains"]),
+    Mutant("a thin round takes the whole outer step", "faults", "diloco_jax/learners/syncer.py",
+           "            share = np.float32(total_w / self.full_round())",
+           "            share = np.float32(1.0)",
+           ["tests/test_learners.py::test_weighed_rounds_move_the_anchor_by_the_examples_"
+            "merged"]),
+    Mutant("a learner's other processes restart from their own anchor", "faults",
+           "diloco_jax/learners/learner.py",
+           "        return reply, {n: np.asarray(a) for n, a in arrays.items()}",
+           "        return reply, {n: np.asarray(a) for n, a in (arrays if self.lead else like)"
+           ".items()}",
+           ["tests/test_learners.py::test_a_learner_of_two_processes_trains_what_two_replicas_"
+            "train"]),
 ]  # fmt: skip
