@@ -1,7 +1,8 @@
 """Benchmark: goodput of L learners and a syncer against one SPMD job, under the same failures.
 
     uv run python scripts/bench_learners.py [--learners 4] [--rounds 16] [--sync_every 40]
-        [--kill_every 4] [--slow 0.5] [--quorum 2] [--unweighed] [--layouts learners,SPMD]
+        [--kill_every 4] [--slow 0.5] [--quorum 2] [--unweighed] [--late_weight 1.0]
+        [--layouts learners,SPMD]
         [--out DIR]
 
 Four runs on this machine, each a fresh process tree, of the same DiLoCo job (the tiny preset
@@ -157,6 +158,7 @@ def run_learners(args, workdir: pathlib.Path, failures: bool) -> dict:
                   "--config.syncer.max_late=8"]  # fmt: skip
     if args.unweighed:
         flags.append("--config.syncer.weigh_rounds=false")
+    flags.append(f"--config.syncer.late_weight={args.late_weight}")
     command = [sys.executable, "-m", "diloco_jax.launch", "--learners", str(args.learners),
                "--max_restarts", "1000", "--", *flags, "--workdir", str(workdir)]  # fmt: skip
     last = args.learners - 1
@@ -240,6 +242,12 @@ def main() -> None:
         "--unweighed",
         action="store_true",
         help="syncer.weigh_rounds=false: every round's outer step on its mean",
+    )
+    parser.add_argument(
+        "--late_weight",
+        type=float,
+        default=1.0,
+        help="syncer.late_weight: a late push's merge weight x this per round",
     )
     parser.add_argument("--layouts", default="learners,SPMD", help="which runs (comma list)")
     parser.add_argument("--out", default="")

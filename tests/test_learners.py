@@ -261,15 +261,18 @@ def _nesterov(x, means):
     return out
 
 
-def test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_its_weight(tmp_path):
+@pytest.mark.parametrize("late_weight", [1.0, 0.5])
+def test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_its_weight(tmp_path,
+                                                                           late_weight):  # fmt: skip
     """Quorum 2 of 3, grace 1 s (fixed), on a test clock: a round with two pushes closes when the
     grace has passed, not before; the third learner's push, computed against round 0, is late:
     it joins round 1 with its weight but does not count towards round 1's quorum; round 1's
-    mean weighs it by its examples. Pushes more than ``max_late`` rounds late are refused as
-    stale."""
+    mean weighs it by its examples (times ``syncer.late_weight``: 2 x 0.5 = 1 in the second
+    case). Pushes more than ``max_late`` rounds late are refused as stale."""
     clock, x = _Clock(), {"w": np.zeros(3, np.float32)}
     syncer = _syncer(tmp_path, _algorithm(), learners=3, quorum=2, grace=1.0,
-                     adaptive_grace=False, max_late=1, clock=clock)  # fmt: skip
+                     adaptive_grace=False, max_late=1, late_weight=late_weight,
+                     clock=clock)  # fmt: skip
     try:
         for i in range(3):
             syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
@@ -290,8 +293,9 @@ def test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_its_weight(tmp_p
         assert syncer.round == 1  # one push on time and a late one: no quorum yet
         syncer.push(1, 1, 1, 1.0, _ones(1.0))  # all three in round 1: it closes now
         assert syncer.round == 2
+        late_mean = (1 + 1 + 2 * late_weight * 4) / (2 + 2 * late_weight)  # 2.5, or 2.0
         want = _nesterov(np.zeros(3, np.float32), [np.full(3, 1.5, np.float32),
-                                                   np.full(3, 2.5, np.float32)])  # fmt: skip
+                                                   np.full(3, late_mean, np.float32)])  # fmt: skip
         np.testing.assert_allclose(syncer.anchor[0], want[1], rtol=1e-6)
         assert syncer.members[2].late == 1
         for i in (0, 1):
@@ -596,6 +600,37 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     framing = [(e["bytes_sent"] - up, e["bytes_received"] - down) for e in rounds]
     assert all(0 < f < 2048 for pair in framing for f in pair), framing  # 0.7-1 KB, 12 leaves
     assert not helpers.events(tmp_path / "learner", "sync")
+
+
+def test_a_user_task_as_a_learner_trains_what_it_trains_alone(tmp_path, monkeypatch):
+    """A user's ``ArrayTask`` through ``fit``, as the only learner of a syncer (served from this
+    process): the same final anchor and evaluation as ``fit`` with its one replica, bit for
+    bit. The task, its loss and its data come from the user; the rounds are the syncer's."""
+    from diloco_jax.fit import fit, make_config
+    from diloco_jax.learners.command import make_syncer
+    from tests.test_user_task import TINY, linear_task
+
+    overrides = {**TINY, "parallel.replicas": 1, "train.total_steps": 20,
+                 "outer.sync_every": 5, "train.log_every": 5}  # fmt: skip
+    want = fit(linear_task(), workdir=tmp_path / "alone", overrides=overrides,
+               show_progress=False)  # fmt: skip
+    syncer = make_syncer(make_config(None, overrides), tmp_path / "syncer")
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
+    try:
+        got = fit(
+            linear_task(),
+            workdir=tmp_path / "learner",
+            show_progress=False,
+            overrides={**overrides, "syncer.address": f"127.0.0.1:{server.port}"},
+        )
+    finally:
+        server.stop()
+        syncer.close()
+    assert syncer.round == 4
+    chex.assert_trees_all_equal(got.params, want.params)
+    assert got.eval_loss == want.eval_loss
+    assert [e["round"] for e in got.history if e["event"] == "round"] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow  # ~40 s, two processes; the default suite's stand-in: "mesh of 2" above

@@ -239,6 +239,8 @@ class SyncerConfig:
                          "learner ends; 0: off")  # fmt: skip
     weigh_rounds: bool = _key(True, "the outer step takes the mean x the round's examples / a "
                               "full round's: thin rounds move less")  # fmt: skip
+    late_weight: float = _key(1.0, "quorum rounds: a late push's merge weight x this per round "
+                              "late")  # fmt: skip
     status_port: int = _key(0, "the syncer's status page, /status and /metrics on this port; "
                             "0: off")  # fmt: skip
     token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else the "

@@ -130,6 +130,7 @@ def _validate_syncer(cfg: Config) -> None:
          f"must be > 0 seconds and at most syncer.timeout = {sy.timeout} (the deadline closes "
          "a round first)"),
         ("syncer.max_late", sy.max_late >= 1, "must be an integer >= 1 (rounds)"),
+        ("syncer.late_weight", 0 <= sy.late_weight <= 1, "must be in [0, 1]"),
         ("syncer.rounds", sy.rounds >= 0, "must be an integer >= 0 (0: train.total_steps)"),
         ("syncer.examples", sy.examples >= 0, "must be an integer >= 0 (0: no budget)"),
         ("syncer.token_file", not sy.token_file or pathlib.Path(sy.token_file).is_file(),

@@ -57,7 +57,7 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path) -> Syncer:
                   quorum=sy.quorum, grace=sy.grace, adaptive_grace=sy.adaptive_grace,
                   max_late=sy.max_late, rounds=sy.rounds, examples=sy.examples,
                   outer_scale=recipe.outer_lr_input(cfg), codec=recipe.codec_of(cfg),
-                  weigh_rounds=sy.weigh_rounds)  # fmt: skip
+                  weigh_rounds=sy.weigh_rounds, late_weight=sy.late_weight)  # fmt: skip
 
 
 def serve(cfg: config_lib.Config, workdir: pathlib.Path):

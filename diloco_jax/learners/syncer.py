@@ -44,6 +44,8 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
   push) before the outer step: the absent learners count as pseudo-gradients of zero, so the
   anchor moves in proportion to the examples merged, however thin or many the rounds (a round
   of every learner, whole, is unchanged).
+- a late push's weight in the merge is multiplied by ``syncer.late_weight`` per round it is
+  late (1: its examples count in full; the examples budget counts them in full either way).
 - a retried push counts once.
 """
 
@@ -87,10 +89,12 @@ class Syncer:
                  timeout: float, dead_after: float, quorum: int = 0, grace: float = 10.0,
                  adaptive_grace: bool = True, max_late: int = 4, rounds: int = 0,
                  examples: float = 0.0, outer_scale: float = 1.0, codec=None,
-                 weigh_rounds: bool = False, clock=time.monotonic):  # fmt: skip
+                 weigh_rounds: bool = False, late_weight: float = 1.0,
+                 clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
         self.codec = codec  # how pushes travel (:mod:`.payload`; None: float32)
         self.weigh_rounds = weigh_rounds
+        self.late_weight = late_weight  # a push's merge weight times this per round it is late
         self.full_push: dict[int, float] = {}  # each learner's largest push: its whole weight
         self.timeout, self.dead_after, self.outer_scale = timeout, dead_after, outer_scale
         self.quorum, self.grace, self.adaptive_grace = quorum, grace, adaptive_grace
@@ -344,7 +348,9 @@ class Syncer:
     def _close(self, why: str) -> None:
         order = sorted(self.pending)
         pushes = [self.pending[i] for i in order]
-        mean, total_w = merge(pushes)
+        examples = sum(p.weight for p in pushes if p.finite)
+        mean, total_w = merge([dataclasses.replace(p, weight=p.weight * self.late_weight**p.late)
+                               for p in pushes])  # fmt: skip
         if self.weigh_rounds:  # a thin round moves the anchor less, a round with late work more
             share = np.float32(total_w / self.full_round())
             mean = [share * m for m in mean]
@@ -356,7 +362,7 @@ class Syncer:
             self._history.append(max(self._lags, default=0.0))
         closed = self.round
         self.round += 1
-        self.merged += total_w
+        self.merged += examples
         self._save()  # before anyone sees the new anchor
         if self.finished:
             self.event("finished", rounds=self.round, examples=self.merged)
