@@ -58,6 +58,11 @@ def fit(task: UserTask, config: config_lib.Config | str | None = None, *,
     from diloco_jax.train import train  # it sets the CPU's device count before JAX starts
 
     cfg = make_config(config, overrides)
+    if outer is not None and cfg.syncer.address:
+        raise config_lib.ConfigError(
+            "a learner (syncer.address) takes the syncer's outer step, so the outer transform "
+            "given to fit() would not be used: set the outer.* keys of the syncer and learners"
+        )
     summary = train(cfg, workdir, show_progress=show_progress, task=task, inner=inner,
                     outer=outer, allow_config_change=allow_config_change)  # fmt: skip
     path = pathlib.Path(workdir) / "metrics.jsonl"

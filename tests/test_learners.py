@@ -606,6 +606,7 @@ def test_a_user_task_as_a_learner_trains_what_it_trains_alone(tmp_path, monkeypa
     """A user's ``ArrayTask`` through ``fit``, as the only learner of a syncer (served from this
     process): the same final anchor and evaluation as ``fit`` with its one replica, bit for
     bit. The task, its loss and its data come from the user; the rounds are the syncer's."""
+    from diloco_jax.config import ConfigError
     from diloco_jax.fit import fit, make_config
     from diloco_jax.learners.command import make_syncer
     from tests.test_user_task import TINY, linear_task
@@ -631,6 +632,10 @@ def test_a_user_task_as_a_learner_trains_what_it_trains_alone(tmp_path, monkeypa
     chex.assert_trees_all_equal(got.params, want.params)
     assert got.eval_loss == want.eval_loss
     assert [e["round"] for e in got.history if e["event"] == "round"] == [1, 2, 3, 4]
+    # the outer step is the syncer's: an outer transform given to fit would be ignored
+    with pytest.raises(ConfigError, match="takes the syncer's outer step"):
+        fit(linear_task(), workdir=tmp_path / "other", outer=optax.sgd(0.5),
+            overrides={**overrides, "syncer.address": "127.0.0.1:9"})  # fmt: skip
 
 
 @pytest.mark.slow  # ~40 s, two processes; the default suite's stand-in: "mesh of 2" above
