@@ -408,4 +408,9 @@ MUTANTS = [
            ".items()}",
            ["tests/test_learners.py::test_a_learner_of_two_processes_trains_what_two_replicas_"
             "train"]),
+    Mutant("a late push's merge weight ignores syncer.late_weight", "faults",
+           "diloco_jax/learners/syncer.py", "weight=p.weight * self.late_weight**p.late",
+           "weight=p.weight",
+           ["tests/test_learners.py::test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_"
+            "its_weight"]),
 ]  # fmt: skip

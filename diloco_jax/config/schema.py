@@ -239,7 +239,7 @@ class SyncerConfig:
                          "learner ends; 0: off")  # fmt: skip
     weigh_rounds: bool = _key(True, "the outer step takes the mean x the round's examples / a "
                               "full round's: thin rounds move less")  # fmt: skip
-    late_weight: float = _key(1.0, "quorum rounds: a late push's merge weight x this per round "
+    late_weight: float = _key(0.5, "quorum rounds: a late push's merge weight x this per round "
                               "late")  # fmt: skip
     status_port: int = _key(0, "the syncer's status page, /status and /metrics on this port; "
                             "0: off")  # fmt: skip

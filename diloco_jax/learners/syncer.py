@@ -44,8 +44,10 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
   push) before the outer step: the absent learners count as pseudo-gradients of zero, so the
   anchor moves in proportion to the examples merged, however thin or many the rounds (a round
   of every learner, whole, is unchanged).
-- a late push's weight in the merge is multiplied by ``syncer.late_weight`` per round it is
-  late (1: its examples count in full; the examples budget counts them in full either way).
+- a late push's weight in the merge is multiplied by ``syncer.late_weight`` (0.5 by default)
+  per round it is late: its pseudo-gradient was taken against an anchor that has moved since,
+  by a step that already holds much of the same direction (1: its examples count in full; the
+  examples budget counts them in full either way).
 - a retried push counts once.
 """
 
