@@ -262,8 +262,7 @@ def _nesterov(x, means):
 
 
 @pytest.mark.parametrize("late_weight", [1.0, 0.5])
-def test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_its_weight(tmp_path,
-                                                                           late_weight):  # fmt: skip
+def test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_its_weight(tmp_path, late_weight):
     """Quorum 2 of 3, grace 1 s (fixed), on a test clock: a round with two pushes closes when the
     grace has passed, not before; the third learner's push, computed against round 0, is late:
     it joins round 1 with its weight but does not count towards round 1's quorum; round 1's
