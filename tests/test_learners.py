@@ -537,6 +537,30 @@ def test_a_learners_data_is_its_part_of_every_learners():
                                   np.asarray(everyone.shards_RxS)[2:4])  # fmt: skip
 
 
+def test_a_learners_streamed_data_is_its_part_of_every_learners(tmp_path):
+    """A corpus too large for ``data.max_memory_mib`` is streamed from disk: learner 1 of 2
+    with 2 replicas reads, call by call, the windows replicas 2 and 3 of a 4-replica run
+    read (their shards, and their draws seeded by the replicas' global indices)."""
+    import lzma
+
+    from diloco_jax.data.stream import StreamedShards
+    from diloco_jax.run.setup import build
+    from tests.test_stream import BUDGET_MIB, SHAKESPEARE
+
+    corpus = tmp_path / "big.txt"
+    with lzma.open(SHAKESPEARE) as f:
+        corpus.write_bytes(f.read(300_000))
+    streamed = {"data.corpus": str(corpus), "data.max_memory_mib": BUDGET_MIB}
+    everyone = build(_tiny(**streamed, **{"parallel.replicas": 4, "parallel.runtime": "sim"}),
+                     abstract=True)  # fmt: skip
+    second = build(_tiny(**streamed, **{"parallel.replicas": 2, "syncer.learners": 2,
+                                        "syncer.learner": 1, "syncer.address": "127.0.0.1:9"}),
+                   abstract=True)  # fmt: skip
+    assert isinstance(second.stream, StreamedShards) and second.stream.first_replica == 2
+    np.testing.assert_array_equal(second.stream.batches(10, range(2)),
+                                  everyone.stream.batches(10, range(2, 4)))  # fmt: skip
+
+
 INT8 = {"compress.codec": "int8", "compress.min_size": 64, "compress.error_feedback": True}
 DELAYED = {"outer.mode": "delayed", "train.total_steps": 15}  # three syncs
 MESH = {"parallel.replicas": 2, "parallel.runtime": "mesh"}  # two devices, a replica each

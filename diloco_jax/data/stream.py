@@ -56,6 +56,7 @@ class StreamedShards(NamedTuple):
     batch_size: int
     seq_len: int
     num_steps: int  # steps per compiled call
+    first_replica: int = 0  # the index of shard 0 among every replica's (a learner's first)
 
     def starts(self, first_step: int, replicas: range) -> np.ndarray:
         """int32 ``[N, len(replicas), B]``: window starts of ``num_steps`` steps from
@@ -65,7 +66,7 @@ class StreamedShards(NamedTuple):
             starts = _starts_NxRxB(
                 np.int32(self.seed),
                 steps,
-                np.asarray(replicas, np.int32),
+                np.asarray(replicas, np.int32) + np.int32(self.first_replica),
                 batch_size=self.batch_size,
                 shard_len=self.shards_RxS.shape[1],
                 seq_len=self.seq_len,
@@ -121,12 +122,14 @@ class StreamedImages(NamedTuple):
     seed: int
     batch_size: int
     num_steps: int
+    first_replica: int = 0  # the index of shard 0 among every replica's (a learner's first)
 
     def indices(self, first_step: int, replicas: range) -> np.ndarray:
         """int32 ``[N, len(replicas), B]``: the examples of ``num_steps`` steps."""
         steps = np.arange(first_step, first_step + self.num_steps, dtype=np.int32)
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            idx = _indices_NxRxB(np.int32(self.seed), steps, np.asarray(replicas, np.int32),
+            global_R = np.asarray(replicas, np.int32) + np.int32(self.first_replica)
+            idx = _indices_NxRxB(np.int32(self.seed), steps, global_R,
                                  batch_size=self.batch_size,
                                  shard_len=self.labels_RxS.shape[1])  # fmt: skip
         return np.asarray(idx)
@@ -159,10 +162,12 @@ class StreamedImages(NamedTuple):
                                                       strict=True))  # fmt: skip
 
 
-def make_stream(shards, *, seed: int, batch_size: int, seq_len: int, num_steps: int):
+def make_stream(shards, *, seed: int, batch_size: int, seq_len: int, num_steps: int,
+                first_replica: int = 0):  # fmt: skip
     """The stream of a problem's memory-mapped shards: text windows (an ``[R, S]`` token array)
-    or images (an ``(images, labels)`` pair)."""
+    or images (an ``(images, labels)`` pair). ``first_replica``: the index of the first shard's
+    replica among every replica's (a learner's part: its batches are drawn as that replica's)."""
     if isinstance(shards, tuple):
         images_RxS, labels_RxS = shards
-        return StreamedImages(images_RxS, labels_RxS, seed, batch_size, num_steps)
-    return StreamedShards(shards, seed, batch_size, seq_len, num_steps)
+        return StreamedImages(images_RxS, labels_RxS, seed, batch_size, num_steps, first_replica)
+    return StreamedShards(shards, seed, batch_size, seq_len, num_steps, first_replica)

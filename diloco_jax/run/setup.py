@@ -125,9 +125,9 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
     problem = problems.load(cfg, everyone, task)
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
     if everyone != replicas:
-        if problem.streamed or problem.stream is not None:
-            raise config_lib.ConfigError("a learner (syncer.address) reads data held in memory "
-                                         "for now: not streamed data or a GrainTask")  # fmt: skip
+        if problem.stream is not None:
+            raise config_lib.ConfigError("a learner (syncer.address) reads the built-in data "
+                                         "or an ArrayTask's for now, not a GrainTask")  # fmt: skip
         shards_RxS = jax.tree.map(lambda x: x[first : first + replicas], shards_RxS)
     cfg = user_optimizers.recorded(cfg, given, params)
     # 1 more all-reduce per sync: only where it stays in one machine's memory
@@ -144,7 +144,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
         stream = problem.stream(num_steps=steps)
     elif streamed:
         stream = make_stream(shards_RxS, seed=cfg.seed, batch_size=d.batch_size,
-                             seq_len=d.seq_len, num_steps=steps)  # fmt: skip
+                             seq_len=d.seq_len, num_steps=steps, first_replica=first)  # fmt: skip
     run_chunk, outer_fn, fingerprints = placement.steps(
         cfg, layout, algorithm, problem, mesh, state
     )
