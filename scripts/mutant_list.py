@@ -413,4 +413,10 @@ MUTANTS = [
            "weight=p.weight",
            ["tests/test_learners.py::test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_"
             "its_weight"]),
+    Mutant("a learner's streamed batches are drawn as replicas 0.., not its own", "data",
+           "diloco_jax/data/stream.py",
+           "np.asarray(replicas, np.int32) + np.int32(self.first_replica),",
+           "np.asarray(replicas, np.int32),",
+           ["tests/test_learners.py::test_a_learners_streamed_data_is_its_part_of_every_"
+            "learners"]),
 ]  # fmt: skip
