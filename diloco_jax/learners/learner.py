@@ -32,7 +32,6 @@ import os
 import pathlib
 import threading
 import time
-import uuid
 from typing import Any, NamedTuple
 
 import jax
@@ -112,7 +111,6 @@ class Learner:
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeats, args=(heartbeat,), daemon=True,
                                        name="learner-heartbeat")  # fmt: skip
-        self.incarnation = uuid.uuid4().hex[:8]
 
     # ---- joining ----------------------------------------------------------------------------
 
@@ -129,6 +127,7 @@ class Learner:
             except Exception as e:  # noqa: BLE001 - said to the other processes, then raised
                 error = e
         reply, arrays = self._from_lead(reply, arrays, anchor, error)
+        self.round = int(reply["round"])  # the same on every process
         return self._restart(state, wire.unnamed(state.anchor, arrays))
 
     def _restart(self, state, anchor):
