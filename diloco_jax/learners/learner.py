@@ -202,7 +202,7 @@ class Learner:
         self.round += 1  # the next push is for the round after this one's
         if previous is None:  # the first: no anchor to take yet (the anchor moves by zero)
             self.last = {}
-            state = self._restart(state, state.anchor)
+            state = self._restart(state, wire.unnamed(state.anchor, anchor))
         else:
             state = self._land(state, previous.result(), start)
         if last:

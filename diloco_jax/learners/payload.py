@@ -50,7 +50,7 @@ def _encode(flat_P: jax.Array, codec: Codec, k: int) -> tuple[jax.Array, ...]:
     if codec.name == "topk":
         _, idx_K = lax.top_k(jnp.abs(flat_P), k)
         return flat_P[idx_K], idx_K.astype(jnp.int32)
-    padded = -(-flat_P.shape[0] // codec.block) * codec.block
+    padded = compress.padded_size(flat_P.shape[0], 1, codec.block)  # whole blocks
     x_NxB = jnp.pad(flat_P, (0, padded - flat_P.shape[0])).reshape(-1, codec.block)
     return compress.encode(x_NxB, codec.name)
 

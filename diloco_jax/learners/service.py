@@ -178,10 +178,11 @@ class Client:
                                             timeout=timeout or self.timeout)  # fmt: skip
                 got: list[int] = []
                 out = wire.decode(_kept(replies, got), self.max_bytes)
-                self.bytes_sent += sum(len(c) for c in chunks)
-                self.bytes_received += sum(got)
+                sent, received = sum(len(c) for c in chunks), sum(got)
+                self.bytes_sent += sent
+                self.bytes_received += received
                 if counts is not None:
-                    counts.append((sum(len(c) for c in chunks), sum(got)))
+                    counts.append((sent, received))
                 return out
             except grpc.RpcError as e:
                 code = e.code()
