@@ -87,8 +87,8 @@ MUTANTS = [
            "started & (step > self.overlap)", "started & (step >= self.overlap)",
            [T_PLAN, T_STREAMING]),
     Mutant("delayed outer step applies this sync's mean", "variants", TIMING,
-           "lambda mean, delta, w, st: (st.pending, DelayedState(mean)),",
-           "lambda mean, delta, w, st: (mean, DelayedState(mean)),", [T_DELAYED]),
+           "lambda mean, delta, w, st, total_w=None: (st.pending, DelayedState(mean)),",
+           "lambda mean, delta, w, st, total_w=None: (mean, DelayedState(mean)),", [T_DELAYED]),
     Mutant("eager outer step keeps the stale share", "variants", TIMING,
            "applied = [m + s - old for m, s, old in", "applied = [m + s - 0 * old for m, s, old in",
            [T_DELAYED]),
@@ -419,4 +419,21 @@ MUTANTS = [
            "np.asarray(replicas, np.int32),",
            ["tests/test_learners.py::test_a_learners_streamed_data_is_its_part_of_every_"
             "learners"]),
+    Mutant("an eager learner's share is of its own replicas' mean, not every learner's", "faults",
+           "diloco_jax/algorithm/core.py",
+           "        total_w = exchange.replica_sum(w, self.axis_name) * learners",
+           "        total_w = exchange.replica_sum(w, self.axis_name)",
+           ["tests/test_learners.py::test_four_learners_through_a_syncer_equal_four_replicas_of_"
+            "the_core"]),
+    Mutant("an eager learner applies the mean of two rounds before", "faults",
+           "diloco_jax/algorithm/core.py",
+           "            timing_state = timing_state._replace(pending=mean)", "            pass",
+           ["tests/test_learners.py::test_four_learners_through_a_syncer_equal_four_replicas_of_"
+            "the_core"]),
+    Mutant("an eager syncer answers with the anchor, not the round's mean", "faults",
+           "diloco_jax/learners/syncer.py",
+           "            if self.answer_mean:\n                mean",
+           "            if False:\n                mean",
+           ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
+            "trains"]),
 ]  # fmt: skip

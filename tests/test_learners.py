@@ -25,8 +25,9 @@ CENTERS_RxD = np.array([[1.0, -2.0, 0.5], [3.0, 0.5, -1.0], [-1.0, 2.0, 0.0],
                         [0.5, 0.5, 4.0]], np.float32)  # fmt: skip
 
 
-def _algorithm():
-    return diloco(optax.adamw(0.05), optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=3)
+def _algorithm(outer_mode: str = "sync"):
+    return diloco(optax.adamw(0.05), optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=3,
+                  outer_mode=outer_mode)  # fmt: skip
 
 
 def _syncer(tmp_path, algorithm, learners=4, **kw):
@@ -120,20 +121,29 @@ def _learner_fns(algorithm):
     return contribute, restart, local
 
 
-def test_four_learners_through_a_syncer_equal_four_replicas_of_the_core(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "eager"])
+def test_four_learners_through_a_syncer_equal_four_replicas_of_the_core(tmp_path, mode):
     """Each learner holds one replica of a quadratic and takes inner steps alone; at each sync
     it pushes its pseudo-gradient and restarts from the syncer's anchor. After 4 rounds the
     anchor, every replica's parameters and AdamW states equal the core's vmap over 4 replicas
     (the same float32 sums: bitwise here). The syncer's tape shows each round closed by all
-    four, and its checkpoint holds the last round's anchor."""
-    algorithm, x0 = _algorithm(), jnp.zeros(3, jnp.float32)
+    four, and its checkpoint holds the last round's anchor.
+
+    Eager: the syncer answers with the round's mean; each learner takes its own outer step on
+    the mean of the round before, with its share of this round's (its pseudo-gradient over
+    the four learners') in place of its share of that one: each replica's anchor, parameters
+    and outer state are the core's eager replicas', bitwise."""
+    algorithm, x0 = _algorithm(mode), jnp.zeros(3, jnp.float32)
     _, want, _ = helpers.run_vmapped(algorithm, x0, CENTERS_RxD, 12)
     contribute, restart, local = _learner_fns(algorithm)
-    syncer = _syncer(tmp_path, algorithm)
+    land = jax.jit(jax.vmap(lambda s, m: algorithm.land_mean(s, m, 4), in_axes=(vmap_axes(
+        algorithm), None), out_axes=vmap_axes(algorithm), axis_name="replica"))  # fmt: skip
+    syncer = _syncer(tmp_path, algorithm, answer_mean=mode == "eager")
     states = [init_replicas(algorithm, x0, 1) for _ in range(4)]
+    before = jnp.zeros_like(x0)  # eager: the mean of the round before (none at the first)
     try:
         for i in range(4):
-            gen, rnd, anchor = syncer.join(i, wire.describe(states[i].anchor),
+            gen, rnd, anchor = syncer.join(i, wire.describe(x0),
                                            {"outer.sync_every": 3}, wire.named(x0))  # fmt: skip
             assert (gen, rnd) == (1, 0)
         for rnd in range(4):
@@ -148,11 +158,22 @@ def test_four_learners_through_a_syncer_equal_four_replicas_of_the_core(tmp_path
                 named = dict(zip(wire.leaf_names(x0), leaves, strict=True))
                 syncer.push(i, 1, rnd, float(total_w[0]), named)
             assert syncer.round == rnd + 1
-            got_round, anchor = syncer.wait(rnd, 1.0)
-            new_anchor = wire.unnamed(x0, anchor)
+            got_round, answer = syncer.wait(rnd, 1.0)
+            if mode == "eager":
+                states = [land(s, before) for s in states]
+                before = wire.unnamed(x0, answer)
+                continue
+            new_anchor = wire.unnamed(x0, answer)
             states = [restart(s, new_anchor) for s in states]
-        chex.assert_trees_all_equal(states[0].anchor, want.anchor)
         for i, state in enumerate(states):
+            if mode == "eager":  # each learner's own anchor and outer state
+                chex.assert_trees_all_equal(state.anchor[0], want.anchor[i])
+                chex.assert_trees_all_equal(
+                    jax.tree.map(lambda x: x[0], state.outer_state),
+                    jax.tree.map(lambda x, i=i: x[i], want.outer_state),
+                )
+            else:
+                chex.assert_trees_all_equal(state.anchor, want.anchor)
             chex.assert_trees_all_equal(state.params[0], want.params[i])
             mine = jax.tree.map(lambda x: x[0], state.inner_state)
             chex.assert_trees_all_equal(mine, jax.tree.map(lambda x, i=i: x[i], want.inner_state))
@@ -166,7 +187,8 @@ def test_four_learners_through_a_syncer_equal_four_replicas_of_the_core(tmp_path
     try:
         assert again.round == 4
         assert {i: m.generation for i, m in again.members.items()} == {0: 1, 1: 1, 2: 1, 3: 1}
-        np.testing.assert_array_equal(again.anchor[0], np.asarray(want.anchor))
+        if mode == "sync":
+            np.testing.assert_array_equal(again.anchor[0], np.asarray(want.anchor))
         chex.assert_trees_all_equal(again.outer_state, syncer.outer_state)
     finally:
         again.close()
@@ -565,10 +587,11 @@ def test_a_learners_streamed_data_is_its_part_of_every_learners(tmp_path):
 INT8 = {"compress.codec": "int8", "compress.min_size": 64, "compress.error_feedback": True,
         "parallel.replicas": 2, "parallel.runtime": "mesh"}  # fmt: skip
 DELAYED = {"outer.mode": "delayed", "train.total_steps": 15}  # three syncs
+EAGER = {"outer.mode": "eager", "train.total_steps": 15, "parallel.replicas": 2}
 
 
-@pytest.mark.parametrize("variant", [{}, INT8, DELAYED],
-                         ids=["float32", "int8 on a mesh of 2", "overlapped"])  # fmt: skip
+@pytest.mark.parametrize("variant", [{}, INT8, DELAYED, EAGER],
+                         ids=["float32", "int8 on a mesh of 2", "overlapped", "eager"])  # fmt: skip
 def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monkeypatch,
                                                                   variant):  # fmt: skip
     """``train()`` as the only learner of a syncer (served from this process) equals DiLoCo
@@ -581,7 +604,9 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     two replicas do, to float32 rounding; the push's bytes are the simulator's
     parameter-server payload. Overlapped (``outer.mode=delayed``): the push goes on in the
     background and the learner restarts from the anchor of the push before, which is the
-    simulator's delayed outer step, bit for bit."""
+    simulator's delayed outer step, bit for bit. Eager (two replicas): the syncer answers with
+    the round's mean, and the learner's replicas take their own outer steps on the mean of
+    the push before with their fresh shares: the simulator's eager step, bit for bit."""
     from diloco_jax.config import recipe
     from diloco_jax.learners.command import make_syncer
     from diloco_jax.simulated import comms
@@ -599,7 +624,8 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
         server.stop()
         syncer.close()
     # overlapped too: the learner's last push is answered before it ends
-    assert syncer.round == (3 if variant is DELAYED else 2)
+    overlapped = variant.get("outer.mode") in ("delayed", "eager")
+    assert syncer.round == (3 if overlapped else 2)
     if variant is not INT8:
         chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
         chex.assert_trees_all_equal(got["state"].params, want["state"].params)
@@ -612,12 +638,14 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     # overlapped, the round a sync reports is the one before (the first sync has none)
     rounds = helpers.events(tmp_path / "learner", "round")
     assert [(e["step"], e["base_round"], e["round"], e["late"]) for e in rounds] == (
-        [(10, 0, 1, 0), (15, 1, 2, 0)] if variant is DELAYED else [(5, 0, 1, 0), (10, 1, 2, 0)]
+        [(10, 0, 1, 0), (15, 1, 2, 0)] if overlapped else [(5, 0, 1, 0), (10, 1, 2, 0)]
     )
     # the bytes on the wire: the simulator's accounting for a syncer (a parameter server: the
     # push one way, the float32 anchor the other) plus the messages' framing (a JSON header
     # naming the leaves, checksums)
     anchor = want["state"].anchor
+    if variant is EAGER:  # every replica has its own anchor, and one's size travels
+        anchor = jax.tree.map(lambda x: x[0], anchor)
     up = comms.bytes_per_replica(comms.push_payload(anchor, recipe.codec_of(_tiny(**variant))),
                                  2, "parameter_server")  # fmt: skip
     down = comms.payload_bytes(anchor)  # the float32 anchor, whatever the codec

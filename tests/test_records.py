@@ -22,7 +22,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_scalars_one_series_per_replica():
-    record = {"event": "sync", "step": 5, "time_s": 0.5, "outer_step": 1, "drift": [0.5, 0.25],
+    # the Unix time is no series (float32 holds it to 2 minutes)
+    record = {"event": "sync", "step": 5, "time_s": 0.5, "time": 1.8e9, "outer_step": 1,
+              "drift": [0.5, 0.25],
               "finite": [True, False], "unit": "token", "none": None, "nest": [[1.0]]}  # fmt: skip
     assert reporting.scalars(record) == {
         "sync/time_s": 0.5, "sync/outer_step": 1.0, "sync/drift/replica_0": 0.5,

@@ -269,6 +269,29 @@ class Diloco(NamedTuple):
             anchor=jax.tree.unflatten(treedef, rnd.anchor), healthy=rnd.healthy,
             base=jax.tree.unflatten(treedef, rnd.base) if self.late_merge else ())  # fmt: skip
 
+    def land_mean(self, state: DilocoState, mean, learners: int, outer_scale=1.0) -> DilocoState:
+        """One replica after an outer step taken here on a ``mean`` merged elsewhere (a syncer's,
+        of ``learners`` learners each with the replicas on this axis; ``eager`` timing, where a
+        learner keeps its own anchor and outer state): the timing piece applied to ``mean`` as
+        a sync applies the exchange's (eager: the last round's mean, with this replica's share
+        of this round's in place of its share of that one), the outer step, and every replica
+        restarted from its new anchor (as :meth:`restart`). Plain DiLoCo: one fragment."""
+        leaves = jax.tree.leaves(state.params)
+        anchor = jax.tree.leaves(state.anchor)
+        mean = [m.astype(a.dtype) for m, a in zip(jax.tree.leaves(mean), anchor, strict=True)]
+        delta = [a - p for a, p in zip(anchor, leaves, strict=True)]
+        w = jnp.where(jnp.isfinite(optax.tree.norm(delta)), 1.0, 0.0)
+        total_w = exchange.replica_sum(w, self.axis_name) * learners
+        timing_state = state.timing_state
+        if hasattr(timing_state, "pending"):  # the mean arrives now, not a round later
+            timing_state = timing_state._replace(pending=mean)
+        applied, timing_state = self.timing.apply(mean, delta, w, timing_state, total_w=total_w)
+        new_anchor, outer = self.outer_step(applied, anchor, state.outer_state[0], outer_scale)
+        state = state._replace(anchor=jax.tree.unflatten(jax.tree.structure(state.anchor),
+                                                         new_anchor),
+                               outer_state=(outer,), timing_state=timing_state)  # fmt: skip
+        return self.restart(state, state.anchor)
+
     def outer_step(self, mean: list, anchor: list, outer_state: Any, outer_scale=1.0,
                    anyone=True) -> tuple[list, Any]:  # fmt: skip
         """The outer step of one fragment: ``anchor`` (a list of leaves) moved by the outer

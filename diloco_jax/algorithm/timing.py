@@ -8,8 +8,10 @@
   its own anchor and outer state (their kind is per replica). State: ``pending`` (shared),
   ``last_share`` (per replica).
 
-``apply(mean, delta, w, state) -> (applied, state)`` is written for one replica under the
-replica axis; leaves are lists (one fragment, or all parameters), in the parameters' dtype.
+``apply(mean, delta, w, state, total_w=None) -> (applied, state)`` is written for one replica
+under the replica axis; leaves are lists (one fragment, or all parameters), in the parameters'
+dtype. ``total_w``: the weight the mean is over (None: the replica axis's, summed); a learner
+whose mean is merged with other learners' by a syncer passes every learner's.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def _zeros(leaves: list) -> list:
     return [jnp.zeros_like(x) for x in leaves]
 
 
-def _share(delta: list, w, axis_name: AxisName) -> list:
-    total_w = replica_sum(w, axis_name)
+def _share(delta: list, w, axis_name: AxisName, total_w=None) -> list:
+    total_w = replica_sum(w, axis_name) if total_w is None else total_w
     return [(jnp.where(w > 0, w * d, 0.0) / jnp.maximum(total_w, 1e-30)).astype(d.dtype)
             for d in delta]  # fmt: skip
 
@@ -59,19 +61,20 @@ def _share(delta: list, w, axis_name: AxisName) -> list:
 def make_timing(mode: str, axis_name: AxisName) -> Timing:
     """The piece for ``mode`` (one of :data:`OUTER_MODES`); raises ValueError otherwise."""
     if mode == "sync":
-        return Timing("sync", lambda leaves: (), lambda mean, delta, w, st: (mean, st), (), SHARED)
+        return Timing("sync", lambda leaves: (), lambda mean, delta, w, st, total_w=None: (
+            mean, st), (), SHARED)  # fmt: skip
     if mode == "delayed":
         return Timing(
             "delayed",
             lambda leaves: DelayedState(_zeros(leaves)),
-            lambda mean, delta, w, st: (st.pending, DelayedState(mean)),
+            lambda mean, delta, w, st, total_w=None: (st.pending, DelayedState(mean)),
             declare(DelayedState, SHARED),
             SHARED,
         )
     if mode == "eager":
 
-        def apply(mean, delta, w, st):
-            share = _share(delta, w, axis_name)
+        def apply(mean, delta, w, st, total_w=None):
+            share = _share(delta, w, axis_name, total_w)
             applied = [m + s - old for m, s, old in zip(st.pending, share, st.last_share,
                                                         strict=True)]  # fmt: skip
             return applied, EagerState(mean, share)

@@ -137,7 +137,7 @@ def _validate_syncer(cfg: Config) -> None:
          "must be a file holding the token"),
     ]  # fmt: skip
     if sy.address:
-        plain = {"algorithm": cfg.algorithm == "diloco", "outer.mode": o.mode != "eager",
+        plain = {"algorithm": cfg.algorithm == "diloco",
                  "streaming.fragments": cfg.streaming.fragments == 1,
                  "noloco.enabled": not cfg.noloco.enabled,
                  "desloc.first_moment_every": not (cfg.desloc.first_moment_every

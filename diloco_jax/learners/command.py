@@ -47,17 +47,19 @@ def syncer_token(token_file: str, workdir: pathlib.Path, environ=os.environ) -> 
     return text
 
 
-def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path) -> Syncer:
-    """The syncer of ``cfg``'s learners: the core's algorithm built as a run builds it."""
+def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path, cls=Syncer, **extra) -> Syncer:
+    """The syncer of ``cfg``'s learners: the core's algorithm built as a run builds it
+    (``cls``: a subclass, given ``extra`` keywords, as the replay's virtual syncer)."""
     config_lib.validate(cfg)
     algorithm = recipe.algorithm_from_config(cfg, REPLICA, outer_lr_as_input=True)
     sy = cfg.syncer
-    return Syncer(algorithm, workdir, keys=learner_lib.shared_keys(config_lib.keys(cfg)),
+    return cls(algorithm, workdir, **extra, keys=learner_lib.shared_keys(config_lib.keys(cfg)),
                   learners=sy.learners, timeout=sy.timeout, dead_after=sy.dead_after,
                   quorum=sy.quorum, grace=sy.grace, adaptive_grace=sy.adaptive_grace,
                   max_late=sy.max_late, rounds=sy.rounds, examples=sy.examples,
                   outer_scale=recipe.outer_lr_input(cfg), codec=recipe.codec_of(cfg),
-                  weigh_rounds=sy.weigh_rounds, late_weight=sy.late_weight)  # fmt: skip
+                  weigh_rounds=sy.weigh_rounds, late_weight=sy.late_weight,
+                  answer_mean=cfg.outer.mode == "eager")  # fmt: skip
 
 
 def serve(cfg: config_lib.Config, workdir: pathlib.Path):

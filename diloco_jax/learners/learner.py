@@ -93,10 +93,15 @@ class Learner:
 
     def __init__(self, client: service.Client, algorithm, *, learner: int, keys: dict,
                  rows_per_round: int, heartbeat: float, log, codec=None,
-                 overlap: bool = False, mesh=None, replicas: int = 1):  # fmt: skip
+                 overlap: bool = False, mesh=None, replicas: int = 1, learners: int = 1,
+                 outer_scale: float = 1.0):  # fmt: skip
         self.client, self.algorithm, self.learner, self.keys = client, algorithm, learner, keys
         self.codec = codec  # how the push travels (:mod:`.payload`); None: float32
-        self.overlap = overlap  # outer.mode = delayed: train on while the push is on its way
+        # outer.mode = delayed or eager: train on while the push is on its way; eager: the
+        # answer is the round's mean, and the learner takes the outer step (its own anchors)
+        self.eager = algorithm.kinds.anchor == state_lib.PER_REPLICA
+        self.overlap = overlap or self.eager
+        self.outer_scale = outer_scale
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push")
         self._inflight: concurrent.futures.Future | None = None
         self.rows_per_round, self.log = rows_per_round, log
@@ -107,7 +112,8 @@ class Learner:
         self.mesh = mesh  # the learner's own mesh (None: the simulator's layout)
         self.replicas = replicas  # the learner's replicas, on every process together
         self.lead = jax.process_index() == 0  # the one process of the learner that calls
-        self._contribute, self._restart_placed = _sync_parts(algorithm, mesh)
+        self._contribute, self._restart_placed, self._land_mean = _sync_parts(
+            algorithm, mesh, learners)  # fmt: skip
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeats, args=(heartbeat,), daemon=True,
                                        name="learner-heartbeat")  # fmt: skip
@@ -118,7 +124,7 @@ class Learner:
         """Joins the syncer with this run's anchor; returns ``state`` restarted from the
         syncer's anchor (its own where it is the first learner). Process 0 joins; the others
         of a learner of several processes receive what it got."""
-        anchor = wire.named(parallel.host_copy(state.anchor))
+        anchor = wire.named(self._anchor(state))
         reply, arrays, error = {}, {}, None
         if self.lead:
             try:
@@ -128,11 +134,30 @@ class Learner:
                 error = e
         reply, arrays = self._from_lead(reply, arrays, anchor, error)
         self.round = int(reply["round"])  # the same on every process
-        return self._restart(state, wire.unnamed(state.anchor, arrays))
+        return self._restart(state, arrays)
 
-    def _restart(self, state, anchor):
-        """``state`` restarted from ``anchor`` (host arrays, the same on every process)."""
+    def _anchor(self, state):
+        """The learner's anchor on the host, as one: with eager timing every replica keeps its
+        own (the same at a join), and replica 0's stands for them."""
+        anchor = parallel.host_copy(state.anchor)
+        return jax.tree.map(lambda x: x[0], anchor) if self.eager else anchor
+
+    def _restart(self, state, arrays: dict):
+        """``state`` restarted from the anchor ``arrays`` (by name; host arrays, the same on
+        every process)."""
+        anchor = wire.unnamed(self._anchor(state), arrays)
         return self._restart_placed(state, parallel.replicated(anchor, self.mesh))
+
+    def _take(self, state, arrays: dict | None):
+        """``state`` after a round's answer: restarted from its anchor, or with eager timing the
+        outer step taken here on its mean (:meth:`~diloco_jax.algorithm.Diloco.land_mean`).
+        ``None``: the first overlapped sync's, no answer yet (the anchor moves by zero; eager:
+        by this replica's own share)."""
+        like = self._anchor(state)
+        if not self.eager:
+            return self._restart(state, wire.named(like) if arrays is None else arrays)
+        mean = jax.tree.map(np.zeros_like, like) if arrays is None else wire.unnamed(like, arrays)
+        return self._land_mean(state, parallel.replicated(mean, self.mesh), self.outer_scale)
 
     def _from_lead(self, reply: dict, arrays: dict, like: dict, error: Exception | None = None):
         """Process 0's ``(reply, arrays)`` on every process of the learner (``like``: arrays of
@@ -193,16 +218,16 @@ class Learner:
         fields = {"learner": self.learner, "generation": self.generation, "round": self.round,
                   "weight": total_w * replicas * self.rows_per_round}  # fmt: skip
         pushed = payload.encode(wire.leaf_names(state.anchor), mean, self.codec, replicas)
-        anchor = wire.named(parallel.host_copy(state.anchor))  # the join's, should it be needed
+        anchor = wire.named(self._anchor(state))  # the join's, should it be needed
         start = time.monotonic()
         if not self.overlap:
             return self._land(state, self._exchange(fields, pushed, anchor), start)
         previous, self._inflight = self._inflight, self._sender.submit(
             self._exchange, fields, pushed, anchor)  # fmt: skip
         self.round += 1  # the next push is for the round after this one's
-        if previous is None:  # the first: no anchor to take yet (the anchor moves by zero)
+        if previous is None:  # the first: no answer to take yet
             self.last = {}
-            state = self._restart(state, wire.unnamed(state.anchor, anchor))
+            state = self._take(state, None)
         else:
             state = self._land(state, previous.result(), start)
         if last:
@@ -274,7 +299,9 @@ class Learner:
                      "bytes_sent": sum(c[0] for c in got.counts),
                      "bytes_received": sum(c[1] for c in got.counts),
                      "restarted": bool(f.get("restarted"))}  # fmt: skip
-        return self._restart(state, wire.unnamed(state.anchor, arrays))
+        if f.get("restarted"):  # joined again: the answer is the syncer's anchor
+            return self._restart(state, arrays)
+        return self._take(state, arrays)
 
     def close(self) -> None:
         self.drain()
@@ -300,27 +327,32 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),
                    rows_per_round=rows, heartbeat=sy.heartbeat, log=log,
                    codec=recipe.codec_of(cfg), overlap=cfg.outer.mode == "delayed", mesh=mesh,
-                   replicas=replicas)  # fmt: skip
+                   replicas=replicas, learners=sy.learners,
+                   outer_scale=recipe.outer_lr_input(cfg))  # fmt: skip
 
 
-def _sync_parts(algorithm, mesh):
-    """``(contribute, restart)``: the core's parts of a sync taken between calls, for the
-    replicas of a run's layout. ``contribute(state) -> (state, mean, total_w)``, the mean and
-    the weight once (every replica has them); ``restart(state, anchor) -> state``, the anchor
-    placed on every device. ``vmap`` over the replicas (the simulator) or, on ``mesh``, over
+def _sync_parts(algorithm, mesh, learners: int):
+    """``(contribute, restart, land_mean)``: the core's parts of a sync taken between calls,
+    for the replicas of a run's layout. ``contribute(state) -> (state, mean, total_w)``, the
+    mean and the weight once (every replica has them); ``restart(state, anchor) -> state``, the
+    anchor placed on every device; ``land_mean(state, mean, outer_scale) -> state``, the mean
+    of ``learners`` learners. ``vmap`` over the replicas (the simulator) or, on ``mesh``, over
     each device's virtual replicas under ``shard_map`` over the devices, as the run's step."""
     axes = state_lib.vmap_axes(algorithm.kinds)
     inner = REPLICA if mesh is None else LOCAL_REPLICA
     contribute_R = jax.vmap(algorithm.contribution, in_axes=(axes,), out_axes=(axes, 0, 0),
                             axis_name=inner)  # fmt: skip
     restart_R = jax.vmap(algorithm.restart, in_axes=(axes, None), out_axes=axes)
+    land_R = jax.vmap(lambda s, mean, scale: algorithm.land_mean(s, mean, learners, scale),
+                      in_axes=(axes, None, None), out_axes=axes, axis_name=inner)  # fmt: skip
 
     def contribute(state):
         state, mean_R, total_w_R = contribute_R(state)
         return state, jax.tree.map(lambda x: x[0], mean_R), total_w_R[0]
 
     if mesh is None:
-        return jax.jit(contribute), jax.jit(restart_R)
+        return jax.jit(contribute), jax.jit(restart_R), jax.jit(land_R)
     specs = state_lib.specs(algorithm.kinds)
     return (parallel.mesh_map(contribute, mesh, (specs,), (specs, P(), P())),
-            parallel.mesh_map(restart_R, mesh, (specs, P()), specs))  # fmt: skip
+            parallel.mesh_map(restart_R, mesh, (specs, P()), specs),
+            parallel.mesh_map(land_R, mesh, (specs, P(), P()), specs))  # fmt: skip

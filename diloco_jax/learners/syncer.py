@@ -92,10 +92,14 @@ class Syncer:
                  adaptive_grace: bool = True, max_late: int = 4, rounds: int = 0,
                  examples: float = 0.0, outer_scale: float = 1.0, codec=None,
                  weigh_rounds: bool = False, late_weight: float = 1.0,
-                 clock=time.monotonic):  # fmt: skip
+                 answer_mean: bool = False, clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
         self.codec = codec  # how pushes travel (:mod:`.payload`; None: float32)
         self.weigh_rounds = weigh_rounds
+        # outer.mode = eager: a push is answered with its round's merged mean (the learners take
+        # their own outer steps); the syncer's anchor moves as in a synchronous run, for joins
+        self.answer_mean = answer_mean
+        self.means: dict[int, list] = {}  # the merged mean of each recent round
         self.late_weight = late_weight  # a push's merge weight times this per round it is late
         self.full_push: dict[int, float] = {}  # each learner's largest push: its whole weight
         self.timeout, self.dead_after, self.outer_scale = timeout, dead_after, outer_scale
@@ -279,10 +283,16 @@ class Syncer:
 
     def wait(self, after_round: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
         """Blocks until the syncer is past ``after_round`` (or ``timeout`` seconds, checking the
-        round's deadline meanwhile); returns ``(round, anchor by name)``."""
+        round's deadline meanwhile); returns ``(round, anchor by name)``, or with
+        ``answer_mean`` ``(round, round after_round's merged mean by name)`` (zeros if it did
+        not close, or is older than the syncer remembers)."""
         with self.lock:
             self._wait_past(after_round, timeout)
-            return self.round, dict(zip(self.names, self.anchor or [], strict=True))
+            leaves = self.anchor or []
+            if self.answer_mean:
+                mean = self.means.get(after_round) or [np.zeros_like(a) for a in leaves]
+                leaves = [m.astype(a.dtype) for m, a in zip(mean, leaves, strict=True)]
+            return self.round, dict(zip(self.names, leaves, strict=True))
 
     def _wait_past(self, after_round: int, timeout: float) -> None:
         end = self.clock() + timeout
@@ -292,6 +302,21 @@ class Syncer:
                 break
             self.lock.wait(min(left, 0.05))
             self._advance()
+
+    def tick(self) -> None:
+        """Applies the rules that time alone sets off (a silent learner dropped, a grace window
+        or a deadline past), as a waiting learner's call does every 50 ms."""
+        with self.lock:
+            self._advance()
+
+    def next_check(self) -> float | None:
+        """When, on :attr:`clock`, the open round's grace window or deadline ends (None: no
+        round is open)."""
+        with self.lock:
+            if not self.pending:
+                return None
+            grace_end = None if self._quorum_at is None else self._quorum_at + self._grace_now
+            return min(t for t in (self.deadline, grace_end, float("inf")) if t is not None)
 
     # ---- rounds -----------------------------------------------------------------------------
 
@@ -356,6 +381,9 @@ class Syncer:
         if self.weigh_rounds:  # a thin round moves the anchor less, a round with late work more
             share = np.float32(total_w / self.full_round())
             mean = [share * m for m in mean]
+        if self.answer_mean:  # kept for the late pushes of the rounds after it
+            self.means = {k: v for k, v in self.means.items() if k >= self.round - self.max_late}
+            self.means[self.round] = [np.asarray(m, np.float32) for m in mean]
         anchor, outer = self._step(mean, self.anchor, self.outer_state, total_w > 0)
         self.anchor = [np.asarray(x) for x in jax.device_get(anchor)]
         self.outer_state = jax.device_get(outer)

@@ -85,7 +85,13 @@ class RunLog:
         if not self.enabled or (event, int(step)) in self._written:
             return
         self._written.add((event, int(step)))
-        record = {"event": event, "step": int(step), "time_s": round(time.time() - self._start, 3)}
+        now = time.time()
+        record = {
+            "event": event,
+            "step": int(step),
+            "time_s": round(now - self._start, 3),
+            "time": round(now, 3),
+        }  # Unix time, as the syncer's tape: logs line up
         record.update({k: _plain(v) for k, v in values.items()})
         self._jsonl.write(json.dumps(record) + "\n")
         series = scalars(record)
@@ -115,7 +121,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     drift, finiteness); strings, None and nested lists are left out."""
     event, out = record["event"], {}
     for name, value in record.items():
-        if name in ("event", "step"):
+        if name in ("event", "step", "time"):
             continue
         if isinstance(value, int | float):
             out[f"{event}/{name}"] = float(value)

@@ -1,0 +1,303 @@
+"""Learners and a syncer replayed on a virtual clock: a run's wall time and useful work,
+predicted from measured times under a failure schedule.
+
+The syncer is the real one (:func:`diloco_jax.learners.command.make_syncer` of the run's
+config: its quorum, adaptive grace, late merges, dropping and examples budget), on a virtual
+clock and holding a one-number anchor; it writes no checkpoint and never blocks
+(:class:`_Virtual`). The learners are timers that follow :mod:`diloco_jax.learners.learner`:
+
+* a learner's process starts ``launch_s`` after the launch (the syncer's start-up), and
+  ``startup_s`` later it joins (waiting for the open round to
+  close when the syncer says so); ``compile_s`` after its join it takes its first step;
+* it takes ``sync_every`` steps of ``step_s / speed`` each, pushes them (weight: the steps'
+  examples) and waits; the answer reaches it ``transfer_s`` after its round closes (the push's
+  way up, the merge, outer step and checkpoint, the anchor's way down), and it goes on from
+  the new round; a refused push makes it join again, its round's work lost;
+* a killed learner is down: a new process starts at once (as the launcher starts it again),
+  joins, compiles and takes its round's steps again (the work since its last sync is lost);
+* it heartbeats every ``heartbeat_s`` while its process lives, so a dead one is dropped by the
+  syncer's own rule; the run ends ``tail_s`` after the round that finishes it.
+
+A slow learner (``speed < 1``) is slow at everything, start-up and compile included. Every
+learner has its own cores: a machine whose learners share cores runs faster when one is down
+or stopped, which this does not model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import pathlib
+import tempfile
+from typing import NamedTuple
+
+import numpy as np
+
+from diloco_jax import config as config_lib
+from diloco_jax.learners import command
+from diloco_jax.learners.syncer import Refused, Syncer
+
+_ANCHOR = {"w": np.zeros(1, np.float32)}
+_DESCRIBED = [["w", [1], "float32"]]
+
+
+class Pace(NamedTuple):
+    """Measured times of a run's learners, in seconds."""
+
+    step_s: tuple[float, ...]  # one inner step of each learner at full speed
+    startup_s: float  # a learner's process start to its join
+    compile_s: float  # its join to its first step
+    transfer_s: float  # a round's close to its answer at a learner
+    tail_s: float  # the last round's close to the run's end
+    launch_s: float = 0.0  # the launch to the learners' first processes (the syncer starts)
+    restart_startup_s: float | None = None  # the same for a process started again (None: as
+    restart_compile_s: float | None = None  # the first; its compile may be from the cache)
+    heartbeat_s: float = 0.5
+
+    def startup(self, again: bool) -> float:
+        return self.restart_startup_s if again and self.restart_startup_s is not None else (
+            self.startup_s)  # fmt: skip
+
+    def compile(self, again: bool) -> float:
+        return self.restart_compile_s if again and self.restart_compile_s is not None else (
+            self.compile_s)  # fmt: skip
+
+
+class Replayed(NamedTuple):
+    wall_s: float
+    useful_steps: float  # replica-steps whose pseudo-gradient reached the anchor
+    rounds: int
+    kills: int
+    late_pushes: int
+    tape: list  # the syncer's events, on the virtual clock
+    waited: dict  # each learner's wait from a push to its answer, push by push
+
+
+class _Virtual(Syncer):
+    """The syncer's rules on a virtual clock: no checkpoint, and a join that would wait for the
+    open round returns at once (the replay makes the learner wait in virtual time)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.tape: list[dict] = []
+
+    def event(self, kind: str, **fields) -> None:
+        self.tape.append({"event": kind, "round": self.round, "time": self.clock(), **fields})
+
+    def _save(self) -> None:
+        pass
+
+    def _wait_past(self, after_round: int, timeout: float) -> None:
+        pass
+
+
+class _Learner:
+    def __init__(self, speed: float):
+        self.speed, self.generation, self.epoch = speed, 0, 0  # epoch: its process, from 1
+        self.base = 0  # the round its work is against
+        self.pushed_at = 0.0
+        self.waits_for: int | None = None  # answered when the syncer is past this round
+        self.joining = False  # its answer is a join's: it compiles before it steps
+        self.alive = False
+
+
+class _Replay:
+    def __init__(self, cfg: config_lib.Config, pace: Pace, speeds, kill: tuple[int, int] | None,
+                 workdir: pathlib.Path):  # fmt: skip
+        self.now = 0.0
+        self.syncer = command.make_syncer(cfg, workdir, cls=_Virtual, clock=lambda: self.now)
+        self.pace, self.kill = pace, kill
+        self.H, self.rows = cfg.outer.sync_every, cfg.data.batch_size * cfg.parallel.replicas
+        self.learners = [_Learner(float(s)) for s in speeds]
+        self.queue: list = []
+        self.order = itertools.count()
+        self.kills, self.seen_round, self.end = 0, 0, None
+        self.tick_at: float | None = None
+        self.waited: dict[int, list[float]] = {i: [] for i in range(len(speeds))}
+
+    def at(self, t: float, kind: str, i: int = -1) -> None:
+        epoch = self.learners[i].epoch if i >= 0 else 0
+        heapq.heappush(self.queue, (t, next(self.order), kind, i, epoch))
+
+    def start(self, i: int) -> None:  # a new process
+        me = self.learners[i]
+        me.alive, me.epoch = True, me.epoch + 1
+        self.at(self.now + self.pace.startup(me.epoch > 1) / me.speed, "join", i)
+        self.at(self.now, "beat", i)
+
+    def join(self, i: int, compile_first: bool) -> None:
+        me = self.learners[i]
+        keys = self.syncer.keys
+        me.generation, me.base, _ = self.syncer.join(i, _DESCRIBED, keys, _ANCHOR)
+        if self.syncer.tape[-1].get("next_round", False):  # it goes on from the next round
+            me.waits_for, me.joining = me.base, compile_first
+        else:
+            self.go_on(i, self.now, compile_first)
+
+    def go_on(self, i: int, t: float, compile_first: bool) -> None:
+        me = self.learners[i]
+        compile_s = self.pace.compile(me.epoch > 1) if compile_first else 0.0
+        work = self.H * self.pace.step_s[i] + compile_s
+        self.at(t + work / me.speed, "push", i)
+
+    def push(self, i: int) -> None:
+        me = self.learners[i]
+        try:
+            late = self.syncer.push(i, me.generation, me.base, self.H * self.rows, _ANCHOR)
+        except Refused:
+            return self.join(i, compile_first=False)
+        me.waits_for, me.pushed_at = me.base + late, self.now
+
+    def answers(self) -> None:
+        """After any call: the learners a closed round answers, a kill it sets off, the end."""
+        sy = self.syncer
+        if sy.round > self.seen_round:
+            self.seen_round = sy.round
+            if sy.finished and self.end is None:
+                self.end = self.now + self.pace.tail_s
+            for i, me in enumerate(self.learners):
+                if me.alive and me.waits_for is not None and sy.round > me.waits_for:
+                    me.waits_for, me.base = None, sy.round
+                    if not sy.finished and not me.joining:
+                        self.waited[i].append(self.now + self.pace.transfer_s - me.pushed_at)
+                    if not sy.finished:
+                        self.go_on(i, self.now + self.pace.transfer_s, me.joining)
+                    me.joining = False
+            if self.kill and not sy.finished and sy.round >= (self.kills + 1) * self.kill[1]:
+                self.kills += 1
+                killed = self.learners[self.kill[0]]
+                killed.waits_for, killed.generation, killed.joining = None, 0, False
+                self.start(self.kill[0])  # the old process's events are dropped by epoch
+        check = sy.next_check()
+        if check is not None and check != self.tick_at:
+            self.tick_at = check
+            self.at(max(check, self.now), "tick")
+
+    def run(self, limit_s: float) -> Replayed:
+        self.now = self.pace.launch_s
+        for i in range(len(self.learners)):
+            self.start(i)
+        while self.queue and self.end is None and self.now < limit_s:
+            self.now, _, kind, i, epoch = heapq.heappop(self.queue)
+            if i >= 0 and epoch != self.learners[i].epoch:
+                continue  # an event of a killed process
+            if kind == "join":
+                self.join(i, compile_first=True)
+            elif kind == "push":
+                self.push(i)
+            elif kind == "beat":
+                me = self.learners[i]
+                try:
+                    if me.generation:
+                        self.syncer.heartbeat(i, me.generation)
+                except Refused:
+                    pass  # its next push is refused and it joins again
+                self.at(self.now + self.pace.heartbeat_s, "beat", i)
+            else:
+                self.syncer.tick()
+            self.answers()
+        if self.end is None:
+            raise RuntimeError(f"the replay did not finish within {limit_s:.0f} virtual seconds")
+        closed = [e for e in self.syncer.tape if e["event"] == "closed"]
+        return Replayed(
+            wall_s=self.end,
+            useful_steps=sum(w / self.rows for e in closed for w in e["weights"]),
+            rounds=len(closed),
+            kills=self.kills,
+            late_pushes=sum(len(e["late"]) for e in closed),
+            tape=self.syncer.tape,
+            waited=self.waited,
+        )
+
+
+def replay(cfg: config_lib.Config, pace: Pace, speeds=None, kill: tuple[int, int] | None = None,
+           limit_s: float = 1e6) -> Replayed:  # fmt: skip
+    """The run of ``cfg``'s learners (``syncer.learners`` of them, at ``speeds``, each 1 by
+    default) at ``pace``; ``kill = (learner, every)``: that learner is killed whenever the
+    syncer has closed another ``every`` rounds, as ``scripts/bench_learners.py`` does."""
+    speeds = np.ones(cfg.syncer.learners) if speeds is None else np.asarray(speeds, float)
+    if len(speeds) != cfg.syncer.learners or len(pace.step_s) != cfg.syncer.learners:
+        raise ValueError(f"speeds and step times for {cfg.syncer.learners} learners "
+                         "(syncer.learners)")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="replay_") as tmp:
+        return _Replay(cfg, pace, speeds, kill, pathlib.Path(tmp)).run(limit_s)
+
+
+def _lines(path: pathlib.Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def measure(workdir: pathlib.Path, started: float, wall_s: float,
+            spawned: dict | None = None) -> Pace:  # fmt: skip
+    """The :class:`Pace` of a finished learners' run without failures (``diloco-launch
+    --learners``'s ``--workdir``; ``started``: its launch, on ``time.time()``; ``wall_s``: launch
+    to end; ``spawned``: each learner's process start, else the launch), from the syncer's tape
+    and each learner's ``round`` events: a learner's step is its time from one push to the next
+    less its wait, over ``sync_every``; ``transfer_s`` is the last pusher's wait in a round;
+    medians over rounds and learners."""
+    cfg = json.loads((workdir / "learner_0" / "config.json").read_text())
+    H = cfg["outer"]["sync_every"]
+    tape = _lines(workdir / "syncer" / "syncer.jsonl")
+    learners = sorted({e["learner"] for e in tape if e["event"] == "joined"})
+    joined = {i: min(e["time"] for e in tape if e["event"] == "joined" and e["learner"] == i)
+              for i in learners}  # fmt: skip
+    pushed = {i: [e["time"] for e in tape if e["event"] == "pushed" and e["learner"] == i]
+              for i in learners}  # fmt: skip
+    waited = {i: [e["seconds_waited"] for e in _lines(workdir / f"learner_{i}" / "metrics.jsonl")
+                  if e["event"] == "round"] for i in learners}  # fmt: skip
+    step_s = []
+    for i in learners:
+        p, w = pushed[i], waited[i]
+        step_s.append(float(np.median([(p[k + 1] - p[k] - w[k]) / H for k in range(len(p) - 1)])))
+    closes = [e["time"] for e in tape if e["event"] == "closed"]
+    last_waits = []
+    for k in range(len(closes)):
+        last = max(learners, key=lambda i: pushed[i][k] if k < len(pushed[i]) else -1.0)
+        if k < len(waited[last]):  # the run's last answer may have no event
+            last_waits.append(waited[last][k])
+    spawns = {int(k): v for k, v in (spawned or {}).items()}  # JSON keys are strings
+    first = {i: spawns.get(i, [started])[0] for i in learners}
+    compiles = [pushed[i][0] - joined[i] - H * s for i, s in zip(learners, step_s, strict=True)]
+    return Pace(
+        step_s=tuple(step_s),
+        startup_s=float(np.median([joined[i] - first[i] for i in learners])),
+        compile_s=float(np.median(compiles)),
+        transfer_s=float(np.median(last_waits)),
+        tail_s=started + wall_s - closes[-1],
+        launch_s=float(np.median([first[i] - started for i in learners])),
+    )
+
+
+def measure_restarts(workdir: pathlib.Path, spawned: dict, pace: Pace) -> Pace:
+    """``pace`` with the times of learners started again, from a run where they were
+    (``spawned``: each learner's process starts, on ``time.time()``): a new process's start to
+    its join, and its join (or, when the join waited, the answer of the round it waited for) to
+    its first push, less that push's steps; medians over the new processes that pushed."""
+    H = json.loads((workdir / "learner_0" / "config.json").read_text())["outer"]["sync_every"]
+    tape = _lines(workdir / "syncer" / "syncer.jsonl")
+    startups, compiles = [], []
+    for i, times in ((int(k), v) for k, v in spawned.items()):
+        for start, after in zip(times[1:], [*times[2:], float("inf")], strict=False):
+            joins = [e for e in tape if e["event"] == "joined" and e["learner"] == i
+                     and start < e["time"] < after]  # fmt: skip
+            if not joins:
+                continue  # killed before it joined
+            join = joins[0]
+            startups.append(join["time"] - start)
+            ready = join["time"]
+            if join.get("next_round"):
+                closes = [e["time"] for e in tape if e["event"] == "closed" and e["time"] >= ready]
+                ready = closes[0] + pace.transfer_s if closes else ready
+            pushes = [e["time"] for e in tape if e["event"] == "pushed" and e["learner"] == i
+                      and e["generation"] == join["generation"]]  # fmt: skip
+            if pushes:
+                compiles.append(pushes[0] - ready - H * pace.step_s[i])
+    if not startups:
+        return pace
+    return pace._replace(
+        restart_startup_s=float(np.median(startups)),
+        restart_compile_s=float(np.median(compiles)) if compiles else None,
+    )
