@@ -1,7 +1,7 @@
 """Benchmark: goodput of L learners and a syncer against one SPMD job, under the same failures.
 
     uv run python scripts/bench_learners.py [--learners 4] [--rounds 16] [--sync_every 40]
-        [--kill_every 4] [--slow 0.5] [--quorum 2] [--unweighed] [--late_weight 1.0]
+        [--kill_every 4] [--slow 0.5] [--quorum 2] [--unweighed] [--late_weight 0.5]
         [--layouts learners,SPMD] [--pin auto|on|off] [--out DIR] [--predict_from DIR]
 
 Four runs on this machine, each a fresh process tree, of the same DiLoCo job (the tiny preset
@@ -307,7 +307,7 @@ def main() -> None:
     parser.add_argument(
         "--late_weight",
         type=float,
-        default=1.0,
+        default=0.5,
         help="syncer.late_weight: a late push's merge weight x this per round",
     )
     parser.add_argument("--layouts", default="learners,SPMD", help="which runs (comma list)")

@@ -434,6 +434,18 @@ MUTANTS = [
            "diloco_jax/learners/syncer.py",
            "            if self.answer_mean:\n                mean",
            "            if False:\n                mean",
+           ["tests/test_learners.py::test_four_learners_through_a_syncer_equal_four_replicas_of_"
+            "the_core"]),
+    Mutant("an FSDP learner pushes its first device's slice of the anchor", "faults",
+           "diloco_jax/learners/learner.py",
+           "        anchor = state.anchor if self._whole is None else self._whole(state.anchor)",
+           "        anchor = state.anchor",
            ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
             "trains"]),
+    Mutant("a learner's grain pipelines are replicas 0.., not its own", "data",
+           "diloco_jax/tasks/pipeline.py",
+           "            it = _open(self.pipeline, self.first_replica + replica, self.pipelines,",
+           "            it = _open(self.pipeline, replica, self.pipelines,",
+           ["tests/test_learners.py::test_a_learners_grain_pipelines_are_its_replicas_of_every_"
+            "learners"]),
 ]  # fmt: skip

@@ -12,18 +12,22 @@ import time
 
 
 def commands() -> dict[int, str]:
-    """Each process's command line, by pid (the launcher's left out)."""
-    out = {}
+    """Each process's command line, by pid: the launcher's left out, and so is a process
+    whose parent has the same command line (a fork on its way to another program, as a run's
+    ``git`` call: for a few milliseconds it looks like the run)."""
+    lines, parents = {}, {}
     for entry in pathlib.Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if "diloco_jax.launch" not in cmdline:
-            out[int(entry.name)] = cmdline
-    return out
+        pid = int(entry.name)
+        lines[pid], parents[pid] = cmdline, int(stat.rsplit(")", 1)[1].split()[1])
+    return {pid: c for pid, c in lines.items()
+            if "diloco_jax.launch" not in c and lines.get(parents[pid]) != c}  # fmt: skip
 
 
 def pid_of(*parts: str) -> int | None:

@@ -583,15 +583,49 @@ def test_a_learners_streamed_data_is_its_part_of_every_learners(tmp_path):
                                   everyone.stream.batches(10, range(2, 4)))  # fmt: skip
 
 
+def test_a_learners_grain_pipelines_are_its_replicas_of_every_learners():
+    """A user's GrainTask as learner 1 of 2, with 2 replicas: its stream opens the pipelines
+    of replicas 2 and 3 of 4 (the user's function is told so) and reads, call by call, what a
+    run of 4 replicas reads for them."""
+    from diloco_jax.fit import make_config
+    from diloco_jax.run.setup import build
+    from tests.test_grain_task import map_pipeline, task
+    from tests.test_user_task import TINY
+
+    opened = []
+
+    def recording(**kw):
+        opened.append((kw["replica"], kw["replicas"]))
+        return map_pipeline(**kw)
+
+    four = build(make_config(None, {**TINY, "parallel.replicas": 4}), task=task(map_pipeline))
+    second = build(make_config(None, {**TINY, "parallel.replicas": 2, "syncer.learners": 2,
+                                      "syncer.learner": 1, "syncer.address": "127.0.0.1:9"}),
+                   task=task(recording))  # fmt: skip
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for call in range(2):
+        first = call * four.stream.num_steps
+        got, want = (jax.device_get(s.stream.on_devices(first, jax.tree.map(
+            lambda _: one, s.stream.spec))) for s in (second, four))  # fmt: skip
+        chex.assert_trees_all_equal(got, jax.tree.map(lambda x: x[:, 2:4], want))
+    # replica 0 of 4 read once for the batch's shape; then the learner's own, 2 and 3 of 4
+    assert set(opened) - {(0, 4)} == {(2, 4), (3, 4)}
+
+
 # int8 with error feedback, on a mesh of two devices (a replica each)
 INT8 = {"compress.codec": "int8", "compress.min_size": 64, "compress.error_feedback": True,
         "parallel.replicas": 2, "parallel.runtime": "mesh"}  # fmt: skip
 DELAYED = {"outer.mode": "delayed", "train.total_steps": 15}  # three syncs
 EAGER = {"outer.mode": "eager", "train.total_steps": 15, "parallel.replicas": 2}
+FSDP = {"parallel.runtime": "mesh", "parallel.fsdp": True, "parallel.data_devices": 2}
 
 
-@pytest.mark.parametrize("variant", [{}, INT8, DELAYED, EAGER],
-                         ids=["float32", "int8 on a mesh of 2", "overlapped", "eager"])  # fmt: skip
+@pytest.mark.parametrize("variant", [
+    pytest.param({}, id="float32"), pytest.param(INT8, id="int8 on a mesh of 2"),
+    pytest.param(DELAYED, id="overlapped"),
+    # ~30 s; the default suite's stand-in: four learners through a syncer, eager (core level)
+    pytest.param(EAGER, id="eager", marks=pytest.mark.slow),
+    pytest.param(FSDP, id="fsdp over 2 devices")])  # fmt: skip
 def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monkeypatch,
                                                                   variant):  # fmt: skip
     """``train()`` as the only learner of a syncer (served from this process) equals DiLoCo
@@ -606,7 +640,9 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     background and the learner restarts from the anchor of the push before, which is the
     simulator's delayed outer step, bit for bit. Eager (two replicas): the syncer answers with
     the round's mean, and the learner's replicas take their own outer steps on the mean of
-    the push before with their fresh shares: the simulator's eager step, bit for bit."""
+    the push before with their fresh shares: the simulator's eager step, bit for bit. FSDP
+    (one replica split over two devices): the learner's parts keep the state split, the
+    anchor is gathered whole for the push, and the run equals the mesh runtime's with FSDP."""
     from diloco_jax.config import recipe
     from diloco_jax.learners.command import make_syncer
     from diloco_jax.simulated import comms

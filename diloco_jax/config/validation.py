@@ -142,8 +142,7 @@ def _validate_syncer(cfg: Config) -> None:
                  "noloco.enabled": not cfg.noloco.enabled,
                  "desloc.first_moment_every": not (cfg.desloc.first_moment_every
                                                    or cfg.desloc.second_moment_every),
-                 "sim.quorum": not cfg.sim.quorum, "sim.chunk": not cfg.sim.chunk,
-                 "parallel.fsdp": not cfg.parallel.fsdp}  # fmt: skip
+                 "sim.quorum": not cfg.sim.quorum, "sim.chunk": not cfg.sim.chunk}  # fmt: skip
         rules += [(key, ok, "is not supported by a learner yet (syncer.address): it runs plain "
                    "DiLoCo, its replicas whole") for key, ok in plain.items()]  # fmt: skip
         rules.append(("compress.codec", cfg.compress.codec not in ("dct", "sparseloco"),

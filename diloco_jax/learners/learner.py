@@ -44,7 +44,7 @@ from diloco_jax.base.axes import LOCAL_REPLICA, REPLICA
 from diloco_jax.base.errors import ConfigError
 from diloco_jax.config import recipe
 from diloco_jax.learners import payload, service, wire
-from diloco_jax.runtime import parallel
+from diloco_jax.runtime import fsdp, parallel
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
 SHARED_KEYS = ("algorithm", "outer.optimizer", "outer.learning_rate", "outer.momentum",
@@ -94,7 +94,7 @@ class Learner:
     def __init__(self, client: service.Client, algorithm, *, learner: int, keys: dict,
                  rows_per_round: int, heartbeat: float, log, codec=None,
                  overlap: bool = False, mesh=None, replicas: int = 1, learners: int = 1,
-                 outer_scale: float = 1.0):  # fmt: skip
+                 outer_scale: float = 1.0, fsdp_specs=None):  # fmt: skip
         self.client, self.algorithm, self.learner, self.keys = client, algorithm, learner, keys
         self.codec = codec  # how the push travels (:mod:`.payload`); None: float32
         # outer.mode = delayed or eager: train on while the push is on its way; eager: the
@@ -113,7 +113,10 @@ class Learner:
         self.replicas = replicas  # the learner's replicas, on every process together
         self.lead = jax.process_index() == 0  # the one process of the learner that calls
         self._contribute, self._restart_placed, self._land_mean = _sync_parts(
-            algorithm, mesh, learners)  # fmt: skip
+            algorithm, mesh, learners, fsdp_specs)  # fmt: skip
+        # FSDP: the anchor is split over DATA; gathered whole before it is read on the host
+        self._whole = None if fsdp_specs is None else jax.jit(
+            lambda tree: tree, out_shardings=parallel.replicated_sharding(mesh))  # fmt: skip
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeats, args=(heartbeat,), daemon=True,
                                        name="learner-heartbeat")  # fmt: skip
@@ -139,7 +142,8 @@ class Learner:
     def _anchor(self, state):
         """The learner's anchor on the host, as one: with eager timing every replica keeps its
         own (the same at a join), and replica 0's stands for them."""
-        anchor = parallel.host_copy(state.anchor)
+        anchor = state.anchor if self._whole is None else self._whole(state.anchor)
+        anchor = parallel.host_copy(anchor)
         return jax.tree.map(lambda x: x[0], anchor) if self.eager else anchor
 
     def _restart(self, state, arrays: dict):
@@ -318,9 +322,11 @@ class Learner:
         self.client.close()
 
 
-def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int = 1) -> Learner:
+def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int = 1,
+            fsdp_specs=None) -> Learner:  # fmt: skip
     """The learner of a run with ``syncer.address``, not yet joined: its ``replicas`` on
-    ``mesh`` (None: the simulator's layout)."""
+    ``mesh`` (None: the simulator's layout); ``fsdp_specs``: where its state's leaves live
+    with FSDP (:func:`diloco_jax.runtime.parallel.state_specs`)."""
     sy = cfg.syncer
     client = service.Client(sy.address, token(sy.token_file), timeout=sy.timeout * 4 + 60)
     rows = cfg.data.batch_size * cfg.outer.sync_every
@@ -328,16 +334,17 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
                    rows_per_round=rows, heartbeat=sy.heartbeat, log=log,
                    codec=recipe.codec_of(cfg), overlap=cfg.outer.mode == "delayed", mesh=mesh,
                    replicas=replicas, learners=sy.learners,
-                   outer_scale=recipe.outer_lr_input(cfg))  # fmt: skip
+                   outer_scale=recipe.outer_lr_input(cfg), fsdp_specs=fsdp_specs)  # fmt: skip
 
 
-def _sync_parts(algorithm, mesh, learners: int):
+def _sync_parts(algorithm, mesh, learners: int, fsdp_specs=None):
     """``(contribute, restart, land_mean)``: the core's parts of a sync taken between calls,
     for the replicas of a run's layout. ``contribute(state) -> (state, mean, total_w)``, the
     mean and the weight once (every replica has them); ``restart(state, anchor) -> state``, the
     anchor placed on every device; ``land_mean(state, mean, outer_scale) -> state``, the mean
     of ``learners`` learners. ``vmap`` over the replicas (the simulator) or, on ``mesh``, over
-    each device's virtual replicas under ``shard_map`` over the devices, as the run's step."""
+    each device's virtual replicas under ``shard_map`` over the devices, as the run's step;
+    with ``fsdp_specs`` each replica's state stays split over its ``DATA`` devices."""
     axes = state_lib.vmap_axes(algorithm.kinds)
     inner = REPLICA if mesh is None else LOCAL_REPLICA
     contribute_R = jax.vmap(algorithm.contribution, in_axes=(axes,), out_axes=(axes, 0, 0),
@@ -353,6 +360,14 @@ def _sync_parts(algorithm, mesh, learners: int):
     if mesh is None:
         return jax.jit(contribute), jax.jit(restart_R), jax.jit(land_R)
     specs = state_lib.specs(algorithm.kinds)
-    return (parallel.mesh_map(contribute, mesh, (specs,), (specs, P(), P())),
-            parallel.mesh_map(restart_R, mesh, (specs, P()), specs),
-            parallel.mesh_map(land_R, mesh, (specs, P(), P()), specs))  # fmt: skip
+    if fsdp_specs is None:
+        return (parallel.mesh_map(contribute, mesh, (specs,), (specs, P(), P())),
+                parallel.mesh_map(restart_R, mesh, (specs, P()), specs),
+                parallel.mesh_map(land_R, mesh, (specs, P(), P()), specs))  # fmt: skip
+    local = fsdp.local_specs(fsdp_specs)
+    kept = lambda fn: lambda state, *a: fn(fsdp.constrain(state, local), *a)  # noqa: E731
+    return (parallel.mesh_map(kept(contribute), mesh, (specs,), (specs, P(), P()),
+                              placed=(fsdp_specs, P(), P())),
+            parallel.mesh_map(kept(restart_R), mesh, (specs, P()), specs, placed=fsdp_specs),
+            parallel.mesh_map(kept(land_R), mesh, (specs, P(), P()), specs,
+                              placed=fsdp_specs))  # fmt: skip

@@ -172,8 +172,9 @@ def open_run(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, serv
     learner = None
     if cfg.syncer.address:  # a learner: it starts from the syncer's anchor (refused before
         # the compile if it would be; a synchronous round waits for it while it compiles)
+        fsdp_specs = parallel.state_specs(start.state, s.algorithm.kinds, s.layout)
         learner = learners.connect(cfg, s.algorithm, config_lib.keys(cfg), log, mesh=s.mesh,
-                                   replicas=s.layout.replicas)  # fmt: skip
+                                   replicas=s.layout.replicas, fsdp_specs=fsdp_specs)  # fmt: skip
         start = start._replace(state=learner.join(start.state))
     return Run(lead, mngr, runlog, live, learner), start
 

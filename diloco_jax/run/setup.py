@@ -125,9 +125,6 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
     problem = problems.load(cfg, everyone, task)
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
     if everyone != replicas:
-        if problem.stream is not None:
-            raise config_lib.ConfigError("a learner (syncer.address) reads the built-in data "
-                                         "or an ArrayTask's for now, not a GrainTask")  # fmt: skip
         shards_RxS = jax.tree.map(lambda x: x[first : first + replicas], shards_RxS)
     cfg = user_optimizers.recorded(cfg, given, params)
     # 1 more all-reduce per sync: only where it stays in one machine's memory
@@ -140,8 +137,9 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
     state = _initial_state(algorithm, params, layout, mesh, abstract)
     steps, streamed = cfg.train.log_every, problem.streamed
     stream = None
-    if problem.stream is not None:  # a user's pipelines
-        stream = problem.stream(num_steps=steps)
+    if problem.stream is not None:  # a user's pipelines (a learner's: its replicas' of all)
+        stream = problem.stream(num_steps=steps, replicas=replicas, first_replica=first,
+                                pipelines=everyone)  # fmt: skip
     elif streamed:
         stream = make_stream(shards_RxS, seed=cfg.seed, batch_size=d.batch_size,
                              seq_len=d.seq_len, num_steps=steps, first_replica=first)  # fmt: skip

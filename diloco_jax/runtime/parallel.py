@@ -246,15 +246,16 @@ def mesh_steps(replica_step, kinds, mesh: Mesh, num_steps: int, *, per_step_data
     return jax.jit(run, donate_argnums=0, out_shardings=out_shardings)
 
 
-def mesh_map(fn, mesh: Mesh, in_specs, out_specs):
+def mesh_map(fn, mesh: Mesh, in_specs, out_specs, placed=None):
     """``fn``, written for one replica-device's part (a ``vmap`` over its virtual replicas on
     ``LOCAL_REPLICA``), under ``shard_map`` on ``mesh`` and jitted, its outputs placed as
-    ``out_specs`` say; manual axes and ``check_vma`` as in :func:`mesh_steps`. For the parts of
-    a sync taken between calls (a learner's, :mod:`diloco_jax.learners.learner`)."""
+    ``out_specs`` say (or ``placed``, global specs with ``DATA`` too: an FSDP state's);
+    manual axes and ``check_vma`` as in :func:`mesh_steps`. For the parts of a sync taken
+    between calls (a learner's, :mod:`diloco_jax.learners.learner`)."""
     manual = {REPLICA} if mesh.shape[DATA] > 1 else {REPLICA, DATA}
     run = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                         axis_names=manual, check_vma=False)  # fmt: skip
-    return jax.jit(run, out_shardings=_shardings(mesh, out_specs))
+    return jax.jit(run, out_shardings=_shardings(mesh, out_specs if placed is None else placed))
 
 
 def state_specs(state, kinds, layout: Layout):

@@ -152,12 +152,15 @@ class PipelineStream:
     """The replicas' pipelines as the train loop's stream: each compiled call of ``num_steps``
     steps gets ``[N, R, B, ...]`` batches, each process reading only its own replicas'.
     ``position``: the step the iterators stand at; :meth:`states` and :meth:`restore` carry them
-    through checkpoints."""
+    through checkpoints. A learner's stream (:mod:`diloco_jax.learners`): its ``replicas`` are
+    pipelines ``first_replica ..`` of ``pipelines`` in all (every learner's replicas), so it
+    reads what those replicas of one run of every learner's would."""
 
     def __init__(self, pipeline: Callable, *, replicas: int, batch_size: int, seed: int, spec,
-                 num_steps: int):  # fmt: skip
+                 num_steps: int, first_replica: int = 0, pipelines: int = 0):  # fmt: skip
         self.pipeline, self.replicas, self.batch_size, self.seed = (pipeline, replicas,
                                                                      batch_size, seed)  # fmt: skip
+        self.first_replica, self.pipelines = first_replica, pipelines or replicas
         self.spec, self.num_steps = spec, num_steps
         self.position = 0
         self._iterators: dict[int, Any] = {}
@@ -192,7 +195,8 @@ class PipelineStream:
 
     def _iterator(self, replica: int):
         if replica not in self._iterators:
-            it = _open(self.pipeline, replica, self.replicas, self.batch_size, self.seed)
+            it = _open(self.pipeline, self.first_replica + replica, self.pipelines,
+                       self.batch_size, self.seed)  # fmt: skip
             if self.position and self._saved is not None:
                 if str(replica) not in self._saved:
                     raise TaskError(f"the checkpoint holds no pipeline state for replica "
