@@ -96,10 +96,9 @@ class _Learner:
     def __init__(self, speed: float):
         self.speed, self.generation, self.epoch = speed, 0, 0  # epoch: its process, from 1
         self.base = 0  # the round its work is against
-        self.pushed_at = 0.0
+        self.pushed_at = 0.0  # when it last pushed
         self.waits_for: int | None = None  # answered when the syncer is past this round
         self.joining = False  # its answer is a join's: it compiles before it steps
-        self.alive = False
 
 
 class _Replay:
@@ -122,7 +121,7 @@ class _Replay:
 
     def start(self, i: int) -> None:  # a new process
         me = self.learners[i]
-        me.alive, me.epoch = True, me.epoch + 1
+        me.epoch += 1
         self.at(self.now + self.pace.startup(me.epoch > 1) / me.speed, "join", i)
         self.at(self.now, "beat", i)
 
@@ -157,7 +156,7 @@ class _Replay:
             if sy.finished and self.end is None:
                 self.end = self.now + self.pace.tail_s
             for i, me in enumerate(self.learners):
-                if me.alive and me.waits_for is not None and sy.round > me.waits_for:
+                if me.waits_for is not None and sy.round > me.waits_for:
                     me.waits_for, me.base = None, sy.round
                     if not sy.finished and not me.joining:
                         self.waited[i].append(self.now + self.pace.transfer_s - me.pushed_at)

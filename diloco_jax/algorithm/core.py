@@ -286,9 +286,12 @@ class Diloco(NamedTuple):
         if hasattr(timing_state, "pending"):  # the mean arrives now, not a round later
             timing_state = timing_state._replace(pending=mean)
         applied, timing_state = self.timing.apply(mean, delta, w, timing_state, total_w=total_w)
-        new_anchor, outer = self.outer_step(applied, anchor, state.outer_state[0], outer_scale)
-        state = state._replace(anchor=jax.tree.unflatten(jax.tree.structure(state.anchor),
-                                                         new_anchor),
+        anyone = total_w > 0  # else no outer step, as at a sync where nobody's was finite
+        new_anchor, outer = self.outer_step(applied, anchor, state.outer_state[0], outer_scale,
+                                            anyone)  # fmt: skip
+        treedef = jax.tree.structure(state.anchor)
+        timing_state = _where(anyone, timing_state, state.timing_state)
+        state = state._replace(anchor=jax.tree.unflatten(treedef, new_anchor),
                                outer_state=(outer,), timing_state=timing_state)  # fmt: skip
         return self.restart(state, state.anchor)
 
