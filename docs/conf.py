@@ -32,6 +32,12 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _generated_doc(cls) -> bool:
+    """Whether ``cls`` has no docstring of its own: a dataclass without one gets its
+    signature (``DataConfig(corpus: 'str' = ...)``), which is no introduction."""
+    return not cls.__doc__ or cls.__doc__.startswith(f"{cls.__name__}(")
+
+
 def configuration_page() -> str:
     """Every config key by section: type, default (the ``default`` preset's schema) and what
     it does."""
@@ -54,7 +60,7 @@ def configuration_page() -> str:
     for section, rows in sections.items():
         lines += ["", f"## `{section}`" if section != "(top level)" else "## Top level", ""]
         value = docs.get(section, (None, None))[1]
-        if dataclasses.is_dataclass(value) and type(value).__doc__:
+        if dataclasses.is_dataclass(value) and not _generated_doc(type(value)):
             lines += [" ".join(type(value).__doc__.split()), ""]
         lines += ["| key | type | default | what it does |", "|---|---|---|---|"]
         for key, k in rows:

@@ -183,3 +183,18 @@ def test_the_link_check_reports_a_missing_file_and_a_missing_heading(tmp_path):
         "b.md: c.md (no such file)",
         "b.md: a.md#third (no such heading)",
     ]
+
+
+def test_every_config_section_introduces_itself():
+    # The configuration reference opens each section with its dataclass's docstring. A section
+    # without one would show the dataclass's generated signature (`DataConfig(corpus: ...)`),
+    # so each needs its own: a failure names the classes to give one.
+    import dataclasses
+
+    sections = [type(getattr(config_lib.Config(), f.name))
+                for f in dataclasses.fields(config_lib.Config)]  # fmt: skip
+    sections = [c for c in sections if dataclasses.is_dataclass(c)]
+    assert len(sections) > 10
+    bare = [c.__name__ for c in sections
+            if not c.__doc__ or c.__doc__.startswith(f"{c.__name__}(")]  # fmt: skip
+    assert not bare, f"config sections without a docstring: {bare}"

@@ -67,6 +67,9 @@ class ResNetConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
+    """The training data (``diloco_jax/data/``): a built-in corpus, a text file, a prepared
+    TFDS dataset or images; each replica's batch."""
+
     corpus: str = _key("shakespeare", "shakespeare | digits | a .txt/.txt.gz/.txt.xz file | "
                        "tfds:NAME (diloco-prepare; in data.data_dir)")  # fmt: skip
     data_dir: str = _key("", "TFDS data dir; empty: ~/tensorflow_datasets")
@@ -105,6 +108,9 @@ class InnerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
+    """DiLoCo's outer loop: the sync period, the outer optimizer (the paper's Nesterov SGD)
+    and when its step applies (``diloco_jax/algorithm/timing.py``)."""
+
     sync_every: int = _key(50, "inner steps between syncs (H)")
     optimizer: str = _key(_OUTER["name"].default, "sgd (the paper's Nesterov) | adam | adamw "
                           "| package.module:function returning your optax transform")  # fmt: skip
@@ -130,6 +136,9 @@ class OuterConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
+    """Where the replicas run (``diloco_jax/runtime/``): the simulator (``vmap`` on one device)
+    or a mesh of devices and processes, with a data axis or FSDP within a replica."""
+
     replicas: int = _key(4, "DiLoCo replicas (R)")
     runtime: str = _key("auto", "auto (mesh on several devices, CPU cores too; else sim) | sim "
                         "(vmap) | mesh")  # fmt: skip
@@ -145,6 +154,8 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """The run's length, logs, evaluations and checkpoints (``diloco_jax/run/loop.py``)."""
+
     total_steps: int = _key(1000, "inner steps per replica")
     log_every: int = _key(25, "steps between logs; also steps compiled into one call")
     eval_every: int = _key(250, "steps between evaluations")
