@@ -198,3 +198,21 @@ def test_every_config_section_introduces_itself():
     bare = [c.__name__ for c in sections
             if not c.__doc__ or c.__doc__.startswith(f"{c.__name__}(")]  # fmt: skip
     assert not bare, f"config sections without a docstring: {bare}"
+
+
+def test_no_paragraph_line_starts_a_blockquote_by_accident():
+    # A wrapped line that begins with ">" (as in ">= 1") turns the rest of its paragraph into a
+    # blockquote. A failure names `page:line`: rewrap the paragraph so that no line starts so.
+    bad = []
+    for page in [ROOT / "README.md", *DOCS.rglob("*.md")]:
+        if "_build" in page.parts or "_generated" in page.parts:
+            continue
+        fenced, before = False, ""
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced and line.startswith(">") and before.strip() and (
+                    not before.startswith(">")):  # fmt: skip
+                bad.append(f"{page.relative_to(ROOT)}:{number}")
+            before = line
+    assert not bad, f"lines that start a blockquote inside a paragraph: {bad}"
