@@ -42,7 +42,7 @@ def configuration_page() -> str:
     """Every config key by section: type, default (the ``default`` preset's schema) and what
     it does."""
     lines = [
-        "# Configuration",
+        "# Configuration reference: every key",
         "",
         "Every key of the config, as `--config.KEY=VALUE` on the command line, a preset's "
         "`get_config()`, or `overrides={KEY: VALUE}` in `diloco_jax.fit`. Generated from the "
