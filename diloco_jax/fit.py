@@ -17,10 +17,16 @@ from diloco_jax.tasks import UserTask
 
 
 class FitResult(NamedTuple):
-    """``params``: the outer (anchor) parameters at the end, on the host; ``eval_loss``: their
-    final evaluation; ``history``: every event of the run's ``metrics.jsonl`` (train, eval,
-    sync, ...), resumed runs' included; ``summary``: what ``train`` returned (steps, tokens,
-    seconds, ...; the final replica-stacked ``state`` on the devices)."""
+    """What :func:`fit` returns: the trained parameters and the run's record.
+
+    Attributes:
+      params: the outer (anchor) parameters at the end, on the host.
+      eval_loss: their final evaluation's ``eval_loss``.
+      history: every event of the run's ``metrics.jsonl`` (train, eval, sync, ...), those of
+        the runs it resumed included.
+      summary: what the training loop returned: steps, tokens, seconds, ..., and the final
+        replica-stacked ``state``, on the devices.
+    """
 
     params: Any
     eval_loss: float
@@ -47,14 +53,39 @@ def fit(task: UserTask, config: config_lib.Config | str | None = None, *,
         inner: optax.GradientTransformation | None = None,
         outer: optax.GradientTransformation | None = None,
         show_progress: bool = True, allow_config_change: bool = False) -> FitResult:  # fmt: skip
-    """Trains ``task`` with DiLoCo under ``config`` into ``workdir``, resuming from its newest
-    checkpoint as the command line does. ``config``: a Config, a preset's name or path (None:
-    ``tiny``, the command line's default), with ``overrides`` (``{"outer.sync_every": 10}``,
-    each parsed as its key's type). ``inner`` / ``outer``: your own optax transforms, in place
-    of the config's AdamW and Nesterov SGD (``inner.*`` / ``outer.*`` optimizer keys then do
-    not apply; a resume with another transform is refused like a changed learning rate:
-    :mod:`diloco_jax.config.user_optimizers`). Raises ConfigError or
-    :class:`~diloco_jax.tasks.TaskError` (one line naming what is wrong) before compiling."""
+    """Trains ``task`` with DiLoCo into ``workdir``, through the same loop as ``python -m
+    diloco_jax.train``: simulator or mesh, checkpoints, logs, TensorBoard, the dashboard.
+
+    A ``workdir`` that holds a checkpoint is resumed from its newest one, as the command line
+    does; a resume that would change the training (another config value, another optimizer) is
+    refused unless ``allow_config_change``.
+
+    Args:
+      task: the task to train: an :class:`~diloco_jax.ArrayTask` or a
+        :class:`~diloco_jax.GrainTask`.
+      config: a :class:`~diloco_jax.config.Config`, or a preset's name or path (None:
+        ``tiny``, the command line's default).
+      workdir: the run's directory: checkpoints, ``metrics.jsonl``, figures.
+      overrides: config keys to change, ``{"outer.sync_every": 10}``, each value parsed as its
+        key's type (the :doc:`configuration reference </_generated/configuration>` lists them).
+      inner: your own optax transform for the replicas' inner steps, in place of the config's
+        AdamW (the ``inner.*`` optimizer keys then do not apply).
+      outer: your own optax transform for the outer step, in place of the config's Nesterov
+        SGD (the ``outer.*`` optimizer keys then do not apply).
+      show_progress: show a progress bar (where ``log.progress_bar`` is on).
+      allow_config_change: resume even where the config differs from the checkpoint's,
+        logging each change.
+
+    Returns:
+      The :class:`FitResult`, with the final outer parameters, their evaluation and the
+      run's events.
+
+    Raises:
+      ~diloco_jax.config.ConfigError: a config key or value is invalid, or a resume would change
+        the training (before anything is compiled).
+      TaskError: the task's parameters, loss, data or evaluation cannot be trained (one line
+        naming what is wrong, before anything is compiled).
+    """
     from diloco_jax.train import train  # it sets the CPU's device count before JAX starts
 
     cfg = make_config(config, overrides)
@@ -78,12 +109,36 @@ def sweep(task: UserTask, config: config_lib.Config | str | None = None, *,
           inner: optax.GradientTransformation | None = None,
           outer: optax.GradientTransformation | None = None,
           show_progress: bool = True) -> list[dict]:  # fmt: skip
-    """``python -m sim``'s sweep of ``task`` from Python: one run per value of each sweep
-    (``"outer.sync_every=10,50"``, as ``--sweep`` on the command line) and per seed, plus the
-    ``baselines`` (``single``, ``ddp``). Returns the summary table (a row per group: the final
-    eval loss's mean and spread over seeds, bytes, simulated time), also written with the
-    figures into ``workdir``. ``config``, ``overrides``, ``inner`` and ``outer`` as for
-    :func:`fit`. A finished run of the same config, task and optimizers is reused."""
+    """Compares settings on ``task``: ``python -m sim``'s sweep, from Python.
+
+    One run per value of each sweep and per seed, plus the baselines, each in its own
+    directory under ``workdir``. A finished run of the same config, task and optimizers is
+    reused, so an interrupted sweep resumes where it stopped.
+
+    Args:
+      task: the task to train, as for :func:`fit`.
+      config: the base config, as for :func:`fit`.
+      workdir: the sweep's directory: one run per directory, the summary table and figures.
+      sweeps: the settings to compare, as ``--sweep`` on the command line:
+        ``["outer.sync_every=10,50"]`` runs once per value.
+      seeds: the seeds to run each setting with.
+      baselines: also run these baselines: ``"single"`` (one replica), ``"ddp"`` (data
+        parallelism).
+      overrides: config keys to change in every run, as for :func:`fit`.
+      inner: your own inner optax transform, as for :func:`fit`.
+      outer: your own outer optax transform, as for :func:`fit`.
+      show_progress: show each run's progress bar.
+
+    Returns:
+      The summary table, one dict per group of runs that differ only in their seed, with
+      the final eval loss's mean and spread over the seeds, the bytes sent and the simulated
+      time. It is also written with the figures into ``workdir``.
+
+    Raises:
+      ~diloco_jax.config.ConfigError: a config key or value, a sweep, the seeds or a baseline
+        is invalid.
+      TaskError: the task cannot be trained (see :func:`fit`).
+    """
     from diloco_jax.commands import _simulator
 
     base = make_config(config, overrides)

@@ -1,9 +1,10 @@
-"""A Llama-style decoder (RoPE, RMSNorm, SwiGLU; Flax NNX) trained with DiLoCo on a text file
-through a grain pipeline. Stop it at any point (Ctrl-C, or even kill -9) and run the same
-command again: it resumes from its last checkpoint, each replica's pipeline where it was, and
-ends with the parameters an uninterrupted run would have.
+"""A Llama-style decoder (RoPE, RMSNorm, SwiGLU; Flax NNX) trained with DiLoCo
+on a text file through a grain pipeline. Stop it at any point (Ctrl-C, or
+even kill -9) and run the same command again: it resumes from its last
+checkpoint, each replica's pipeline where it was, and ends with the
+parameters an uninterrupted run would have.
 
-python examples/llama_grain.py [--text FILE] [--steps 300] [--workdir runs/llama_grain]
+    python examples/llama_grain.py [--text FILE] [--steps N] [--workdir DIR]
 """
 
 import argparse
@@ -27,13 +28,17 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones(DIM))
 
     def __call__(self, x_BxLxD):
-        rms_BxLx1 = jnp.sqrt(jnp.mean(x_BxLxD**2, axis=-1, keepdims=True) + 1e-6)
+        rms_BxLx1 = jnp.sqrt(
+            jnp.mean(x_BxLxD**2, axis=-1, keepdims=True) + 1e-6
+        )
         return x_BxLxD / rms_BxLx1 * self.scale
 
 
 def rope(x_BxLxHxK):
     half = x_BxLxHxK.shape[-1] // 2
-    angle_LxK = jnp.arange(x_BxLxHxK.shape[1])[:, None] * 10000.0 ** (-jnp.arange(half) / half)
+    angle_LxK = jnp.arange(x_BxLxHxK.shape[1])[:, None] * 10000.0 ** (
+        -jnp.arange(half) / half
+    )
     cos, sin = jnp.cos(angle_LxK)[:, None], jnp.sin(angle_LxK)[:, None]
     x1, x2 = x_BxLxHxK[..., :half], x_BxLxHxK[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -49,7 +54,9 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxLxD):
         b, length, _ = x_BxLxD.shape
-        qkv = self.qkv(self.attn_norm(x_BxLxD)).reshape(b, length, 3, HEADS, DIM // HEADS)
+        qkv = self.qkv(self.attn_norm(x_BxLxD)).reshape(
+            b, length, 3, HEADS, DIM // HEADS
+        )
         q, k, v = rope(qkv[:, :, 0]), rope(qkv[:, :, 1]), qkv[:, :, 2]
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         x_BxLxD = x_BxLxD + self.proj(attended.reshape(b, length, DIM))
@@ -73,42 +80,68 @@ class Llama(nnx.Module):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    shipped = pathlib.Path(diloco_jax.__file__).parent / "data" / "shakespeare.txt.xz"
-    parser.add_argument("--text", default=str(shipped), help="a text file (.xz or plain)")
+    shipped = (
+        pathlib.Path(diloco_jax.__file__).parent / "data" / "shakespeare.txt.xz"
+    )
+    parser.add_argument(
+        "--text", default=str(shipped), help="a text file (.xz or plain)"
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--workdir", default="runs/llama_grain")
     args = parser.parse_args()
     path = pathlib.Path(args.text)
     text = lzma.open(path).read() if path.suffix == ".xz" else path.read_bytes()
-    tokens_N = np.frombuffer(text[: 2**20], np.uint8).astype(np.int32)  # the first MiB
+    first_mib = text[: 2**20]
+    tokens_N = np.frombuffer(first_mib, np.uint8).astype(np.int32)
     windows = len(tokens_N) // SEQ - 1
     held_out = windows - 256  # the last 256 windows: the evaluation
     window = lambda i: tokens_N[i * SEQ : (i + 1) * SEQ + 1]  # noqa: E731
     train_windows = grain.MapDataset.range(held_out).map(window)
 
-    def pipeline(*, replica, replicas, batch_size, seed):  # each replica's batches
-        return diloco_jax.replica_batches(train_windows, replica=replica, replicas=replicas,
-                                          batch_size=batch_size, seed=seed)  # fmt: skip
+    def pipeline(*, replica, replicas, batch_size, seed):  # a replica's batches
+        return diloco_jax.replica_batches(
+            train_windows,
+            replica=replica,
+            replicas=replicas,
+            batch_size=batch_size,
+            seed=seed,
+        )
 
     graphdef, state = nnx.split(Llama(nnx.Rngs(0)), nnx.Param)
 
     def loss(params, tokens_BxL1, rng):
-        logits_BxLxV = nnx.merge(graphdef, nnx.State(params))(tokens_BxL1[:, :-1])
+        logits_BxLxV = nnx.merge(graphdef, nnx.State(params))(
+            tokens_BxL1[:, :-1]
+        )
         return optax.softmax_cross_entropy_with_integer_labels(
             logits_BxLxV, tokens_BxL1[:, 1:]
         ).mean()
 
     eval_windows = np.stack([window(i) for i in range(held_out, windows)])
-    task = diloco_jax.GrainTask(nnx.to_pure_dict(state), loss, pipeline, eval_windows,
-                                unit="token", tokens_per_row=SEQ)  # fmt: skip
-    result = diloco_jax.fit(task, workdir=args.workdir, overrides={
-        "train.total_steps": args.steps, "train.log_every": 5, "train.eval_every": 50,
-        "train.checkpoint_every": 10, "data.batch_size": 16, "parallel.replicas": 4,
-        "outer.sync_every": 10, "inner.learning_rate": 3e-3, "inner.warmup_steps": 10,
-    })  # fmt: skip
+    task = diloco_jax.GrainTask(
+        nnx.to_pure_dict(state),
+        loss,
+        pipeline,
+        eval_windows,
+        unit="token",
+        tokens_per_row=SEQ,
+    )
+    overrides = {
+        "train.total_steps": args.steps,
+        "train.log_every": 5,
+        "train.eval_every": 50,
+        "train.checkpoint_every": 10,
+        "data.batch_size": 16,
+        "parallel.replicas": 4,
+        "outer.sync_every": 10,
+        "inner.learning_rate": 3e-3,
+        "inner.warmup_steps": 10,
+    }
+    result = diloco_jax.fit(task, workdir=args.workdir, overrides=overrides)
+    steps = result.summary["steps"]
     print(
-        f"eval loss {result.eval_loss:.3f} nats per byte after {result.summary['steps']} "
-        f"steps; parameters in {args.workdir}/params"
+        f"eval loss {result.eval_loss:.3f} nats per byte after {steps} steps; "
+        f"parameters in {args.workdir}/params"
     )
 
 

@@ -1,9 +1,12 @@
-"""A Flax NNX MLP on NumPy arrays, trained with DiLoCo (4 simulated replicas) at two sync periods,
-with your own inner optimizer (clipped AdamW on a warmup-cosine schedule) and several seeds, each
-initialising the MLP anew: the figures show the seeds' mean and a band from their min to max.
+"""A Flax NNX MLP on NumPy arrays, trained with DiLoCo (4 simulated replicas) at
+two sync periods, with your own inner optimizer (clipped AdamW on a
+warmup-cosine schedule) and several seeds, each initialising the MLP anew: the
+figures show the seeds' mean and a band from their min to max.
 
-python examples/nnx_mlp.py [STEPS] [SEEDS]   # runs in ./runs/nnx_mlp; prints a table;
-                                             # runs/nnx_mlp/curves.png: the curves with bands
+    python examples/nnx_mlp.py [STEPS] [SEEDS]
+
+It runs in ./runs/nnx_mlp and prints a table; runs/nnx_mlp/curves.png holds
+the curves with bands.
 """
 
 import sys
@@ -41,19 +44,31 @@ def loss(params, batch, rng):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-train, held_out = ({k: v[s] for k, v in data.items()} for s in (np.s_[:3584], np.s_[3584:]))
+train, held_out = (
+    {k: v[s] for k, v in data.items()} for s in (np.s_[:3584], np.s_[3584:])
+)
 task = diloco_jax.ArrayTask(init, loss, train, eval_data=held_out)
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 500
 seeds = list(range(int(sys.argv[2]) if len(sys.argv) > 2 else 3))
-schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=steps // 10,
-                                              decay_steps=steps)  # fmt: skip
+schedule = optax.warmup_cosine_decay_schedule(
+    0.0, 3e-3, warmup_steps=steps // 10, decay_steps=steps
+)
 inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
-table = diloco_jax.sweep(task, workdir="runs/nnx_mlp", sweeps=["outer.sync_every=10,50"],
-                         seeds=seeds, inner=inner,
-                         overrides={"train.total_steps": steps, "train.log_every": 10,
-                                    "train.eval_every": max(10, steps // 100 * 10),
-                                    "data.batch_size": 32})  # fmt: skip
+table = diloco_jax.sweep(
+    task,
+    workdir="runs/nnx_mlp",
+    sweeps=["outer.sync_every=10,50"],
+    seeds=seeds,
+    inner=inner,
+    overrides={
+        "train.total_steps": steps,
+        "train.log_every": 10,
+        "train.eval_every": max(10, steps // 100 * 10),
+        "data.batch_size": 32,
+    },
+)
 print("sync_every | eval MSE (mean ± std over seeds)")
 for row in table:
-    print(f"{row['run'].split('=')[1]:>10} | {row['final_eval_loss']:.4f} "
-          f"± {row['final_eval_loss_std']:.4f}")  # fmt: skip
+    sync_every = row["run"].split("=")[1]
+    mean, std = row["final_eval_loss"], row["final_eval_loss_std"]
+    print(f"{sync_every:>10} | {mean:.4f} ± {std:.4f}")

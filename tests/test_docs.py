@@ -1,7 +1,8 @@
-"""The docs stay true to the code: the API page lists the package's public names, the guides
-name config keys that exist, and relative links in the README and docs/ lead to files that
-exist. Fast: the text is read, nothing is trained or built (Sphinx's -W build in .ci/run checks
-links between the site's pages; these tests cover what it does not see)."""
+"""The docs stay true to the code: the API page lists the package's public names, the guides name
+config keys that exist, and relative links in the README and docs/ lead to files that exist.
+They stay readable: short paragraphs in the guides, code that fits the column. Fast: the text is
+read, nothing is trained or built (Sphinx's -W build in .ci/run checks links between the site's
+pages; these tests cover what it does not see)."""
 
 import pathlib
 import re
@@ -14,7 +15,8 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 API_PAGE = DOCS / "api.md"
 # the pages where a user reads config keys
-KEY_PAGES = [README, DOCS / "getting_started.md", *sorted((DOCS / "guides").glob("*.md"))]
+KEY_PAGES = [README, *(DOCS / f"{name}.md" for name in ("getting_started", "key_concepts",
+             "run_folder", "install")), *sorted((DOCS / "guides").glob("*.md"))]  # fmt: skip
 # a file name has the form section.word too (`train.py`); no config key ends in one of these
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "txt", "png", "csv", "sh", "npz", "toml", "gz"}
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
@@ -32,12 +34,14 @@ def _without_code_blocks(text: str) -> str:
 
 # --- (a) the API page and diloco_jax.__all__ --------------------------------------------------
 
-API_ENTRY = re.compile(r"^\.\. (?:auto\w+|py:\w+):: diloco_jax\.(\w+)\s*$", re.M)
+API_ENTRY = re.compile(r"^\.\. (?:auto\w+|py:\w+):: diloco_jax\.([\w.]+)\s*$", re.M)
+_MISSING = object()
 
 
 def _api_entries(text: str) -> dict[str, list[str]]:
     """``{name: [members]}`` for every ``.. autoX:: diloco_jax.NAME`` (or ``.. py:X::``) entry
-    of the API page, with the names its ``:members:`` option lists."""
+    of the API page, ``NAME`` also a subpackage's (``tasks.Problem``), with the names its
+    ``:members:`` option lists."""
     entries, name = {}, None
     for line in text.splitlines():
         if m := API_ENTRY.match(line):
@@ -48,6 +52,14 @@ def _api_entries(text: str) -> dict[str, list[str]]:
     return entries
 
 
+def _lookup(name: str):
+    """``diloco_jax.<name>`` (``name`` may be dotted: ``tasks.Problem``), or _MISSING."""
+    obj = diloco_jax
+    for part in name.split("."):
+        obj = getattr(obj, part, _MISSING)
+    return obj
+
+
 def test_the_api_page_lists_every_public_name_and_only_existing_ones():
     # A failure names either a public name (in diloco_jax.__all__) that docs/api.md does not
     # document, so the site's API reference misses it (add an entry), or an entry of docs/api.md
@@ -56,10 +68,10 @@ def test_the_api_page_lists_every_public_name_and_only_existing_ones():
     assert len(entries) > 10, "the API page's entries were not found: did its format change?"
     undocumented = sorted(set(diloco_jax.__all__) - set(entries))
     assert not undocumented, f"in diloco_jax.__all__ but not in docs/api.md: {undocumented}"
-    missing = sorted(n for n in entries if not hasattr(diloco_jax, n))
+    missing = sorted(n for n in entries if _lookup(n) is _MISSING)
     missing += sorted(
-        f"{n}.{m}" for n, members in entries.items() if hasattr(diloco_jax, n)
-        for m in members if not hasattr(getattr(diloco_jax, n), m)
+        f"{n}.{m}" for n, members in entries.items() if _lookup(n) is not _MISSING
+        for m in members if not hasattr(_lookup(n), m)
     )  # fmt: skip
     assert not missing, f"docs/api.md documents names diloco_jax does not have: {missing}"
 
@@ -234,3 +246,111 @@ def test_page_titles_are_unique():
             titles.setdefault(first[2:].strip(), []).append(str(path))
     repeated = {t: p for t, p in titles.items() if len(p) > 1}
     assert not repeated, f"page titles used twice: {repeated}"
+
+
+# --- (d) readable: short paragraphs, code that fits the column --------------------------------
+
+# the pages a user reads through; the reference pages (architecture, benchmarks, testing) are
+# looked things up in, and keep their longer paragraphs
+GUIDE_PAGES = [README, *(DOCS / f"{name}.md" for name in ("index", "getting_started",
+               "key_concepts", "run_folder", "install", "examples", "tutorial")),
+               *sorted((DOCS / "guides").glob("*.md"))]  # fmt: skip
+MOST_WORDS = 150
+# characters of a code line the site's column shows whole (sphinx-book-theme at a 1280 px
+# window; scripts/screenshots.py takes the pages at that width)
+COLUMN = 80
+DIRECTIVE_FENCE = re.compile(r"^(`{3,}|~{3,})\{(?!code-cell)")  # {include}, {toctree}, ...
+
+
+def _paragraphs(text: str):
+    """``(line, words)`` per paragraph outside code blocks: a list item starts one, and
+    headings, tables, HTML comments and directive options end one."""
+    start, words, fenced = 0, 0, None
+    for number, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if fenced or re.match(r"^(`{3,}|~{3,})", s):
+            fenced = (None if fenced and s.startswith(fenced) else
+                      fenced or re.match(r"^(`{3,}|~{3,})", s).group(1))  # fmt: skip
+            s = ""
+        ends = not s or s[0] in "#|<:" or s == "---"
+        item = re.match(r"^([-*+]|\d+\.)\s+", s)
+        if ends or item:
+            if words:
+                yield start, words
+            words = 0
+            if ends:
+                continue
+            s = s[item.end() :]
+        start = start if words else number
+        words += len(s.split())
+    if words:
+        yield start, words
+
+
+def _where(page: pathlib.Path) -> str:
+    return str(page.relative_to(ROOT) if page.is_relative_to(ROOT) else page)
+
+
+def _code_lines(page: pathlib.Path):
+    """``(where, line)`` for every line of the page's code blocks (a ``{code-cell}`` included),
+    and of the file (or the part between its markers) an ``{include}`` or ``{literalinclude}``
+    brings in."""
+    text = page.read_text()
+    for block in re.finditer(r"^(`{3,})([^\n]*)\n(.*?)^\1\s*$", text, re.S | re.M):
+        first = text[: block.start()].count("\n") + 2
+        if re.match(r"\{(literal)?include\}", block.group(2)):
+            source = (page.parent / block.group(2).split(None, 1)[1].strip()).resolve()
+            body = source.read_text()
+            if after := re.search(r":start-after: (.*)", block.group(3)):
+                body = body.split(after.group(1), 1)[1]
+            if before := re.search(r":end-before: (.*)", block.group(3)):
+                body = body.split(before.group(1), 1)[0]
+            yield from ((f"{_where(page)}:{first - 1} ({source.name})", line)
+                        for line in body.splitlines() if not line.startswith("```"))  # fmt: skip
+        elif not DIRECTIVE_FENCE.match(block.group(0)):
+            for offset, line in enumerate(block.group(3).splitlines()):
+                yield f"{_where(page)}:{first + offset}", line
+
+
+def test_no_guide_paragraph_is_a_wall_of_text():
+    # A failure names `page:line (words)`: split the paragraph, or make it a list.
+    long = [f"{page.relative_to(ROOT)}:{line} ({words})" for page in GUIDE_PAGES
+            for line, words in _paragraphs(page.read_text()) if words > MOST_WORDS]  # fmt: skip
+    assert not long, f"paragraphs over {MOST_WORDS} words: {long}"
+
+
+def test_the_paragraph_count_sees_items_code_and_tables():
+    text = "one two\nthree\n\n- four five\n- six\n\n```\nnot words here\n```\n| a | b |\nseven\n"
+    assert list(_paragraphs(text)) == [(1, 3), (4, 2), (5, 1), (11, 1)]
+
+
+def test_code_lines_fit_the_column():
+    # The site cuts a longer line off at the column's edge. A failure names `page:line (width)`:
+    # wrap it (a backslash, a magic trailing comma, a comment of its own).
+    pages = [p for p in _markdown_pages() if p != README]
+    wide = [f"{where} ({len(line)})" for page in pages for where, line in _code_lines(page)
+            if len(line) > COLUMN]  # fmt: skip
+    assert not wide, f"code lines wider than {COLUMN} characters: {wide}"
+
+
+def test_the_code_line_scan_reads_includes_and_skips_directives(tmp_path):
+    (tmp_path / "source.md").write_text(
+        "x\n<!-- a -->\n```python\n" + "y" * 90 + "\n```\n<!-- /a -->\n"
+    )
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```{include} source.md\n:start-after: <!-- a -->\n:end-before: <!-- /a -->\n"
+        "```\n\n```{toctree}\n" + "z" * 90 + "\n```\n\n```bash\nshort\n```\n"
+    )
+    lines = [line for _, line in _code_lines(page) if line]
+    assert lines == ["y" * 90, "short"]
+
+
+def test_the_task_guide_opens_on_array_task_code():
+    # The first screen of "Bring your own task" shows the task example (README's, included).
+    text = (DOCS / "guides" / "your_task.md").read_text()
+    first_block = text.index("```")
+    assert text[:first_block].count("\n") < 8, "the task guide's example moved down the page"
+    assert text[first_block:].startswith("```{include} ../../README.md")
+    example = README.read_text().split("<!-- task-example -->", 1)[1]
+    assert "diloco_jax.ArrayTask(" in example.split("<!-- /task-example -->")[0]

@@ -694,6 +694,51 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     assert not helpers.events(tmp_path / "learner", "sync")
 
 
+@pytest.mark.parametrize("mode", ["sync", "delayed", "eager"])
+def test_a_learner_reads_its_anchor_to_the_host_once_a_round(tmp_path, monkeypatch, mode):
+    """The anchor goes from the devices to the host (with FSDP gathered whole first) once at
+    the join and once each sync, the copy kept for a join again: taking the answer needs only
+    its shapes. A learner of the quadratic's one replica, through a syncer over gRPC, three
+    rounds; overlapped, the first sync takes no answer (the replicas restart from the anchor
+    that sync read), the others the answer of the push before."""
+    import logging
+
+    from diloco_jax.learners.learner import Learner
+
+    algorithm, x0 = _algorithm(mode), jnp.zeros(3, jnp.float32)
+    _, _, local = _learner_fns(algorithm)
+    reads = []
+    read = Learner._anchor
+
+    def counted(self, state):
+        reads.append(1)
+        return read(self, state)
+
+    monkeypatch.setattr(Learner, "_anchor", counted)
+    syncer = _syncer(tmp_path, algorithm, learners=1, answer_mean=mode == "eager")
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    client = service.Client(f"127.0.0.1:{server.port}", TOKEN, timeout=30.0)
+    learner = Learner(client, algorithm, learner=0, keys={"outer.sync_every": 3},
+                      rows_per_round=3, heartbeat=10.0, log=logging.getLogger("test"),
+                      overlap=mode == "delayed")  # fmt: skip
+    try:
+        state = learner.join(init_replicas(algorithm, x0, 1))
+        each = [len(reads)]
+        for rnd in range(3):
+            for _ in range(3):
+                state, _ = local(state, state.params - CENTERS_RxD[:1])
+            state = learner.sync(state, last=rnd == 2)
+            each.append(len(reads) - sum(each))
+    finally:
+        learner.close()
+        server.stop()
+        syncer.close()
+    assert syncer.round == 3
+    # the join, then each sync; it was [2, 3, 3, 3]: the join's and its restart's, the push's
+    # and the answer's twice (eager [2, 2, 2, 2]: the answer's once)
+    assert each == [1, 1, 1, 1]
+
+
 def test_a_user_task_as_a_learner_trains_what_it_trains_alone(tmp_path, monkeypatch):
     """A user's ``ArrayTask`` through ``fit``, as the only learner of a syncer (served from this
     process): the same final anchor and evaluation as ``fit`` with its one replica, bit for

@@ -40,3 +40,14 @@ def test_the_task_guide_includes_the_readmes_example_rather_than_a_copy():
     guide = (ROOT / "docs" / "guides" / "your_task.md").read_text()
     assert ":start-after: <!-- task-example -->" in guide and "ArrayTask({" not in guide
     assert "<!-- /task-example -->" in README.read_text()
+
+
+def test_the_task_guides_grain_example_trains_to_the_true_weights(tmp_path):
+    guide = ROOT / "docs" / "guides" / "your_task.md"
+    block = re.search(r"<!-- grain-example -->\n```python\n(.*?)```", guide.read_text(), re.S)
+    assert block, "the task guide lost its grain example"
+    code = block.group(1).replace('"/tmp/runs/grain"', repr(str(tmp_path / "grain")))
+    scope = {}
+    exec(compile(code, str(guide), "exec"), scope)  # noqa: S102
+    np.testing.assert_allclose(scope["result"].params["w"], [1.0, -2.0, 0.5], atol=0.05)
+    assert scope["result"].eval_loss < 1e-2

@@ -18,9 +18,15 @@ from diloco_jax.algorithm.state import PER_REPLICA, SHARED, declare
 
 
 class LocalState(NamedTuple):
-    """``step``: int32 scalar, shared; ``params`` and ``inner_state``: per replica (with data
-    parallelism every replica holds the same values; they stay per replica so that nothing
-    differentiated is replicated over the replica axis)."""
+    """The replica-stacked state of the baselines (:class:`~diloco_jax.algorithm.Local`).
+
+    Attributes:
+      step: int32 scalar, shared. Inner steps taken so far.
+      params: per replica ``[R, ...]``: each replica's parameters (with data parallelism every
+        replica holds the same values; they stay per replica so that nothing differentiated
+        is replicated over the replica axis).
+      inner_state: per replica: the inner optimizer's state.
+    """
 
     step: jax.Array
     params: Any
@@ -28,7 +34,16 @@ class LocalState(NamedTuple):
 
 
 class Local(NamedTuple):
-    """Every replica steps ``inner``; with an ``axis_name`` the gradients are averaged first."""
+    """The baselines, with DiLoCo's interface (``kinds``, ``init``, ``update``,
+    ``outer_params``): every replica steps ``inner``; with an ``axis_name`` the gradients are
+    averaged over the replicas first. Built by :func:`~diloco_jax.single` and
+    :func:`~diloco_jax.data_parallel`.
+
+    Args:
+      inner: the optimizer every replica steps.
+      axis_name: the named axis (or axes) spanning the replicas, over which the gradients
+        are averaged (None: they are not).
+    """
 
     inner: optax.GradientTransformation
     axis_name: AxisName | None = None
@@ -57,10 +72,27 @@ class Local(NamedTuple):
 
 
 def data_parallel(inner: optax.GradientTransformation, *, axis_name: AxisName = "replica"):
-    """Synchronous data parallelism over ``axis_name``: the same training code as DiLoCo."""
+    """Synchronous data parallelism (the ``ddp`` baseline): the replicas average their
+    gradients at every step, then take the inner step, through the same training code as
+    DiLoCo.
+
+    Args:
+      inner: the optimizer every replica steps.
+      axis_name: the named axis (or axes) spanning the replicas.
+
+    Returns:
+      A :class:`~diloco_jax.algorithm.Local` with this ``axis_name``.
+    """
     return Local(inner, axis_name)
 
 
 def single(inner: optax.GradientTransformation) -> Local:
-    """One replica, the inner optimizer only."""
+    """One replica with the inner optimizer alone (the ``single`` baseline).
+
+    Args:
+      inner: the optimizer.
+
+    Returns:
+      A :class:`~diloco_jax.algorithm.Local` without an axis name.
+    """
     return Local(inner, None)

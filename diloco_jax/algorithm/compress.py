@@ -46,10 +46,18 @@ _LEVELS = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}  # largest code magnitude p
 
 
 class Codec(NamedTuple):
-    """How pseudo-gradients travel. ``name`` in :data:`CODECS`; ``block``: values per scale;
-    ``topk_fraction``: share of values ``topk`` keeps; ``min_size``: leaves with fewer values stay
-    float32; ``error_feedback``: what encoding lost is kept by the replica and added to its next
-    pseudo-gradient."""
+    """How pseudo-gradients travel at a sync: the ``codec`` of :func:`~diloco_jax.diloco`.
+
+    Args:
+      name: ``"none"`` (float32), ``"bf16"``, ``"int8"``, ``"fp8"``, ``"int4"`` (each block of
+        values with its own float32 scale) or ``"topk"`` (only the ``topk_fraction``
+        largest-magnitude values, with their positions).
+      block: values per scale (an even integer >= 2).
+      topk_fraction: the share of values ``topk`` keeps, in ``(0, 1]``.
+      min_size: leaves with fewer values stay float32.
+      error_feedback: what encoding lost is kept by the replica and added to its next
+        pseudo-gradient.
+    """
 
     name: str = "none"
     block: int = 256

@@ -50,7 +50,8 @@ from diloco_jax.algorithm.variants import Streaming, check_options
 
 
 class DilocoState(NamedTuple):
-    """The replica-stacked state of DiLoCo (kinds: :meth:`Diloco.kinds`).
+    """The replica-stacked state of DiLoCo: which fields are per replica and which shared is
+    :attr:`Diloco.kinds <diloco_jax.Diloco.kinds>`.
 
     Attributes:
       step: int32 scalar, shared (never a replica axis, so the sync ``lax.cond`` stays a branch
@@ -148,8 +149,13 @@ def _maybe(on: jax.Array, which: jax.Array, branches: list, rnd: _Round) -> _Rou
 
 
 class Diloco(NamedTuple):
-    """DiLoCo's pieces; build it with :func:`diloco`. ``groups``: the leaf indices of each
-    fragment are computed from the parameters (``fragment_of``)."""
+    """The DiLoCo algorithm: its pieces (inner and outer optimizers, sync plan, exchange,
+    outer timing), built by :func:`~diloco_jax.diloco`, and the methods a training loop calls.
+
+    :meth:`update` is written for one replica, under a named axis spanning the replicas;
+    :func:`~diloco_jax.init_replicas` builds the replica-stacked state from :meth:`init` and
+    :attr:`kinds`, and :meth:`outer_params` gives the parameters to evaluate.
+    """
 
     inner: optax.GradientTransformationExtraArgs
     outer: optax.GradientTransformation
@@ -166,8 +172,11 @@ class Diloco(NamedTuple):
 
     @property
     def kinds(self) -> DilocoState:
-        """Which fields are per replica and which shared: the one declaration every layout
-        (vmap axes, shard_map specs, checkpoints, elastic restarts) derives from."""
+        """Which fields of the state are per replica and which shared.
+
+        A :class:`~diloco_jax.DilocoState` whose fields hold :data:`~diloco_jax.PER_REPLICA`
+        or :data:`~diloco_jax.SHARED`, the one declaration every layout (vmap axes, shard_map
+        specs, checkpoints, elastic restarts) derives from."""
         own = PER_REPLICA in (self.timing.anchor_kind, self.exchange.anchor_kind)
         anchor = PER_REPLICA if own else SHARED
         return state_lib.declare(DilocoState, step=SHARED, params=PER_REPLICA,
@@ -179,7 +188,16 @@ class Diloco(NamedTuple):
         return fragments.groups(self.fragment_of(params, self.plan.fragments), self.plan.fragments)
 
     def init(self, params) -> DilocoState:
-        """The state of one replica starting from ``params`` (see :func:`init_replicas`)."""
+        """The state of one replica starting from ``params``
+        (:func:`~diloco_jax.init_replicas` stacks it for every replica).
+
+        Args:
+          params: the initial parameters, a pytree of float arrays.
+
+        Returns:
+          One replica's :class:`~diloco_jax.DilocoState`, at step 0, with the anchor equal to
+          ``params`` and fresh inner, outer and exchange states.
+        """
         leaves = jax.tree.leaves(params)
         parts = [[leaves[i] for i in idx] for idx in self._groups(params)]
         return DilocoState(
@@ -195,8 +213,15 @@ class Diloco(NamedTuple):
         )
 
     def outer_params(self, stacked: DilocoState) -> Any:
-        """The parameters to evaluate: the anchor (with eager updates and gossip, where every
-        replica keeps its own, their mean)."""
+        """The parameters to evaluate.
+
+        Args:
+          stacked: the replica-stacked state.
+
+        Returns:
+          The anchor (with eager outer steps and gossip, where every replica keeps its own,
+          the replicas' mean anchor).
+        """
         if self.kinds.anchor == PER_REPLICA:
             return jax.tree.map(lambda x: x.mean(axis=0).astype(x.dtype), stacked.anchor)
         return stacked.anchor
@@ -333,20 +358,28 @@ class Diloco(NamedTuple):
                outer_scale=1.0, sync: bool = True):  # fmt: skip
         """One inner step of one replica, then the sync and landing the plan schedules.
 
-        ``active=False`` skips this replica's inner step (a straggler idling); at a sync the
-        mean is weighted by ``weight`` (0 leaves the replica out: dropped);
-        ``take_anchor=False`` keeps the replica on its own parameters instead of restarting
-        from the new anchor. A replica whose pseudo-gradient holds NaN or Inf gets weight 0 and
+        Written for one replica: run it under a named axis spanning the replicas
+        (``jax.vmap(..., axis_name=...)`` or ``jax.shard_map``) with the algorithm's
+        ``axis_name``. A replica whose pseudo-gradient holds NaN or Inf gets weight 0 and
         restarts from the anchor with a fresh inner state. If every weight is 0 the outer step
         is discarded (anchor and outer state stay) and replicas restart from the anchor.
-        ``outer_scale`` (float32, the same for every replica) multiplies the outer step: the
-        outer learning rate changed while the run goes on, with nothing recompiled.
 
-        ``sync=False``: the inner step alone, whatever the plan says (the chunked simulator
-        runs the sync separately, over every replica: :mod:`diloco_jax.runtime.chunked`).
+        Args:
+          state: this replica's slice of the stacked :class:`~diloco_jax.DilocoState`.
+          grads: the gradients of this replica's loss, with the parameters' structure.
+          active: False skips this replica's inner step (a straggler idling).
+          weight: this replica's weight in the mean at a sync (0 leaves it out: dropped).
+          take_anchor: False keeps the replica on its own parameters instead of restarting
+            from the new anchor.
+          outer_scale: multiplies the outer step (float32, the same for every replica): the
+            outer learning rate changed while the run goes on, with nothing recompiled.
+          sync: False takes the inner step alone, whatever the plan says (the chunked
+            simulator runs the sync separately, over every replica).
 
-        Returns ``(state, metrics)``: the :class:`SyncStats` fields (zeros on steps that start
-        no sync).
+        Returns:
+          The pair ``(state, metrics)`` of the new state and the
+          :class:`~diloco_jax.SyncStats` fields as a dict (zeros on steps that start no
+          sync).
         """
         updates, inner_state = self.inner.update(grads, state.inner_state, state.params,
                                                  active=active)  # fmt: skip
@@ -413,6 +446,11 @@ def diloco(
 ) -> Diloco:
     """DiLoCo: ``sync_every`` local steps of ``inner``, then one ``outer`` step on the anchor.
 
+    Every ``sync_every`` inner steps the replicas average their pseudo-gradients (anchor minus
+    parameters) and ``outer`` moves the shared anchor, from which every replica restarts. The
+    other arguments choose variants: how the mean travels, when fragments sync, when the outer
+    step applies.
+
     Args:
       inner: the per-replica optimizer (the paper: AdamW).
       outer: the optimizer of the anchor, fed the replica-mean pseudo-gradient (the paper:
@@ -423,26 +461,38 @@ def diloco(
         paper keeps it; a reset also restarts any step count inside ``inner`` (its schedule).
       diagnostics: also compute the mean pairwise cosine of pseudo-gradients at each sync (one
         more all-reduce of parameter size).
-      codec: how pseudo-gradients travel (:mod:`diloco_jax.algorithm.compress`); None or ``"none"``:
+      codec: how pseudo-gradients travel (a :class:`~diloco_jax.Codec`); None or ``"none"``:
         float32. With ``codec.error_feedback`` each replica keeps what its encoding lost and
         adds it to its next pseudo-gradient.
-      dct_config: exchange DCT momentum instead (:func:`.exchange.dct_momentum`).
-      streaming: :class:`Streaming` fragments, overlap and mix (None: plain DiLoCo).
-      outer_mode: ``sync`` (the paper), ``delayed`` or ``eager``
-        (:mod:`diloco_jax.algorithm.timing`).
-      fragment_of: ``params -> fragment of each leaf`` (default :func:`fragments.strided`).
+      dct_config: exchange DCT momentum instead (a :class:`~diloco_jax.DctConfig`: DeMo's
+        largest DCT components, or SparseLoCo's top-k).
+      streaming: :class:`~diloco_jax.Streaming` fragments, overlap and mix (None: plain
+        DiLoCo).
+      outer_mode: when the outer step applies: ``"sync"`` (the paper: this sync's mean),
+        ``"delayed"`` (the previous sync's mean, whose all-reduce ran during the round) or
+        ``"eager"`` (the previous mean with this replica's fresh share in place of its stale
+        one; every replica keeps its own anchor).
+      fragment_of: ``(params, fragments) -> the fragment of each leaf`` (default:
+        ``diloco_jax.algorithm.fragments.strided``, layer ``l`` of a stack in fragment
+        ``l mod F``, the other leaves balancing the fragments' sizes).
       moment_sync: DES-LOC's periods of averaging the inner optimizer's first and second
-        moments across replicas (:mod:`.moments`; None: never).
+        moments across replicas (a :class:`~diloco_jax.algorithm.MomentSync`; None: never).
       gossip_config: NoLoCo: every replica averages with one partner, keeping its own anchor
-        (:mod:`.gossip`; None: the all-replica mean).
+        (a :class:`~diloco_jax.algorithm.gossip.Gossip`; None: the all-replica mean).
       late_merge: replicas may miss syncs (quorum and grace, after Decoupled DiLoCo, arXiv
         2604.21428): each keeps the anchor it restarted from (``base``) and its pseudo-gradient
         is ``base - params``, so a replica left out of a sync (``weight=0``,
         ``take_anchor=False``) merges all its work since at a later one, weighted by its tokens
-        (the caller's ``weight``: :func:`diloco_jax.simulated.schedule.quorum_rounds`).
+        (the caller's ``weight``; the simulator computes it from ``sim.quorum`` and
+        ``sim.grace``).
 
-    Raises :class:`~diloco_jax.algorithm.options.OptionError` (a ValueError) for an option out
-    of range or a combination that is not supported (:func:`check_options`).
+    Returns:
+      The :class:`~diloco_jax.Diloco` algorithm; :func:`~diloco_jax.init_replicas` builds its
+      state.
+
+    Raises:
+      OptionError: an option out of range or a combination that is not supported (the checks
+        of :func:`~diloco_jax.check_options`).
     """
     check_options(sync_every=sync_every, streaming=streaming, outer_mode=outer_mode, codec=codec,
                   dct_config=dct_config, reset_inner_state=reset_inner_state,
@@ -461,11 +511,30 @@ def diloco(
 
 
 def init_replicas(algorithm, params, replicas: int):
-    """``algorithm``'s replica-stacked initial state: every replica starts from ``params``;
-    shared fields are stored once (as its ``kinds`` declare)."""
+    """The replica-stacked initial state of ``algorithm``: every replica starts from
+    ``params``.
+
+    Args:
+      algorithm: a :class:`~diloco_jax.Diloco`, or a baseline (:func:`~diloco_jax.single`,
+        :func:`~diloco_jax.data_parallel`).
+      params: the initial parameters, a pytree of float arrays.
+      replicas: the number of replicas, ``R``.
+
+    Returns:
+      The state with its per-replica fields stacked on a leading ``[R]`` axis and its shared
+      fields stored once (as the algorithm's ``kinds`` declare). It owns fresh buffers, so
+      donating it never invalidates ``params``.
+    """
     return state_lib.stack(algorithm.init(params), algorithm.kinds, replicas)
 
 
 def vmap_axes(algorithm):
-    """``jax.vmap`` axes of ``algorithm``'s state (0 per replica, None shared)."""
+    """The ``in_axes`` / ``out_axes`` of ``algorithm``'s state for :func:`jax.vmap`.
+
+    Args:
+      algorithm: a :class:`~diloco_jax.Diloco` or a baseline.
+
+    Returns:
+      A pytree prefix of the state, 0 for per-replica fields and None for shared ones.
+    """
     return state_lib.vmap_axes(algorithm.kinds)

@@ -28,9 +28,18 @@ from diloco_jax.algorithm.options import require
 
 
 class DctConfig(NamedTuple):
-    """``chunk``: values per DCT chunk (S); ``topk``: coefficients sent per chunk (K);
-    ``beta``: momentum decay of the local accumulator; ``min_size``: leaves with fewer values
-    are averaged in float32."""
+    """DCT momentum, the ``dct_config`` of :func:`~diloco_jax.diloco`: each replica keeps a
+    local momentum of its pseudo-gradients, cuts it into chunks, transforms each by a DCT and
+    sends only the largest components (DeMo); with ``dct=False`` and ``bits=2``, SparseLoCo.
+
+    Args:
+      chunk: values per DCT chunk (S), >= 2.
+      topk: components sent per chunk (K), in ``[1, chunk]``.
+      beta: momentum decay of the local accumulator, in ``[0, 1]``.
+      min_size: leaves with fewer values are averaged in float32.
+      dct: False: the chunks' own values, not their DCT (SparseLoCo).
+      bits: bits of each sent value: 32 (float32) or 2 (SparseLoCo's quantizer).
+    """
 
     chunk: int = 64
     topk: int = 4

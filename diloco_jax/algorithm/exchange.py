@@ -43,6 +43,16 @@ def replica_mean(tree: Any, axis_name: AxisName) -> Any:
     Several names are reduced one after the other (mean of equal-size group means equals the
     global mean). One ``pmean`` over a tuple mixing a ``vmap`` axis and a ``shard_map`` axis is not
     lowered by jax 0.10, so we never ask for one.
+
+    Args:
+      tree: a pytree of arrays, this replica's.
+      axis_name: the named axis, or a sequence of them (the virtual replicas of a device, then
+        the devices), spanning the replicas; call it under ``jax.vmap`` or ``jax.shard_map``
+        with these names.
+
+    Returns:
+      ``tree``'s mean over the replicas (:func:`jax.lax.pmean` over each name in turn), the
+      same on every replica.
     """
     for name in names(axis_name):
         tree = lax.pmean(tree, name)

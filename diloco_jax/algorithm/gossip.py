@@ -37,8 +37,16 @@ from diloco_jax.algorithm.state import PER_REPLICA
 
 
 class Gossip(NamedTuple):
-    """``replicas`` (even), the ``seed`` of the pairings, ``pull`` (gamma / beta) and how many
-    pairings are compiled (``pairings``; sync ``n`` uses ``n mod pairings``)."""
+    """NoLoCo's gossip, the ``gossip_config`` of :func:`~diloco_jax.diloco`: at every sync
+    each replica averages with one partner, keeping its own anchor.
+
+    Args:
+      replicas: the number of replicas (even, >= 2: they pair up).
+      seed: the seed of the random pairings.
+      pull: the weight of the pull toward the pair's mean anchor (gamma / beta), in
+        ``[0, 2]``.
+      pairings: how many pairings are compiled; sync ``n`` uses pairing ``n mod pairings``.
+    """
 
     replicas: int
     seed: int = 0

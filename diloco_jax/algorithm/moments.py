@@ -28,7 +28,15 @@ FIELDS = {"first": "mu", "second": "nu"}
 
 
 class MomentSync(NamedTuple):
-    """Inner steps between averages of the first and the second moments (0: never)."""
+    """DES-LOC's moment averages, the ``moment_sync`` of :func:`~diloco_jax.diloco`: inner
+    steps between averages of the inner optimizer's first and second moments across replicas.
+
+    Args:
+      first_every: inner steps between averages of the first moments (0: never; else a
+        multiple of ``sync_every``).
+      second_every: inner steps between averages of the second moments (0: never; else a
+        multiple of ``sync_every``).
+    """
 
     first_every: int = 0
     second_every: int = 0

@@ -86,7 +86,28 @@ def inner_optimizer(
 
 
 def inner_adamw(**kwargs) -> optax.GradientTransformation:
-    """:func:`inner_optimizer` ``("adamw", **kwargs)``: the paper's inner optimizer."""
+    """DiLoCo's inner optimizer, the paper's: AdamW after clipping gradients by their global
+    norm, its learning rate warmed up linearly from 0, then decayed by a cosine.
+
+    Keyword Args:
+      learning_rate (float): the peak learning rate, > 0 (required).
+      total_steps (int): inner steps of the run, where the cosine ends (required).
+      warmup_steps (int): steps of the linear warmup from 0 (required).
+      final_lr_fraction (float): the learning rate at ``total_steps``, as a fraction of the
+        peak (default 0.1).
+      weight_decay (float): AdamW's decoupled weight decay (default 0.1).
+      b1 (float): AdamW's first-moment decay (default 0.9).
+      b2 (float): AdamW's second-moment decay (default 0.95).
+      clip_norm (float): the global norm gradients are clipped to (default 1.0; ``<= 0``: no
+        clipping).
+
+    Returns:
+      :func:`optax.adamw` with this schedule, after :func:`optax.clip_by_global_norm` (the two
+      joined by :func:`optax.chain`) unless ``clip_norm <= 0``.
+
+    Raises:
+      OptionError: a value out of range, named as its config key (``inner.<argument>``).
+    """
     return inner_optimizer("adamw", **kwargs)
 
 
@@ -109,9 +130,21 @@ def muon_dimensions(params):
 def outer_nesterov(
     *, learning_rate: float = 0.7, momentum: float = 0.9, nesterov: bool = True
 ) -> optax.GradientTransformation:
-    """DiLoCo's outer optimizer: SGD with (Nesterov) momentum; plain SGD when ``momentum == 0``.
-    Raises :class:`~diloco_jax.algorithm.options.OptionError` (``outer.<argument>``) for a value
-    out of range."""
+    """DiLoCo's outer optimizer: SGD with (Nesterov) momentum, fed the replicas' mean
+    pseudo-gradient. The paper's is the default; ``momentum=0`` is plain SGD, and at
+    ``learning_rate=1`` plain averaging (FedAvg).
+
+    Args:
+      learning_rate: the outer learning rate, > 0.
+      momentum: the momentum, in ``[0, 1)`` (0: none).
+      nesterov: Nesterov momentum (where ``momentum > 0``).
+
+    Returns:
+      :func:`optax.sgd` with these settings.
+
+    Raises:
+      OptionError: a value out of range, named as its config key (``outer.<argument>``).
+    """
     _finite(learning_rate > 0, "outer.learning_rate", learning_rate, "must be a finite number > 0")
     _finite(0 <= momentum < 1, "outer.momentum", momentum, "must be in [0, 1)")
     return optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov and momentum > 0)
@@ -207,10 +240,33 @@ def make_algorithm(
     outer_mode: str = "sync",
     **variants,
 ):
-    """The algorithm named ``algorithm`` (one of :data:`ALGORITHMS`). Every one has
-    ``kinds``, ``init``, ``update(state, grads, **control)`` and ``outer_params``; ``codec``,
-    ``dct_config``, ``streaming``, ``outer_mode`` and ``variants`` (``moment_sync``,
-    ``gossip_config``, ``late_merge``) are DiLoCo's variants."""
+    """The algorithm named ``algorithm``, DiLoCo or a baseline, with one interface: every one
+    has ``kinds``, ``init``, ``update(state, grads, **control)`` and ``outer_params``, so one
+    training loop runs them all.
+
+    Args:
+      algorithm: ``"diloco"`` (:func:`~diloco_jax.diloco`), ``"ddp"``
+        (:func:`~diloco_jax.data_parallel`) or ``"single"`` (:func:`~diloco_jax.single`).
+      inner: the per-replica optimizer (every algorithm's).
+      outer: DiLoCo's outer optimizer (unused by the baselines).
+      sync_every: DiLoCo's inner steps between syncs.
+      axis_name: the named axis (or axes) spanning the replicas.
+      reset_inner_state: as for :func:`~diloco_jax.diloco`.
+      diagnostics: as for :func:`~diloco_jax.diloco`.
+      codec: as for :func:`~diloco_jax.diloco`.
+      dct_config: as for :func:`~diloco_jax.diloco`.
+      streaming: as for :func:`~diloco_jax.diloco`.
+      outer_mode: as for :func:`~diloco_jax.diloco`.
+      **variants: DiLoCo's other variants, as for :func:`~diloco_jax.diloco`:
+        ``moment_sync``, ``gossip_config``, ``late_merge``.
+
+    Returns:
+      A :class:`~diloco_jax.Diloco`, or the baselines' :class:`~diloco_jax.algorithm.Local`.
+
+    Raises:
+      ValueError: an unknown ``algorithm``; :class:`~diloco_jax.OptionError` (a ValueError)
+        for DiLoCo's options, as :func:`~diloco_jax.diloco` raises it.
+    """
     if algorithm == "diloco":
         return diloco(
             inner, outer, sync_every=sync_every, axis_name=axis_name,

@@ -16,7 +16,15 @@ from typing import Any
 
 
 class OptionError(ValueError):
-    """``option = value`` is invalid: ``allowed``."""
+    """``option = value`` is invalid: ``allowed``. A :class:`ValueError`.
+
+    Args:
+      option: the argument as the library spells it (``sync_every``, ``streaming.mix``,
+        ``codec.block``, ...).
+      value: the value given.
+      allowed: what the argument allows; it may name other arguments as ``{name}``, which
+        :meth:`render` writes with an edge's names.
+    """
 
     def __init__(self, option: str, value: Any, allowed: str):
         self.option, self.value, self.allowed = option, value, allowed

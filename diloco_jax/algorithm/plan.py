@@ -20,8 +20,15 @@ from diloco_jax.algorithm.options import require
 
 
 class SyncPlan(NamedTuple):
-    """``sync_every`` inner steps per round (of each fragment), ``fragments`` (F) and
-    ``overlap`` (tau)."""
+    """The sync plan: at which inner steps a fragment's sync starts and when its merged value
+    lands. Its methods take Python ints (the host) and traced int32 scalars (the device step)
+    alike.
+
+    Args:
+      sync_every: inner steps per round (of each fragment).
+      fragments: Streaming DiLoCo's fragments (F; 1: plain DiLoCo).
+      overlap: inner steps between a fragment's sync start and its landing (tau; 0: at once).
+    """
 
     sync_every: int
     fragments: int = 1

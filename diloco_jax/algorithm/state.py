@@ -25,7 +25,13 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax.base.axes import REPLICA
 
+#: The kind of a state field that holds one value per replica, on a leading ``[R]`` axis
+#: (``params``, ``inner_state``). :attr:`Diloco.kinds <diloco_jax.Diloco.kinds>` gives each
+#: field of :class:`~diloco_jax.DilocoState` a kind; the ``vmap`` axes, ``shard_map`` specs and
+#: checkpoint layout derive from it.
 PER_REPLICA = "per_replica"
+#: The kind of a state field stored once for all replicas: ``step``, and ``anchor`` and
+#: ``outer_state`` unless the outer steps are eager.
 SHARED = "shared"
 T = TypeVar("T")
 

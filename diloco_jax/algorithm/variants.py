@@ -13,9 +13,17 @@ from diloco_jax.algorithm.timing import OUTER_MODES
 
 
 class Streaming(NamedTuple):
-    """Streaming DiLoCo: ``fragments`` (F), ``overlap`` (tau, inner steps between a fragment's
-    sync and its landing, ``< sync_every / F``) and ``mix`` (alpha, the local parameters' weight
-    when the merged fragment lands). ``Streaming()`` is plain DiLoCo."""
+    """Streaming DiLoCo (Douillard et al., 2025, arXiv 2501.18512), the ``streaming`` of
+    :func:`~diloco_jax.diloco`. ``Streaming()`` is plain DiLoCo.
+
+    Args:
+      fragments: the parameters are split into F fragments, which sync in turn, one every
+        ``sync_every / F`` steps (F must divide ``sync_every``).
+      overlap: tau, inner steps between a fragment's sync and its landing, while training
+        goes on (``< sync_every / F``; 0: at once).
+      mix: alpha, in ``[0, 1)``: the local parameters' weight when the merged fragment lands
+        (0: the replica takes the merged value).
+    """
 
     fragments: int = 1
     overlap: int = 0
@@ -37,10 +45,24 @@ def check_options(
     gossip_config: gossip.Gossip | None = None,
     late_merge: bool = False,
 ) -> None:
-    """The one place where :func:`diloco`'s arguments are checked, each alone and together.
+    """The one place where :func:`~diloco_jax.diloco`'s arguments are checked, each alone and
+    together: :func:`~diloco_jax.diloco` calls it; call it yourself to check a setting before
+    building anything.
 
-    Raises :class:`~diloco_jax.algorithm.options.OptionError` naming the first bad argument (the
-    config layer maps the name to its key)."""
+    Args:
+      sync_every: as for :func:`~diloco_jax.diloco`.
+      streaming: as for :func:`~diloco_jax.diloco`.
+      outer_mode: as for :func:`~diloco_jax.diloco`.
+      codec: as for :func:`~diloco_jax.diloco`.
+      dct_config: as for :func:`~diloco_jax.diloco`.
+      reset_inner_state: as for :func:`~diloco_jax.diloco`.
+      moment_sync: as for :func:`~diloco_jax.diloco`.
+      gossip_config: as for :func:`~diloco_jax.diloco`.
+      late_merge: as for :func:`~diloco_jax.diloco`.
+
+    Raises:
+      OptionError: naming the first bad argument (the config layer maps the name to its key).
+    """
     streaming = Streaming() if streaming is None else Streaming(*streaming)
     plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
     plan.validate()

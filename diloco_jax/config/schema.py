@@ -321,6 +321,12 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """A run's whole configuration: one section per part of the run (``model``, ``data``,
+    ``inner``, ``outer``, ``train``, ``sim``, ...), each a frozen dataclass of keys. Build it
+    from a preset (``load_preset``, ``get_config()``) with overrides; the
+    :doc:`configuration reference </_generated/configuration>` lists every key with its type,
+    default and what it does."""
+
     algorithm: str = _key("diloco", "diloco | ddp (data parallel) | single (one worker)")
     seed: int = _key(0, "seed of parameters, data order and simulated failures; in [0, 2**31)")
     model: ModelConfig = ModelConfig()

@@ -141,26 +141,37 @@ class Learner:
 
     def _anchor(self, state):
         """The learner's anchor on the host, as one: with eager timing every replica keeps its
-        own (the same at a join), and replica 0's stands for them."""
+        own (the same at a join), and replica 0's stands for them. A read from the devices
+        (with FSDP a gather too): once a join or a sync, the rest take :meth:`_like`."""
         anchor = state.anchor if self._whole is None else self._whole(state.anchor)
         anchor = parallel.host_copy(anchor)
         return jax.tree.map(lambda x: x[0], anchor) if self.eager else anchor
 
+    def _like(self, state):
+        """What :meth:`_anchor` looks like, its shapes and dtypes (``jax.ShapeDtypeStruct``),
+        without reading it: the structure an answer's anchor or mean is put into."""
+        cut = 1 if self.eager else 0
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[cut:], x.dtype), state.anchor)
+
     def _restart(self, state, arrays: dict):
         """``state`` restarted from the anchor ``arrays`` (by name; host arrays, the same on
         every process)."""
-        anchor = wire.unnamed(self._anchor(state), arrays)
+        anchor = wire.unnamed(self._like(state), arrays)
         return self._restart_placed(state, parallel.replicated(anchor, self.mesh))
 
-    def _take(self, state, arrays: dict | None):
+    def _take(self, state, arrays: dict | None, own: dict | None = None):
         """``state`` after a round's answer: restarted from its anchor, or with eager timing the
         outer step taken here on its mean (:meth:`~diloco_jax.algorithm.Diloco.land_mean`).
-        ``None``: the first overlapped sync's, no answer yet (the anchor moves by zero; eager:
-        by this replica's own share)."""
-        like = self._anchor(state)
+        ``None``: the first overlapped sync's, no answer yet (the anchor moves by zero, the
+        replicas restart from ``own``, their anchor by name as the sync read it; eager: by
+        this replica's own share)."""
         if not self.eager:
-            return self._restart(state, wire.named(like) if arrays is None else arrays)
-        mean = jax.tree.map(np.zeros_like, like) if arrays is None else wire.unnamed(like, arrays)
+            anchor = own if arrays is None else arrays
+            assert anchor is not None  # the first overlapped sync passes its own
+            return self._restart(state, anchor)
+        like = self._like(state)
+        mean = (jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), like) if arrays is None
+                else wire.unnamed(like, arrays))  # fmt: skip
         return self._land_mean(state, parallel.replicated(mean, self.mesh), self.outer_scale)
 
     def _from_lead(self, reply: dict, arrays: dict, like: dict, error: Exception | None = None):
@@ -222,7 +233,7 @@ class Learner:
         fields = {"learner": self.learner, "generation": self.generation, "round": self.round,
                   "weight": total_w * replicas * self.rows_per_round}  # fmt: skip
         pushed = payload.encode(wire.leaf_names(state.anchor), mean, self.codec, replicas)
-        anchor = wire.named(self._anchor(state))  # the join's, should it be needed
+        anchor = wire.named(self._anchor(state))  # the join's, should it be needed; read once
         start = time.monotonic()
         if not self.overlap:
             return self._land(state, self._exchange(fields, pushed, anchor), start)
@@ -231,7 +242,7 @@ class Learner:
         self.round += 1  # the next push is for the round after this one's
         if previous is None:  # the first: no answer to take yet
             self.last = {}
-            state = self._take(state, None)
+            state = self._take(state, None, anchor)
         else:
             state = self._land(state, previous.result(), start)
         if last:

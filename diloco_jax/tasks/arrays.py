@@ -42,22 +42,32 @@ class TaskError(DataError):
 
 @dataclasses.dataclass(frozen=True)
 class ArrayTask:
-    """A task over arrays in memory.
+    """A task over arrays in memory: your parameters, your loss and your data.
 
-    ``params``: the initial parameters, a pytree of float arrays; or ``init(key) -> params``,
-    called with ``jax.random.key(seed)`` (the run's ``seed``), so that a seed sweep varies the
-    initialisation too.
-    ``loss(params, batch, rng) -> scalar`` (or ``(scalar, {name: scalar})``: metrics logged as
-    ``aux_<name>`` in each train event): the mean loss of a batch, ``batch`` being
-    ``train_data``'s pytree with ``batch_size`` rows; ``rng`` is a key, a pure function of
-    ``(seed, replica, step)`` (for dropout), and None in evaluation.
-    ``train_data``: a pytree of arrays ``[N, ...]`` (NumPy or JAX).
-    ``eval_data``: a pytree of arrays ``[M, ...]`` for the outer parameters' evaluation (None:
-    the training data).
-    ``evaluate(params, eval_data) -> {"eval_loss": scalar, ...}``: jit-able; None: the mean of
-    ``loss`` over every evaluation example, ``eval_batch`` rows at a time.
-    ``unit``: what a batch row counts as in logs (``example``, or ``token`` with
-    ``tokens_per_row``).
+    Train it with :func:`~diloco_jax.fit` (or compare settings with :func:`~diloco_jax.sweep`).
+    The training data is cut into one contiguous shard per replica, and each replica draws its
+    batch with replacement from its shard as a pure function of ``(seed, replica, step)``.
+
+    Args:
+      params: the initial parameters, a pytree of float arrays (Flax NNX: the ``params`` of
+        ``graphdef, params = nnx.split(model, nnx.Param)``, see :func:`flax.nnx.split`); or
+        ``init(key) -> params``, called with ``jax.random.key(seed)`` (the run's ``seed``), so
+        that a seed sweep varies the initialisation too.
+      loss: ``loss(params, batch, rng) -> scalar``: the mean loss of a batch, ``batch`` being
+        ``train_data``'s pytree with ``batch_size`` rows; ``rng`` is a key, a pure function of
+        ``(seed, replica, step)`` (for dropout), and None in evaluation. It may return
+        ``(scalar, {name: scalar})``: those metrics are logged as ``aux_<name>`` in each train
+        event.
+      train_data: a pytree of arrays ``[N, ...]`` (:class:`numpy.ndarray` or :class:`jax.Array`)
+        that share their leading example axis.
+      eval_data: a pytree of arrays ``[M, ...]`` to evaluate the outer parameters on (None: the
+        training data).
+      evaluate: ``evaluate(params, eval_data) -> {"eval_loss": scalar, ...}``, jit-able (None:
+        the mean of ``loss`` over every evaluation example).
+      eval_batch: examples per chunk of the default evaluation (which pads and masks the last).
+      unit: what a batch row counts as in logs: ``"example"``, or ``"token"`` (with
+        ``tokens_per_row``).
+      tokens_per_row: tokens in one row, where ``unit`` is ``"token"``.
     """
 
     params: Any
@@ -70,9 +80,26 @@ class ArrayTask:
     tokens_per_row: int = 1
 
     def problem(self, replicas: int, batch_size: int, *, seed: int = 0) -> Problem:
-        """The training loop's :class:`~diloco_jax.tasks.core.Problem`: ``replicas`` shards
-        (``seed``: the initialisation's where ``params`` is ``init(key)``; the sampling takes it
-        in the step); raises :class:`TaskError` for the cases in the module's docstring."""
+        """Checks the task on shapes (``jax.eval_shape``: nothing is compiled) and builds what
+        the training loop takes. :func:`~diloco_jax.fit` calls it.
+
+        Args:
+          replicas: how many replicas share the training data (one shard each).
+          batch_size: rows per replica and inner step.
+          seed: the seed of the initialisation where ``params`` is ``init(key)`` (the batches
+            take the run's seed in the train step).
+
+        Returns:
+          The :class:`~diloco_jax.tasks.Problem`, with ``replicas`` shards of the training
+          data, the evaluation data, the initial parameters and the task's loss and
+          evaluation.
+
+        Raises:
+          TaskError: one line naming what is wrong: data whose leaves disagree on the number of
+            examples, fewer examples per replica than ``batch_size``, parameters that are not
+            floating point, a loss that is not a float scalar or cannot be differentiated, an
+            evaluation without a scalar ``eval_loss``.
+        """
         params = initial_params(self.params, seed)
         train = jax.tree.map(np.asarray, self.train_data)
         count = _examples(train, "train_data")
@@ -98,8 +125,12 @@ class ArrayTask:
         return Problem(shards, eval_data, None, params, task, math.nan)
 
     def fingerprint(self) -> str:
-        """A digest of the parameters' and data's shapes and values and the loss's and
-        evaluation's names: a sweep reuses a finished run only for the same task."""
+        """A digest of the task: a sweep reuses a finished run only for the same task.
+
+        Returns:
+          16 hexadecimal digits of a hash of the parameters' and data's shapes and values and of
+          the names of the loss and evaluation functions (and of ``init``).
+        """
         init = (self.params,) if callable(self.params) else ()
         arrays = ((), self.train_data, self.eval_data) if init else (self.params,
                                                                      self.train_data,

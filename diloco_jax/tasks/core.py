@@ -42,10 +42,12 @@ class Task(NamedTuple):
 
 
 class Problem(NamedTuple):
-    """What a run learns, as the training loop takes it: each replica's data, the evaluation
-    data, the initial parameters and the :class:`Task` over them. Built by the built-in tasks
-    (``diloco_jax.config.problems``) and by a user's (:class:`diloco_jax.tasks.ArrayTask`,
-    :class:`diloco_jax.tasks.GrainTask`)."""
+    """What a run learns, as the training loop takes it: each replica's data (``shards``, or a
+    ``stream`` of batches read on the host), the evaluation data, the initial ``params`` and the
+    ``task`` over them (how a replica samples a batch, its loss and the evaluation). Built by
+    the built-in tasks (``diloco_jax.config.problems``) and by a user's
+    (:meth:`ArrayTask.problem <diloco_jax.ArrayTask.problem>`,
+    :meth:`GrainTask.problem <diloco_jax.GrainTask.problem>`)."""
 
     shards: Any  # [R, S] tokens, or a task's pytree of [R, S, ...] arrays
     eval_data: Any

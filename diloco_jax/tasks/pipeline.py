@@ -44,9 +44,23 @@ from diloco_jax.tasks.core import Problem, Task
 
 
 def replica_batches(dataset, *, replica: int, replicas: int, batch_size: int, seed: int):
-    """The usual per-replica pipeline over a ``grain.MapDataset`` of examples: every
-    ``replicas``-th example from ``replica``, shuffled again each epoch (by ``seed``), repeated
-    without end, in batches of ``batch_size`` (a partial last batch dropped)."""
+    """The usual per-replica pipeline of a :class:`GrainTask`: one replica's share of a
+    dataset of examples, shuffled, repeated and batched.
+
+    Args:
+      dataset: a :class:`grain.MapDataset` of examples (each a pytree of arrays).
+      replica: which replica's pipeline, in ``[0, replicas)``: it reads every ``replicas``-th
+        example, from the ``replica``-th.
+      replicas: how many replicas share the dataset.
+      batch_size: examples per batch (a partial last batch is dropped).
+      seed: the seed of the shuffle, done again each epoch.
+
+    Returns:
+      A :class:`grain.MapDataset` of batches that repeats without end.
+
+    Raises:
+      TaskError: the dataset has fewer than ``replicas * batch_size`` examples.
+    """
     if len(dataset) < replicas * batch_size:
         raise TaskError(f"the dataset has {len(dataset)} examples, fewer than {replicas} "
                         f"replicas x data.batch_size {batch_size}")  # fmt: skip
@@ -58,10 +72,28 @@ def replica_batches(dataset, *, replica: int, replicas: int, batch_size: int, se
 class GrainTask:
     """A task whose training data comes from a grain pipeline per replica.
 
-    ``params``, ``loss``, ``evaluate``, ``eval_batch``, ``unit`` and ``tokens_per_row`` are as
-    in :class:`~diloco_jax.tasks.ArrayTask`; ``pipeline(replica=, replicas=, batch_size=,
-    seed=)`` gives that replica's batches (see the module's docstring); ``eval_data`` is a
-    pytree of arrays ``[M, ...]`` for the evaluation of the outer parameters.
+    Each replica reads its own batches on the host, and every checkpoint saves each replica's
+    iterator state, so a resumed run reads exactly the batches an uninterrupted one would have
+    read, on any layout and with any number of processes.
+
+    Args:
+      params: the initial parameters, or ``init(key) -> params``, as in
+        :class:`~diloco_jax.ArrayTask`.
+      loss: ``loss(params, batch, rng) -> scalar`` (or ``(scalar, {name: scalar})``), as in
+        :class:`~diloco_jax.ArrayTask`.
+      pipeline: ``pipeline(*, replica, replicas, batch_size, seed)``: that replica's batches,
+        as anything grain iterates with a saveable state: a :class:`grain.MapDataset` or
+        :class:`grain.IterDataset` of batches, or a :class:`grain.DataLoader` (its sampler
+        sharded by ``replica`` of ``replicas``). :func:`~diloco_jax.replica_batches` builds the
+        usual one. A batch is a pytree of arrays with ``batch_size`` rows, of the same shapes at
+        every step and for every replica; the pipeline must not end before the run does.
+      eval_data: a pytree of arrays ``[M, ...]`` to evaluate the outer parameters on
+        (required).
+      evaluate: ``evaluate(params, eval_data) -> {"eval_loss": scalar, ...}``, as in
+        :class:`~diloco_jax.ArrayTask` (None: the mean of ``loss``).
+      eval_batch: examples per chunk of the default evaluation.
+      unit: what a batch row counts as in logs: ``"example"``, or ``"token"``.
+      tokens_per_row: tokens in one row, where ``unit`` is ``"token"``.
     """
 
     params: Any
@@ -74,10 +106,23 @@ class GrainTask:
     tokens_per_row: int = 1
 
     def problem(self, replicas: int, batch_size: int, *, seed: int = 0) -> Problem:
-        """The training loop's :class:`~diloco_jax.tasks.core.Problem`, streamed from the
-        pipelines; raises :class:`TaskError` for a pipeline that cannot be built or iterated
-        with a state, batches of another size, and the loss and evaluation cases of
-        :class:`~diloco_jax.tasks.ArrayTask`."""
+        """Checks the task (replica 0's first batch, and the loss and evaluation on shapes) and
+        builds what the training loop takes. :func:`~diloco_jax.fit` calls it.
+
+        Args:
+          replicas: how many replicas train, one pipeline each.
+          batch_size: rows per replica and inner step: the pipelines' batch size.
+          seed: the seed passed to each pipeline, and of the initialisation where ``params``
+            is ``init(key)``.
+
+        Returns:
+          The :class:`~diloco_jax.tasks.Problem`, its batches streamed from the pipelines.
+
+        Raises:
+          TaskError: a pipeline that cannot be built or iterated with a saveable state, batches
+            of another size than ``batch_size``, no ``eval_data``, and the loss and evaluation
+            cases of :meth:`ArrayTask.problem <diloco_jax.ArrayTask.problem>`.
+        """
         if not callable(self.pipeline):
             raise TaskError(
                 "pipeline must be a function (replica=, replicas=, batch_size=, "
@@ -108,8 +153,13 @@ class GrainTask:
                        stream=stream)  # fmt: skip
 
     def fingerprint(self) -> str:
-        """A digest of the parameters, the evaluation data and the functions' names (the
-        pipeline's data is the user's: a sweep reuses a run of a same-named pipeline)."""
+        """A digest of the task: a sweep reuses a finished run only for the same task.
+
+        Returns:
+          16 hexadecimal digits of a hash of the parameters, the evaluation data and the names
+          of the functions (the pipeline's data is not read: a sweep reuses a run of a
+          same-named pipeline).
+        """
         init = (self.params,) if callable(self.params) else ()
         arrays = ((), self.eval_data) if init else (self.params, self.eval_data)
         return fingerprint(arrays, (self.loss, self.evaluate, self.pipeline, *init))
