@@ -2,6 +2,8 @@
 # The convergence study of docs/convergence.md: warm start, then DiLoCo at sync_every 1..100
 # against single and ddp, and an outer learning-rate sweep. ~20 minutes on 2 CPU cores.
 #   bash scripts/convergence_study.sh [WORKDIR]     (default runs/study)
+# A rerun reuses the finished runs (only the warm start trains again): steps 3-5 alone redraw the
+# figures in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/study}

@@ -30,8 +30,9 @@ BUILD = ["uv", "run", "--locked", "--group", "docs", "sphinx-build", "-n", "-W",
 def shoot(browser: str, page: pathlib.Path, out: pathlib.Path, width: int, height: int,
           profile: pathlib.Path) -> None:  # fmt: skip
     """One PNG of ``page`` in a ``width`` x ``height`` window (5 s of the page's own time for
-    its fonts and scripts)."""
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+    its fonts and scripts). Scrollbars are shown: a table wider than the column scrolls, and
+    without its scrollbar it would look cut off."""
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
                     f"--window-size={width},{height}", "--virtual-time-budget=5000",
                     f"--user-data-dir={profile}", f"--screenshot={out}", page.as_uri()],
                    check=True, capture_output=True, timeout=120)  # fmt: skip

@@ -2,17 +2,23 @@
 figure from several sweeps.
 
     python -m sim.combine SWEEP_DIR... --out DIR [--title TEXT]
+    python -m sim.combine --replot DIR [--title TEXT]
 
 Reads each sweep's ``summary.csv`` (written by ``python -m sim``), writes ``DIR/table.md`` (a
-markdown table sorted by bytes) and ``DIR/tradeoff.png`` (final validation loss against total
-bytes each replica sent, and against the peak bytes of one sync zoomed on the runs within 0.2 nats
-of the best; log scales; runs that send nothing as horizontal lines). A run is named
-``<sweep dir name>: <run>``.
+markdown table sorted by bytes), ``DIR/rows.json`` (the rows and the title, plain JSON) and
+``DIR/tradeoff.png`` (final validation loss against total bytes each replica sent, and against the
+peak bytes of one sync zoomed on the runs within 0.2 nats of the best; log scales; a point per
+run, with an error bar where it has several seeds; runs that send nothing as horizontal lines). A
+run is named ``<sweep dir name>: <run>``.
+
+``--replot DIR`` redraws ``DIR/table.md`` and ``DIR/tradeoff.png`` from ``DIR/rows.json`` alone,
+without the sweeps: a change to the figure needs no rerun (``--title`` replaces the saved title).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import pathlib
 import sys
 
@@ -25,6 +31,7 @@ from . import plots
 NUMBERS = ("final_eval_loss", "final_eval_loss_std", "best_eval_loss", "bytes_per_replica",
            "bytes_vs_ddp", "sim_wallclock_s", "utilization", "seeds", "tokens",
            "peak_sync_bytes")  # fmt: skip
+DEFAULT_TITLE = "final loss against bytes sent"
 
 
 def read(sweep_dirs: list[pathlib.Path]) -> list[dict]:
@@ -46,6 +53,27 @@ def read(sweep_dirs: list[pathlib.Path]) -> list[dict]:
     return rows
 
 
+def read_rows_json(directory: pathlib.Path) -> tuple[list[dict], str]:
+    """The rows and title a combine saved in ``directory/rows.json``."""
+    path = directory / "rows.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run `python -m sim.combine ... --out "
+                                f"{directory}` first")  # fmt: skip
+    try:
+        saved = json.loads(path.read_text())
+        rows, title = saved["rows"], saved["title"]
+        for row in rows:
+            for key in (*NUMBERS, "run", "codec"):
+                row[key]  # noqa: B018 - a KeyError names a file that is not ours
+            for key in NUMBERS:
+                row[key] = float(row[key])
+        if not isinstance(title, str) or not rows:
+            raise ValueError
+    except (KeyError, TypeError, ValueError):  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"{path} is not a rows.json of `python -m sim.combine`") from None
+    return rows, title
+
+
 def table(rows: list[dict]) -> str:
     """Markdown, sorted by bytes sent (then loss)."""
     head = ("run", "communication", "final val loss", "bytes sent per replica", "vs ddp",
@@ -61,22 +89,39 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(rows: list[dict], out: pathlib.Path, title: str) -> None:
+    """``table.md``, ``rows.json`` and ``tradeoff.png`` in ``out``."""
+    (out / "table.md").write_text(table(rows))
+    (out / "rows.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1) + "\n")
+    plots.tradeoff_two_panels(rows, out / "tradeoff.png", title=title)
+
+
 def main(argv: list[str] | None = None, *, prog: str = f"python -m {__package__}.combine") -> int:
     parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("sweeps", nargs="+", type=pathlib.Path, help="sweep directories")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--title", default="final loss against bytes sent")
+    parser.add_argument("sweeps", nargs="*", type=pathlib.Path, help="sweep directories")
+    parser.add_argument("--out", help="output directory (with sweep directories)")
+    parser.add_argument("--replot", type=pathlib.Path, metavar="DIR",
+                        help="redraw DIR's table.md and tradeoff.png from DIR/rows.json "
+                             "(no sweep directories, no --out)")  # fmt: skip
+    parser.add_argument("--title", default=None, help=f"default: {DEFAULT_TITLE!r}")
     args = parser.parse_args(argv)
     try:
+        if args.replot is not None and (args.sweeps or args.out is not None):
+            raise ConfigError("--replot DIR takes no sweep directories and no --out")
+        if args.replot is None and (not args.sweeps or args.out is None):
+            raise ConfigError("give sweep directories and --out DIR (or --replot DIR)")
         extras.check("drawing tradeoff.png", "matplotlib")  # the figure is what combine is for
-        rows = read(args.sweeps)
-        args.out = check_output_dir(args.out, "--out")
+        if args.replot is not None:
+            rows, title = read_rows_json(args.replot)
+            out = args.replot
+        else:
+            rows, title = read(args.sweeps), DEFAULT_TITLE
+            out = check_output_dir(args.out, "--out")
     except (FileNotFoundError, ConfigError, extras.MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "table.md").write_text(table(rows))
-    plots.tradeoff_two_panels(rows, args.out / "tradeoff.png", title=args.title)
+    out.mkdir(parents=True, exist_ok=True)
+    write(rows, out, title if args.title is None else args.title)
     print(table(rows), end="")
     return 0
 

@@ -7,10 +7,23 @@ of the simulator works without it.
 from __future__ import annotations
 
 import pathlib
-
-import numpy as np
+from collections import Counter
 
 from diloco_jax.watch.figures import pyplot
+
+# The figures are drawn for a ~750 px documentation column: WIDTH inches at DPI (1.6x
+# the column), so a LABEL_PT font shows at about 12 px.
+WIDTH, DPI, LABEL_PT = 8.0, 150, 9.5
+FONTS = {"font.size": 10, "axes.labelsize": 11, "axes.titlesize": 11, "xtick.labelsize": 10,
+         "ytick.labelsize": 10, "figure.titlesize": 12}  # fmt: skip
+# 16 colours and 11 markers: a family's (colour, marker) pair is its own for up to 176 families
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+           "#17becf", "#000080", "#bcbd22", "#7f7f7f", "#008080", "#800000", "#4b0082",
+           "#808000", "#ff1493")  # fmt: skip
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
+# shorter run names within a sweep: "outer-adam: lr=0.01", "codecs: int4"
+SHORT_KEYS = {"learning_rate=": "lr=", "codec=": ""}
+BASELINES = ("single", "ddp")
 
 
 def loss_label(unit: str, nats: bool) -> str:
@@ -31,95 +44,224 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "", unit: 
     seeds' min and max) drawn as a band where ``seeds`` > 1; ``nats``: the loss is in nats
     (the built-in tasks')."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for i, (name, run) in enumerate(runs.items()):
-        style, colour = ("--" if name in ("single", "ddp") else "-"), f"C{i % 10}"
-        for ax, x in zip(axes, (run["tokens"], run["steps"]), strict=True):
-            ax.plot(x, run["loss"], style, label=name, marker=".", color=colour)
-            if run.get("seeds", 1) > 1:
-                ax.fill_between(x, run["low"], run["high"], color=colour, alpha=0.2,
-                                linewidth=0)  # fmt: skip
-    axes[0].set_xlabel(f"{unit}s seen (all replicas)")
-    axes[1].set_xlabel("inner steps per replica (~ wall-clock)")
-    axes[0].set_ylabel(metric_label(metric, unit, nats))
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    band = (
-        " (band: min-max over seeds)" if any(r.get("seeds", 1) > 1 for r in runs.values()) else ""
-    )
-    what = "validation loss" if metric == "eval_loss" else metric
-    fig.suptitle(title or f"{what} of the outer parameters{band}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with plt.rc_context(FONTS):
+        fig, axes = plt.subplots(2, 1, figsize=(WIDTH, 8.5), dpi=DPI, sharey=True)
+        for i, (name, run) in enumerate(runs.items()):
+            style = "--" if name in BASELINES else "-"
+            colour = PALETTE[i % len(PALETTE)]
+            for ax, x in zip(axes, (run["tokens"], run["steps"]), strict=True):
+                ax.plot(x, run["loss"], style, label=name, marker=".", color=colour)
+                if run.get("seeds", 1) > 1:
+                    ax.fill_between(x, run["low"], run["high"], color=colour, alpha=0.2,
+                                    linewidth=0)  # fmt: skip
+        axes[0].set_xlabel(f"{unit}s seen (all replicas)")
+        axes[1].set_xlabel("inner steps per replica (~ wall-clock)")
+        for ax in axes:
+            ax.set_ylabel(metric_label(metric, unit, nats))
+            ax.grid(alpha=0.3)
+        handles, names = axes[0].get_legend_handles_labels()
+        rows = -(-len(names) // 3)  # the legend above the panels, 3 runs a row: it hides no line
+        fig.legend(handles, names, loc="upper center", ncol=3, fontsize=LABEL_PT, frameon=False,
+                   bbox_to_anchor=(0.5, 0.965))  # fmt: skip
+        band = (
+            " (band: min-max over seeds)"
+            if any(r.get("seeds", 1) > 1 for r in runs.values())
+            else ""
+        )
+        what = "validation loss" if metric == "eval_loss" else metric
+        fig.suptitle(title or f"{what} of the outer parameters{band}")
+        fig.tight_layout(rect=(0, 0, 1, 0.965 - 0.022 * rows))
+        fig.savefig(path, dpi=DPI)
     plt.close(fig)
+
+
+def _family(row: dict) -> str:
+    """A combined run's sweep (``family: run``); "" for a sweep's own runs."""
+    return row["run"].rpartition(": ")[0]
+
+
+def point_labels(rows: list[dict]) -> dict[str, str]:
+    """``{run: label}`` naming each run's method: a baseline by its name (single, ddp), a sweep's
+    only run by the sweep (``muloco``), and a run that shares its sweep as ``sweep: run``
+    (``outer-adam: lr=0.01``)."""
+    per_family = Counter(_family(r) for r in rows if r["run"].rpartition(": ")[2] not in BASELINES)
+    labels = {}
+    for row in rows:
+        family, name = _family(row), row["run"].rpartition(": ")[2]
+        if not family or name in BASELINES:
+            labels[row["run"]] = name
+        elif per_family[family] == 1 or name == "diloco":
+            labels[row["run"]] = family
+        else:
+            for long, short in SHORT_KEYS.items():
+                name = name.replace(long, short)
+            labels[row["run"]] = f"{family}: {name}"
+    return labels
+
+
+def _styles(rows: list[dict]) -> dict[str, tuple[str, str]]:
+    """``{run: (colour, marker)}``, one pair per family (runs without one each get their own)."""
+    families: dict[str, tuple[str, str]] = {}
+    for row in rows:
+        key = _family(row) or row["run"]
+        if key not in families:
+            i = len(families)
+            families[key] = (PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)])
+    return {r["run"]: families[_family(r) or r["run"]] for r in rows}
+
+
+def _darker(colour: str) -> tuple[float, ...]:
+    """The colour a label is written in: the point's, darkened (light colours read badly)."""
+    from matplotlib.colors import to_rgb
+
+    return tuple(0.7 * c for c in to_rgb(colour))
+
+
+def _panel(ax, rows: list[dict], x_key: str, styles: dict, labels: dict, *,
+           y_key: str = "final_eval_loss") -> tuple[list, list]:  # fmt: skip
+    """Scatter of ``y_key`` against ``x_key`` (log), a marker and colour per family, an error bar
+    of one standard deviation where a run has several seeds; runs at x = 0 (nothing sent) as
+    horizontal lines. Returns the labels to place: ``(text, x, y, colour)`` per point and
+    ``(text, y)`` per line."""
+    points, lines = [], []
+    for row in rows:
+        x, y = row[x_key], row[y_key]
+        if x <= 0:
+            ax.axhline(y, linestyle=":", color="gray", linewidth=1.2)
+            lines.append((f"{labels[row['run']]} (no communication)", y))
+            continue
+        colour, marker = styles[row["run"]]
+        std = row.get(f"{y_key}_std", 0.0) if row.get("seeds", 1) > 1 else 0.0
+        ax.errorbar(x, y, yerr=std or None, fmt=marker, color=colour, markersize=8,
+                    capsize=3, elinewidth=1.2, markeredgecolor="white",
+                    markeredgewidth=0.5)  # fmt: skip
+        points.append((labels[row["run"]], x, y, colour))
+    ax.set_xscale("log")
+    ax.margins(x=0.08, y=0.1)
+    ax.grid(alpha=0.3, which="both")
+    return points, lines
+
+
+def _overlaps(box, boxes) -> bool:
+    return any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes)
+
+
+def _place_labels(fig, ax, points: list, lines: list) -> None:
+    """Writes the labels next to their points without overlaps: each label takes the nearest free
+    slot to the right or left of its point, nudged up or down in steps of its height (a thin
+    leader line where it moved), inside the axes; the lines' labels sit at the right edge, above
+    their line (below where that is taken). Works in pixels of the final layout."""
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    to_px = ax.transData.transform
+    pt = fig.dpi / 72  # pixels per point
+    radius = 5 * pt
+    markers = []
+    for _, x, y, _ in points:
+        px, py = to_px((x, y))
+        markers.append((px - radius, py - radius, px + radius, py + radius))
+    taken: list[tuple] = []
+
+    def size(text: str) -> tuple[float, float]:
+        probe = ax.text(0, 0, text, fontsize=LABEL_PT, transform=None)
+        box = probe.get_window_extent(renderer)
+        probe.remove()
+        return box.width, box.height
+
+    def inside(box) -> bool:
+        return (box[0] >= frame.x0 + 2 and box[2] <= frame.x1 - 2 and box[1] >= frame.y0 + 2
+                and box[3] <= frame.y1 - 2)  # fmt: skip
+
+    for text, y in lines:
+        w, h = size(text)
+        _, py = to_px((1.0, y))
+        for y0 in (py + 2, py - 2 - h):  # above the line, else below
+            box = (frame.x1 - 4 - w, y0, frame.x1 - 4, y0 + h)
+            if inside(box) and not _overlaps(box, markers + taken):
+                break
+        taken.append(box)
+        ax.annotate(text, (1.0, y), xycoords=("axes fraction", "data"), xytext=(-4 / pt,
+                    (box[1] - py) / pt), textcoords="offset points", fontsize=LABEL_PT,
+                    color="dimgray", ha="right", va="bottom")  # fmt: skip
+    gap = radius + 2 * pt
+    order = sorted(range(len(points)), key=lambda i: to_px(points[i][1:3])[1])
+    for i in order:
+        text, x, y, colour = points[i]
+        w, h = size(text)
+        px, py = to_px((x, y))
+        step = h + 1
+        candidates = sorted(  # (cost, side, dy): near first, the right side first
+            (abs(k) * step + (0.6 * step if side < 0 else 0), side, k * step)
+            for side in (1, -1)
+            for k in range(-12, 13)
+        )
+        chosen = None
+        for _, side, dy in candidates:
+            x0 = px + gap if side > 0 else px - gap - w
+            box = (x0, py + dy - h / 2, x0 + w, py + dy + h / 2)
+            if inside(box) and not _overlaps(box, taken + markers[:i] + markers[i + 1 :]):
+                chosen = side, dy, box
+                break
+        if chosen is None:  # nowhere free: to the right, over whatever is there
+            chosen = 1, 0.0, (px + gap, py - h / 2, px + gap + w, py + h / 2)
+        side, dy, box = chosen
+        taken.append(box)
+        leader = {"arrowstyle": "-", "color": colour, "linewidth": 0.7, "shrinkA": 0,
+                  "shrinkB": radius / pt}  # fmt: skip
+        ax.annotate(text, (x, y), xytext=(side * gap / pt, dy / pt), textcoords="offset points",
+                    fontsize=LABEL_PT, color=_darker(colour), va="center",
+                    ha="left" if side > 0 else "right",
+                    arrowprops=leader if abs(dy) > h / 2 else None)  # fmt: skip
+
+
+def _error_bar_note(rows: list[dict]) -> str:
+    return "; bars: ± 1 std over seeds" if any(r.get("seeds", 1) > 1 for r in rows) else ""
 
 
 def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "", unit: str = "token",
              nats: bool = True, metric: str = "eval_loss") -> None:  # fmt: skip
     """The final ``metric`` (validation loss by default) against bytes each replica sent (log
-    scale), a point per run named by its run; runs that sent nothing are drawn as horizontal
-    lines."""
+    scale), a labelled point per run (a bar of ± one standard deviation where it has several
+    seeds); runs that sent nothing are drawn as horizontal lines labelled at the right edge."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    _panel(ax, rows, "bytes_per_replica", {}, label_of=lambda row: row["run"],
-           y_key=f"final_{metric}")  # fmt: skip
-    ax.set_xlabel("bytes sent per replica (log scale)")
-    ax.set_ylabel(f"final {metric_label(metric, unit, nats)}")
-    ax.set_title(title or "loss against communication")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with plt.rc_context(FONTS):
+        fig, ax = plt.subplots(figsize=(WIDTH, 5.2), dpi=DPI)
+        points, lines = _panel(ax, rows, "bytes_per_replica", _styles(rows), point_labels(rows),
+                               y_key=f"final_{metric}")  # fmt: skip
+        ax.set_xlabel("bytes sent per replica (log scale)")
+        ax.set_ylabel(f"final {metric_label(metric, unit, nats)}")
+        ax.set_title((title or "loss against communication") + _error_bar_note(rows))
+        fig.tight_layout()
+        _place_labels(fig, ax, points, lines)
+        fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
 
-def _communication_label(row: dict) -> str:
-    name = row["run"].rpartition(": ")[2]
-    return name if name in ("ddp", "single", "diloco") else row.get("codec", name)
-
-
-def _panel(ax, rows: list[dict], x_key: str, colours: dict[str, str], *,
-           label_of=_communication_label, y_key: str = "final_eval_loss") -> None:  # fmt: skip
-    """Scatter of ``y_key`` (the final loss) against ``x_key`` (log), one colour per family
-    (runs named ``family: label``), labels stacked where points coincide."""
-    stacked: dict[tuple, int] = {}
-    for row in rows:
-        family = row["run"].rpartition(": ")[0]
-        # a colour per family; runs without one each get their own
-        colour = colours.setdefault(family or row["run"], f"C{len(colours) % 10}")
-        x, y = row[x_key], row[y_key]
-        if x <= 0:
-            ax.axhline(y, linestyle=":", color="gray")
-            ax.annotate(f"{row['run']} (no communication)", (0.02, y),
-                        xycoords=("axes fraction", "data"), fontsize=7)  # fmt: skip
-            continue
-        ax.scatter(x, y, color=colour, label=family)
-        slot = (round(float(np.log10(x)), 1), round(y, 2))
-        stacked[slot] = stacked.get(slot, -1) + 1
-        ax.annotate(label_of(row), (x, y), fontsize=6.5, color=colour,
-                    xytext=(4, 2 - 8 * stacked[slot]), textcoords="offset points")  # fmt: skip
-    ax.set_xscale("log")
-    ax.grid(alpha=0.3, which="both")
-
-
 def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = "") -> None:
-    """Left: final loss against total bytes per replica, every run. Right: against the peak
+    """Top: final loss against total bytes per replica, every run. Bottom: against the peak
     bytes of one sync, only the runs within 0.2 nats of the best (where codecs and streaming
-    differ). Points are labelled with how they communicate; colours are the sweeps."""
+    differ). A point per run, labelled with its method (its sweep, and its run where the sweep
+    has several), a colour and marker per sweep, a bar of ± one standard deviation where it has
+    several seeds."""
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6.5))
-    colours: dict[str, str] = {}
-    _panel(left, rows, "bytes_per_replica", colours)
+    styles, labels = _styles(rows), point_labels(rows)
     best = min(r["final_eval_loss"] for r in rows)
     close = [r for r in rows if r["final_eval_loss"] <= best + 0.2]
-    _panel(right, close, "peak_sync_bytes", colours)
-    left.set_xlabel("bytes sent per replica over the run (log scale)")
-    right.set_xlabel("peak bytes of one sync per replica (log scale)")
-    left.set_ylabel("final validation loss (nats/token)")
-    right.set_title(f"zoom: runs within 0.2 nats of the best ({best:.3f})", fontsize=10)
-    handles, labels = left.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    left.legend(unique.values(), unique.keys(), fontsize=8, loc="upper right")
-    fig.suptitle(title or "loss against communication")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with plt.rc_context(FONTS):
+        fig, (top, bottom) = plt.subplots(
+            2, 1, figsize=(WIDTH, 10.5), dpi=DPI, height_ratios=(1.1, 1)
+        )
+        placed = [_panel(top, rows, "bytes_per_replica", styles, labels),
+                  _panel(bottom, close, "peak_sync_bytes", styles, labels)]  # fmt: skip
+        top.set_xlabel("bytes sent per replica over the run (log scale)")
+        bottom.set_xlabel("peak bytes of one sync per replica (log scale)")
+        for ax in (top, bottom):
+            ax.set_ylabel("final validation loss (nats/token)")
+        top.set_title("every run" + _error_bar_note(rows))
+        bottom.set_title(f"zoom: runs within 0.2 nats of the best ({best:.3f})")
+        fig.suptitle(title or "loss against communication")
+        fig.tight_layout()
+        for ax, (points, lines) in zip((top, bottom), placed, strict=True):
+            _place_labels(fig, ax, points, lines)
+        fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -65,7 +65,8 @@ PREPARE_BAD = [
 ]  # fmt: skip
 COMBINE_BAD = [
     ["--out", "{F}/x"], ["--out", "{F}"], ["--out", ""], ["{T}/missing_sweep"], ["{F}"],
-    ["{T}/badcsv"], ["--bogus"], ["-x"], ["--out={F}/y"], ["--out"], ["--title"], ["--title="],
+    ["{T}/badcsv"], ["--bogus"], ["-x"], ["--out={F}/y"], ["--out"], ["--replot", "{T}"],
+    ["--replot", "{T}/missing"], ["--title"], ["--title="],
 ]  # fmt: skip
 COMBINE_BAD = COMBINE_BAD[:-1]  # an empty title is a title
 LAUNCH_BAD = [

@@ -624,7 +624,9 @@ FSDP = {"parallel.runtime": "mesh", "parallel.fsdp": True, "parallel.data_device
     # ~16 s; the default suite's stand-ins: every other variant (each trains through train()
     # as a learner against the run alone) and a user's ArrayTask as a learner, bitwise
     pytest.param({}, id="float32", marks=pytest.mark.slow),
-    pytest.param(INT8, id="int8 on a mesh of 2"),
+    # ~33 s; the default suite's stand-ins: a push through every codec is the core's code and
+    # the simulator's payload (test_a_push_travels_...), and the other variants through train()
+    pytest.param(INT8, id="int8 on a mesh of 2", marks=pytest.mark.slow),
     pytest.param(DELAYED, id="overlapped"),
     # ~30 s; the default suite's stand-in: four learners through a syncer, eager (core level)
     pytest.param(EAGER, id="eager", marks=pytest.mark.slow),

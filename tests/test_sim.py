@@ -328,6 +328,88 @@ def test_combine_sweeps_into_one_table_and_figure(tmp_path):
     assert combine.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
 
 
+def test_combine_replots_from_rows_json_without_the_sweeps(tmp_path, capsys):
+    import json
+    import shutil
+
+    from sim import combine
+    from sim.sweep import write_csv
+
+    base = {"seeds": 3, "replicas": 4, "sync_every": 50, "outer_lr": 0.7, "tokens": 100,
+            "best_eval_loss": 1.0, "sim_wallclock_s": 2.0, "utilization": 0.9,
+            "peak_sync_bytes": 1e5, "bytes_vs_ddp": 0.02}  # fmt: skip
+    for sweep, loss in (("diloco", 1.87), ("muloco", 1.86)):
+        (tmp_path / sweep).mkdir()
+        write_csv(tmp_path / sweep / "summary.csv", [
+            {**base, "run": "diloco", "codec": "none", "final_eval_loss": loss,
+             "final_eval_loss_std": 0.007, "bytes_per_replica": 2e7},
+            {**base, "run": "single", "codec": "none", "final_eval_loss": 1.98, "seeds": 1,
+             "final_eval_loss_std": 0.0, "bytes_per_replica": 0.0, "peak_sync_bytes": 0.0},
+        ])  # fmt: skip
+    out = tmp_path / "out"
+    argv = [str(tmp_path / "diloco"), str(tmp_path / "muloco"), "--out", str(out), "--title", "T"]
+    assert combine.main(argv) == 0
+    table = (out / "table.md").read_text()
+    saved = json.loads((out / "rows.json").read_text())
+    assert saved["title"] == "T" and [r["run"] for r in saved["rows"]] == [
+        "diloco: diloco", "diloco: single", "muloco: diloco", "muloco: single"]  # fmt: skip
+    shutil.rmtree(tmp_path / "diloco")
+    shutil.rmtree(tmp_path / "muloco")
+    (out / "table.md").unlink()
+    (out / "tradeoff.png").unlink()
+    capsys.readouterr()
+    assert combine.main(["--replot", str(out)]) == 0
+    assert (out / "table.md").read_text() == table == capsys.readouterr().out
+    assert (out / "tradeoff.png").stat().st_size > 10_000
+    assert json.loads((out / "rows.json").read_text()) == saved  # the title kept
+    # --replot alone: no sweeps, no --out; a rows.json that is not combine's is refused
+    assert combine.main(["--replot", str(out), str(tmp_path / "x")]) == 2
+    assert combine.main(["--replot", str(out), "--out", str(out)]) == 2
+    assert combine.main([str(tmp_path / "x")]) == 2
+    (out / "rows.json").write_text('{"rows": [{"run": "x"}], "title": ""}')
+    assert combine.main(["--replot", str(out)]) == 2
+    assert "is not a rows.json" in capsys.readouterr().err
+
+
+def test_tradeoff_labels_name_the_method_and_do_not_overlap(tmp_path, monkeypatch):
+    from matplotlib.text import Text
+
+    from sim import plots
+
+    rows = [{"run": f"{family}: {name}", "final_eval_loss": loss, "bytes_per_replica": b,
+             "peak_sync_bytes": b / 8, "seeds": 1.0, "final_eval_loss_std": 0.0}
+            for family, name, loss, b in [
+                ("baselines", "single", 1.98, 0.0), ("baselines", "ddp", 1.79, 1e9),
+                ("muloco", "diloco", 1.863, 2.29e7), ("diloco", "diloco", 1.872, 2.29e7),
+                ("dylu", "diloco", 1.876, 2.29e7), ("wait", "diloco", 1.872, 2.29e7),
+                ("adam", "learning_rate=0.01", 2.09, 2.29e7),
+                ("adam", "learning_rate=0.03", 2.10, 2.29e7),
+                ("codecs", "codec=int4", 1.866, 3e6)]]  # fmt: skip
+    assert plots.point_labels(rows) == {
+        "baselines: single": "single", "baselines: ddp": "ddp", "muloco: diloco": "muloco",
+        "diloco: diloco": "diloco", "dylu: diloco": "dylu", "wait: diloco": "wait",
+        "adam: learning_rate=0.01": "adam: lr=0.01", "adam: learning_rate=0.03": "adam: lr=0.03",
+        "codecs: codec=int4": "codecs",
+    }  # fmt: skip
+    boxes = []
+    real_savefig = plots.pyplot().Figure.savefig
+
+    def savefig(fig, path, **kwargs):  # the labels' boxes in the final layout
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            boxes.append([Text.get_window_extent(t, renderer) for t in ax.texts])  # no leader
+        return real_savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(plots.pyplot().Figure, "savefig", savefig)
+    plots.tradeoff_two_panels(rows, tmp_path / "t.png")
+    plots.tradeoff(rows, tmp_path / "one.png")
+    assert [len(b) for b in boxes] == [9, 7, 9]  # a label per point and per line
+    for panel in boxes:
+        for i, a in enumerate(panel):
+            assert not any(a.overlaps(b) for b in panel[i + 1 :]), [t.bounds for t in panel]
+
+
 def test_the_sweeps_diagnostics_average_finite_replicas():
     from diloco_jax.watch.drawing import _nanmean_rows
 
