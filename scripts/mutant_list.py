@@ -376,8 +376,7 @@ MUTANTS = [
            "diloco_jax/learners/learner.py",
            "payload.encode(wire.leaf_names(state.anchor), mean, self.codec, replicas)",
            "payload.encode(wire.leaf_names(state.anchor), mean, None, replicas)",
-           ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
-            "trains"]),
+           ["tests/test_learners.py::test_a_learners_push_travels_through_its_codec"]),
     Mutant("the syncer accepts a top-k push with a position sent twice", "faults",
            "diloco_jax/learners/payload.py",
            "        if np.unique(positions).size != positions.size:",

@@ -741,6 +741,43 @@ def test_a_learner_reads_its_anchor_to_the_host_once_a_round(tmp_path, monkeypat
     assert each == [1, 1, 1, 1]
 
 
+def test_a_learners_push_travels_through_its_codec(tmp_path):
+    """A learner with int8 pushes the codec's payload (the simulator's bytes for a push to a
+    parameter server, plus the message's framing), a quarter of float32's, and the syncer
+    decodes it into the round. The int8 in-process learner (slow) trains through it end to
+    end."""
+    import logging
+
+    from diloco_jax.algorithm import compress
+    from diloco_jax.learners.learner import Learner
+    from diloco_jax.simulated import comms
+
+    algorithm, x0_D = _algorithm("sync"), jnp.zeros(512, jnp.float32)
+    target_D = jnp.asarray(np.random.default_rng(0).normal(size=512), jnp.float32)
+    codec = compress.Codec("int8", block=64, min_size=64)
+    _, _, local = _learner_fns(algorithm)
+    syncer = _syncer(tmp_path, algorithm, learners=1, codec=codec)
+    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    client = service.Client(f"127.0.0.1:{server.port}", TOKEN, timeout=30.0)
+    learner = Learner(client, algorithm, learner=0, keys={"outer.sync_every": 3},
+                      rows_per_round=3, heartbeat=10.0, log=logging.getLogger("test"),
+                      codec=codec)  # fmt: skip
+    try:
+        state = learner.join(init_replicas(algorithm, x0_D, 1))
+        for _ in range(3):
+            state, _ = local(state, state.params - target_D)
+        state = learner.sync(state, last=True)
+    finally:
+        learner.close()
+        server.stop()
+        syncer.close()
+    assert syncer.round == 1
+    up = comms.push_payload(x0_D, codec)
+    assert up < comms.payload_bytes(x0_D) / 3.5  # 1 byte a value and a scale per block
+    assert 0 < learner.last["bytes_sent"] - up < 1024, learner.last  # the framing
+    assert not np.array_equal(np.asarray(state.anchor), np.asarray(x0_D))  # the round landed
+
+
 def test_a_user_task_as_a_learner_trains_what_it_trains_alone(tmp_path, monkeypatch):
     """A user's ``ArrayTask`` through ``fit``, as the only learner of a syncer (served from this
     process): the same final anchor and evaluation as ``fit`` with its one replica, bit for
