@@ -146,72 +146,93 @@ def _overlaps(box, boxes) -> bool:
     return any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes)
 
 
+class _Canvas:
+    """Pixel geometry of one axes in the final layout, for placing labels: its frame, the data
+    to pixels, a text's size at LABEL_PT, and the boxes already taken."""
+
+    def __init__(self, fig, ax):
+        self.ax, self.renderer = ax, fig.canvas.get_renderer()
+        self.frame = ax.get_window_extent(self.renderer)
+        self.to_px = ax.transData.transform
+        self.pt = fig.dpi / 72  # pixels per point
+        self.taken: list[tuple] = []
+
+    def size(self, text: str) -> tuple[float, float]:
+        probe = self.ax.text(0, 0, text, fontsize=LABEL_PT, transform=None)
+        box = probe.get_window_extent(self.renderer)
+        probe.remove()
+        return box.width, box.height
+
+    def inside(self, box) -> bool:
+        f = self.frame
+        return (
+            box[0] >= f.x0 + 2 and box[2] <= f.x1 - 2 and box[1] >= f.y0 + 2 and box[3] <= f.y1 - 2
+        )
+
+
 def _place_labels(fig, ax, points: list, lines: list) -> None:
     """Writes the labels next to their points without overlaps: each label takes the nearest free
     slot to the right or left of its point, nudged up or down in steps of its height (a thin
     leader line where it moved), inside the axes; the lines' labels sit at the right edge, above
     their line (below where that is taken). Works in pixels of the final layout."""
-    renderer = fig.canvas.get_renderer()
-    frame = ax.get_window_extent(renderer)
-    to_px = ax.transData.transform
-    pt = fig.dpi / 72  # pixels per point
-    radius = 5 * pt
+    canvas = _Canvas(fig, ax)
+    radius = 5 * canvas.pt
     markers = []
     for _, x, y, _ in points:
-        px, py = to_px((x, y))
+        px, py = canvas.to_px((x, y))
         markers.append((px - radius, py - radius, px + radius, py + radius))
-    taken: list[tuple] = []
-
-    def size(text: str) -> tuple[float, float]:
-        probe = ax.text(0, 0, text, fontsize=LABEL_PT, transform=None)
-        box = probe.get_window_extent(renderer)
-        probe.remove()
-        return box.width, box.height
-
-    def inside(box) -> bool:
-        return (box[0] >= frame.x0 + 2 and box[2] <= frame.x1 - 2 and box[1] >= frame.y0 + 2
-                and box[3] <= frame.y1 - 2)  # fmt: skip
-
     for text, y in lines:
-        w, h = size(text)
-        _, py = to_px((1.0, y))
-        for y0 in (py + 2, py - 2 - h):  # above the line, else below
-            box = (frame.x1 - 4 - w, y0, frame.x1 - 4, y0 + h)
-            if inside(box) and not _overlaps(box, markers + taken):
-                break
-        taken.append(box)
-        ax.annotate(text, (1.0, y), xycoords=("axes fraction", "data"), xytext=(-4 / pt,
-                    (box[1] - py) / pt), textcoords="offset points", fontsize=LABEL_PT,
-                    color="dimgray", ha="right", va="bottom")  # fmt: skip
-    gap = radius + 2 * pt
-    order = sorted(range(len(points)), key=lambda i: to_px(points[i][1:3])[1])
+        _place_line_label(canvas, text, y, markers)
+    order = sorted(range(len(points)), key=lambda i: canvas.to_px(points[i][1:3])[1])
     for i in order:
-        text, x, y, colour = points[i]
-        w, h = size(text)
-        px, py = to_px((x, y))
-        step = h + 1
-        candidates = sorted(  # (cost, side, dy): near first, the right side first
-            (abs(k) * step + (0.6 * step if side < 0 else 0), side, k * step)
-            for side in (1, -1)
-            for k in range(-12, 13)
-        )
-        chosen = None
-        for _, side, dy in candidates:
-            x0 = px + gap if side > 0 else px - gap - w
-            box = (x0, py + dy - h / 2, x0 + w, py + dy + h / 2)
-            if inside(box) and not _overlaps(box, taken + markers[:i] + markers[i + 1 :]):
-                chosen = side, dy, box
-                break
-        if chosen is None:  # nowhere free: to the right, over whatever is there
-            chosen = 1, 0.0, (px + gap, py - h / 2, px + gap + w, py + h / 2)
-        side, dy, box = chosen
-        taken.append(box)
-        leader = {"arrowstyle": "-", "color": colour, "linewidth": 0.7, "shrinkA": 0,
-                  "shrinkB": radius / pt}  # fmt: skip
-        ax.annotate(text, (x, y), xytext=(side * gap / pt, dy / pt), textcoords="offset points",
-                    fontsize=LABEL_PT, color=_darker(colour), va="center",
-                    ha="left" if side > 0 else "right",
-                    arrowprops=leader if abs(dy) > h / 2 else None)  # fmt: skip
+        _place_point_label(canvas, points[i], radius, markers[:i] + markers[i + 1 :])
+
+
+def _place_line_label(canvas: _Canvas, text: str, y: float, markers: list) -> None:
+    """A horizontal line's label at the right edge, above the line (below where that is taken)."""
+    w, h = canvas.size(text)
+    _, py = canvas.to_px((1.0, y))
+    frame, pt = canvas.frame, canvas.pt
+    for y0 in (py + 2, py - 2 - h):  # above the line, else below
+        box = (frame.x1 - 4 - w, y0, frame.x1 - 4, y0 + h)
+        if canvas.inside(box) and not _overlaps(box, markers + canvas.taken):
+            break
+    canvas.taken.append(box)
+    canvas.ax.annotate(text, (1.0, y), xycoords=("axes fraction", "data"), xytext=(-4 / pt,
+                       (box[1] - py) / pt), textcoords="offset points", fontsize=LABEL_PT,
+                       color="dimgray", ha="right", va="bottom")  # fmt: skip
+
+
+def _place_point_label(canvas: _Canvas, point: tuple, radius: float, others: list) -> None:
+    """A point's label in the nearest free slot, right side first, with a leader line where it
+    moved up or down; over whatever is there if no slot is free."""
+    text, x, y, colour = point
+    w, h = canvas.size(text)
+    px, py = canvas.to_px((x, y))
+    gap, step = radius + 2 * canvas.pt, h + 1
+    candidates = sorted(  # (cost, side, dy): near first, the right side first
+        (abs(k) * step + (0.6 * step if side < 0 else 0), side, k * step)
+        for side in (1, -1)
+        for k in range(-12, 13)
+    )
+    chosen = None
+    for _, side, dy in candidates:
+        x0 = px + gap if side > 0 else px - gap - w
+        box = (x0, py + dy - h / 2, x0 + w, py + dy + h / 2)
+        if canvas.inside(box) and not _overlaps(box, canvas.taken + others):
+            chosen = side, dy, box
+            break
+    if chosen is None:  # nowhere free: to the right, over whatever is there
+        chosen = 1, 0.0, (px + gap, py - h / 2, px + gap + w, py + h / 2)
+    side, dy, box = chosen
+    canvas.taken.append(box)
+    pt = canvas.pt
+    leader = {"arrowstyle": "-", "color": colour, "linewidth": 0.7, "shrinkA": 0,
+              "shrinkB": radius / pt}  # fmt: skip
+    canvas.ax.annotate(text, (x, y), xytext=(side * gap / pt, dy / pt),
+                       textcoords="offset points", fontsize=LABEL_PT, color=_darker(colour),
+                       va="center", ha="left" if side > 0 else "right",
+                       arrowprops=leader if abs(dy) > h / 2 else None)  # fmt: skip
 
 
 def _error_bar_note(rows: list[dict]) -> str:
