@@ -11,8 +11,8 @@ import optax
 import pytest
 
 from diloco_jax.algorithm import diloco, init_replicas, optim
-from diloco_jax.algorithm.core import Streaming
 from diloco_jax.algorithm.plan import SyncPlan
+from diloco_jax.algorithm.variants import Streaming
 from diloco_jax.config import ConfigError
 from diloco_jax.runtime import chunked, parallel
 from diloco_jax.runtime.step import StepControl, make_replica_step

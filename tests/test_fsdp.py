@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import diloco, optim
-from diloco_jax.algorithm.core import Streaming
+from diloco_jax.algorithm.variants import Streaming
 from diloco_jax.base.axes import DATA, REPLICA
 from diloco_jax.runtime import fsdp, parallel
 from tests import helpers

@@ -1,6 +1,6 @@
 """DiLoCo's variant arguments and the one place where they are checked, alone and together:
 :class:`Streaming` (fragments, overlap, mix) and :func:`check_options` (every argument of
-:func:`~diloco_jax.algorithm.core.diloco` that selects a piece)."""
+:func:`~diloco_jax.diloco` that selects a piece)."""
 
 from __future__ import annotations
 

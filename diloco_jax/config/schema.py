@@ -20,9 +20,9 @@ from typing import Any, NamedTuple, get_type_hints
 
 from diloco_jax.algorithm import optim
 from diloco_jax.algorithm.compress import Codec
-from diloco_jax.algorithm.core import Streaming
 from diloco_jax.algorithm.dct import SPARSELOCO, DctConfig
 from diloco_jax.algorithm.gossip import Gossip
+from diloco_jax.algorithm.variants import Streaming
 from diloco_jax.base.errors import ConfigError
 from diloco_jax.config import presets
 
