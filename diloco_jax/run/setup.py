@@ -108,6 +108,19 @@ def _training_data(shards_RxS, stream, mesh, abstract: bool):
     return batches if abstract else stream.on_devices(0, shardings)
 
 
+def _evaluator(problem, mesh, abstract: bool) -> tuple[Any, Any]:
+    """The evaluation data where it is evaluated, and the evaluation over it."""
+    devices = [] if mesh is None else list(mesh.devices.flat)
+    if evaluation.applies(problem.task.eval_mean, problem.eval_data, devices):
+        # each device holds and evaluates a block of the examples
+        eval_windows = evaluation.place(problem.eval_data, devices, abstract=abstract)
+        count = jax.tree.leaves(problem.eval_data)[0].shape[0]
+        split = evaluation.split if not abstract else lambda *args: None
+        return eval_windows, split(problem.task.eval_fn, eval_windows, count, devices)
+    eval_windows = parallel.on_devices(problem.eval_data, mesh, P(), abstract=abstract)
+    return eval_windows, evaluation.Replicated(problem.task.eval_fn, eval_windows)
+
+
 def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
           given: user_optimizers.Given = user_optimizers.NONE) -> Setup:  # fmt: skip
     """Validates ``cfg``, loads data (or a user's ``task``: ArrayTask, GrainTask) and builds
@@ -146,41 +159,16 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
     run_chunk, outer_fn, fingerprints = placement.steps(
         cfg, layout, algorithm, problem, mesh, state
     )
-    devices = [] if mesh is None else list(mesh.devices.flat)
-    if evaluation.applies(problem.task.eval_mean, problem.eval_data, devices):
-        # each device holds and evaluates a block of the examples
-        eval_windows = evaluation.place(problem.eval_data, devices, abstract=abstract)
-        count = jax.tree.leaves(problem.eval_data)[0].shape[0]
-        split = evaluation.split if not abstract else lambda *args: None
-        evaluate: Any = split(problem.task.eval_fn, eval_windows, count, devices)
-    else:
-        eval_windows = parallel.on_devices(problem.eval_data, mesh, P(), abstract=abstract)
-        evaluate = evaluation.Replicated(problem.task.eval_fn, eval_windows)
+    eval_windows, evaluate = _evaluator(problem, mesh, abstract)
+    replicas_R = np.arange(first, first + replicas, dtype=np.int32)
     return Setup(
-        cfg=cfg,
-        layout=layout,
-        graphdef=graphdef,
-        state=state,
-        mesh=mesh,
-        run_chunk=run_chunk,
-        replicas_R=parallel.on_devices(
-            np.arange(first, first + replicas, dtype=np.int32),
-            mesh,
-            P(REPLICA),
-            abstract=abstract,
-        ),
+        cfg=cfg, layout=layout, graphdef=graphdef, state=state, mesh=mesh, run_chunk=run_chunk,
+        replicas_R=parallel.on_devices(replicas_R, mesh, P(REPLICA), abstract=abstract),
         shards_RxS=_training_data(shards_RxS, stream, mesh, abstract),
-        eval_windows=eval_windows,
-        evaluate=evaluate,
-        unigram_nats=problem.baseline_nats,
-        algorithm=algorithm,
-        task=problem.task,
-        outer_fn=outer_fn,
-        fingerprints=fingerprints,
-        num_params=model_lib.count_params(params),
-        tokenizer=problem.tokenizer,
-        stream=stream,
-    )
+        eval_windows=eval_windows, evaluate=evaluate, unigram_nats=problem.baseline_nats,
+        algorithm=algorithm, task=problem.task, outer_fn=outer_fn, fingerprints=fingerprints,
+        num_params=model_lib.count_params(params), tokenizer=problem.tokenizer, stream=stream,
+    )  # fmt: skip
 
 
 def chunk_control(cfg: config_lib.Config, s: Setup, start: int,
