@@ -187,7 +187,10 @@ class Server(http.server.ThreadingHTTPServer):
                         type(error).__name__, error)  # fmt: skip
 
     def start(self) -> threading.Thread:
-        thread = threading.Thread(target=self.serve_forever, name="diloco-serve", daemon=True)
+        # polled every 50 ms (the library's default is 0.5 s), so ``stop`` returns at once and
+        # a run's end does not wait on its server
+        thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
+                                  name="diloco-serve", daemon=True)  # fmt: skip
         thread.start()
         return thread
 
