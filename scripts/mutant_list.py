@@ -158,7 +158,7 @@ MUTANTS = [
                                                          "given_transform_trains_and_both_resume"]),
     Mutant("a given optimizer not recorded (a resume with another one accepted)", "checkpoint",
            "diloco_jax/config/user_optimizers.py",
-           "            cfg = config_lib.override(cfg, key, GIVEN + "
+           "            cfg = dotted.override(cfg, key, GIVEN + "
            "check_on(tx, probe_params, key))",
            "            check_on(tx, probe_params, key)", [T_OPT + "an_import_path_trains_what_the_"
                                                        "given_transform_trains_and_both_resume"]),
@@ -241,7 +241,7 @@ MUTANTS = [
            '("sim.drop_prob", 0 <= sim.drop_prob < 1,',
            '("sim.drop_prob", 0 <= sim.drop_prob <= 1,',
            ["tests/test_sim.py::test_sim_config_errors"]),
-    Mutant("override parser reads 'false' as true", "command line", "diloco_jax/config/schema.py",
+    Mutant("override parser reads 'false' as true", "command line", "diloco_jax/config/dotted.py",
            'if lowered in ("1", "true", "yes", "on"):',
            'if lowered in ("1", "true", "yes", "on", "false"):',
            ["tests/test_config.py::test_overrides_parse_by_field_type"]),

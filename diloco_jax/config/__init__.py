@@ -3,10 +3,22 @@ presets that come with diloco-jax, command-line parsing, the rules every value m
 the two recipes that turn a config into what the library takes: the algorithm
 (:mod:`~diloco_jax.config.recipe`) and the task (:mod:`~diloco_jax.config.problems`).
 
-The package's face is the schema and :func:`validate`; its modules import the schema module
-itself, never this one, so nothing here imports in a circle."""
+The package's face is the schema, its dotted keys (:mod:`~diloco_jax.config.dotted`) and
+:func:`validate`; its modules import those modules themselves, never this one, so nothing
+here imports in a circle."""
 
 from diloco_jax.base.errors import ConfigError
+from diloco_jax.config.dotted import (
+    Key,
+    apply_overrides,
+    described,
+    keys,
+    load_preset,
+    override,
+    parse_value,
+    replace,
+    to_dict,
+)
 from diloco_jax.config.schema import (
     DEFAULT_PRESET,
     RUNTIMES,
@@ -16,7 +28,6 @@ from diloco_jax.config.schema import (
     DataConfig,
     DeslocConfig,
     InnerConfig,
-    Key,
     LogConfig,
     ModelConfig,
     NolocoConfig,
@@ -29,14 +40,6 @@ from diloco_jax.config.schema import (
     SyncerConfig,
     TaskConfig,
     TrainConfig,
-    apply_overrides,
-    described,
-    keys,
-    load_preset,
-    override,
-    parse_value,
-    replace,
-    to_dict,
 )
 from diloco_jax.config.validation import validate
 

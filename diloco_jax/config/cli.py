@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from diloco_jax.base.commandline import ArgumentParser, check_output_dir
-from diloco_jax.config import presets, validation
+from diloco_jax.base.errors import ConfigError
+from diloco_jax.config import dotted, presets, validation
 from diloco_jax.config import schema as config_lib
 
 Extend = Callable[[ArgumentParser], None]  # adds an entry point's own flags
@@ -48,8 +49,8 @@ class Args(NamedTuple):
 
 def _bool(text: str) -> bool:
     try:
-        return config_lib.parse_value(text, bool, "")
-    except config_lib.ConfigError:
+        return dotted.parse_value(text, bool, "")
+    except ConfigError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a bool (use true or false)") from None
 
 
@@ -82,7 +83,7 @@ def _add_config_keys(parser: ArgumentParser, cfg: config_lib.Config) -> None:
     """A typed ``--config.KEY`` flag for every key, one group per section, described with the
     preset's value."""
     groups = {}
-    for key, leaf in config_lib.described(cfg).items():
+    for key, leaf in dotted.described(cfg).items():
         section = key.rpartition(".")[0]
         if section not in groups:
             title = f"config keys: {section or 'top level'}"
@@ -156,10 +157,10 @@ def parse(argv: list[str], *, prog: str, description: str = "", distributed: boo
     (their values: ``Args.flags``)."""
     try:
         preset = _preset(argv)
-        cfg = config_lib.load_preset(preset)
+        cfg = dotted.load_preset(preset)
         parser = parser_for(prog, cfg, description=description, distributed=distributed,
                             resume=resume, extend=extend)  # fmt: skip
-    except config_lib.ConfigError as e:
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     ns = parser.parse_args(argv)
@@ -167,19 +168,19 @@ def parse(argv: list[str], *, prog: str, description: str = "", distributed: boo
         parser.print_help()
         return None
     try:
-        for key in config_lib.keys(cfg).keys() & vars(ns).keys():
-            cfg = config_lib.replace(cfg, key, getattr(ns, key))
+        for key in dotted.keys(cfg).keys() & vars(ns).keys():
+            cfg = dotted.replace(cfg, key, getattr(ns, key))
         validation.validate(cfg)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         default = f"runs/{pathlib.Path(preset).stem}-{stamp}"
         workdir = check_output_dir(default if ns.workdir is None else ns.workdir)
-    except config_lib.ConfigError as e:
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     cluster = Cluster(**{name: getattr(ns, name) for name in ("coordinator_address",
                          "num_processes", "process_id")}, mode=ns.distributed,
                       timeout_s=ns.init_timeout) if distributed else Cluster()  # fmt: skip
-    own = {action.dest for action in parser._actions} - set(config_lib.keys(cfg))
+    own = {action.dest for action in parser._actions} - set(dotted.keys(cfg))
     flags = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k in own})
     return Args(cfg, workdir, cluster, ns.workdir is not None,
                 getattr(ns, "allow_config_change", False), flags)  # fmt: skip

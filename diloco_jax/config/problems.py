@@ -11,6 +11,7 @@ import numpy as np
 
 from diloco_jax import tasks
 from diloco_jax.base import extras
+from diloco_jax.base.errors import ConfigError
 from diloco_jax.config import schema as config_lib
 from diloco_jax.config import user_code
 from diloco_jax.data import (
@@ -50,7 +51,7 @@ def check_extras(cfg: config_lib.Config) -> None:
             if (tfds_io.data_root(d.data_dir) / name / tfds_text.TOKENIZER_FILE).is_file():
                 extras.check(f"{feature} (its SentencePiece tokenizer)", "sentencepiece")
     except extras.MissingExtra as e:
-        raise config_lib.ConfigError(str(e)) from None
+        raise ConfigError(str(e)) from None
 
 
 def user_task(factory: str, args: str, seed: int = 0) -> tasks.UserTask:
@@ -70,8 +71,8 @@ def user_task(factory: str, args: str, seed: int = 0) -> tasks.UserTask:
         kwargs["seed"] = seed
     task = fn(**kwargs)
     if not isinstance(task, (tasks.ArrayTask, tasks.GrainTask)):
-        raise config_lib.ConfigError(f"{where} returned {type(task).__name__}, not a "
-                                     "diloco_jax.ArrayTask or GrainTask")  # fmt: skip
+        raise ConfigError(f"{where} returned {type(task).__name__}, not a "
+                          "diloco_jax.ArrayTask or GrainTask")  # fmt: skip
     return task
 
 

@@ -9,7 +9,7 @@ import pathlib
 import sys
 from collections.abc import Callable
 
-from diloco_jax.config import schema as config_lib
+from diloco_jax.base.errors import ConfigError
 
 
 def function(path: str, key: str) -> Callable:
@@ -22,9 +22,9 @@ def function(path: str, key: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise config_lib.ConfigError(f"{where}: cannot import {module_name}: "
-                                     f"{type(e).__name__}: {e}") from None  # fmt: skip
+        raise ConfigError(f"{where}: cannot import {module_name}: "
+                          f"{type(e).__name__}: {e}") from None  # fmt: skip
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise config_lib.ConfigError(f"{where}: {module_name} has no function {name!r}")
+        raise ConfigError(f"{where}: {module_name} has no function {name!r}")
     return fn

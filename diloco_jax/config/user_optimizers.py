@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diloco_jax.base.errors import ConfigError
+from diloco_jax.config import dotted, user_code
 from diloco_jax.config import schema as config_lib
-from diloco_jax.config import user_code
 
 GIVEN = "given:"  # a config value recording a transform given from Python
 PROBE_STEPS = 3
@@ -62,8 +63,8 @@ def check_transform(tx: Any, where: str) -> optax.GradientTransformation:
     ConfigError naming ``where``."""
     if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
         return tx
-    raise config_lib.ConfigError(f"{where} is a {type(tx).__name__}, not an optax "
-                                 "GradientTransformation (init and update)")  # fmt: skip
+    raise ConfigError(f"{where} is a {type(tx).__name__}, not an optax "
+                      "GradientTransformation (init and update)")  # fmt: skip
 
 
 def imported(path: str, args: str, key: str) -> optax.GradientTransformation:
@@ -74,8 +75,8 @@ def imported(path: str, args: str, key: str) -> optax.GradientTransformation:
     try:
         tx = fn(**(json.loads(args) if args else {}))
     except Exception as e:
-        raise config_lib.ConfigError(f"{where} failed with {key.split('.')[0]}.args {args!r}: "
-                                     f"{type(e).__name__}: {e}") from None  # fmt: skip
+        raise ConfigError(f"{where} failed with {key.split('.')[0]}.args {args!r}: "
+                          f"{type(e).__name__}: {e}") from None  # fmt: skip
     return check_transform(tx, f"what {where} returned")
 
 
@@ -121,7 +122,7 @@ def check_on(tx: optax.GradientTransformation, params: Any, key: str) -> str:
         outer = key.startswith("outer")
         why = ("; DiLoCo's outer optimizer sees a list of the parameters' leaves, so a transform "
                "keyed by their names does not apply") if outer else ""  # fmt: skip
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f"the {key.split('.')[0]} optimizer fails on the parameters: "
             f"{type(e).__name__}: {str(e).strip().splitlines()[0]}{why}"
         ) from None
@@ -141,12 +142,12 @@ def recorded(cfg: config_lib.Config, given: Given, params: Any) -> config_lib.Co
         section = key.split(".")[0]
         if tx is not None:
             tx = check_transform(tx, f"the {section} optimizer given")
-            cfg = config_lib.override(cfg, key, GIVEN + check_on(tx, probe_params, key))
+            cfg = dotted.override(cfg, key, GIVEN + check_on(tx, probe_params, key))
         elif is_import_path(getattr(cfg, section).optimizer):
             c = getattr(cfg, section)
             check_on(imported(c.optimizer, c.args, key), probe_params, key)
         elif getattr(cfg, section).optimizer.startswith(GIVEN):
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 f"config key {key} = {getattr(cfg, section).optimizer!r} records a transform "
                 f"given from Python; pass it again (fit(..., {section}=...)) or name one by "
                 "import path (package.module:function)"

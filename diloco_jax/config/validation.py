@@ -18,7 +18,9 @@ from typing import Any
 from diloco_jax.algorithm.compress import CODECS
 from diloco_jax.algorithm.optim import ALGORITHMS
 from diloco_jax.base import access
-from diloco_jax.config.schema import RUNTIMES, WANDB_MODES, Config, ConfigError, keys
+from diloco_jax.base.errors import ConfigError
+from diloco_jax.config.dotted import keys
+from diloco_jax.config.schema import RUNTIMES, WANDB_MODES, Config
 from diloco_jax.tasks.model import COMPUTE_DTYPES
 
 _POSITIVE = (
