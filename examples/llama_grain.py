@@ -78,7 +78,7 @@ class Llama(nnx.Module):
         return self.head(self.norm(x_BxLxD))
 
 
-def main():
+def arguments():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     shipped = (
         pathlib.Path(diloco_jax.__file__).parent / "data" / "shakespeare.txt.xz"
@@ -88,11 +88,17 @@ def main():
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--workdir", default="runs/llama_grain")
-    args = parser.parse_args()
-    path = pathlib.Path(args.text)
+    return parser.parse_args()
+
+
+def byte_tokens(path):  # the first MiB of the file, a token per byte
     text = lzma.open(path).read() if path.suffix == ".xz" else path.read_bytes()
-    first_mib = text[: 2**20]
-    tokens_N = np.frombuffer(first_mib, np.uint8).astype(np.int32)
+    return np.frombuffer(text[: 2**20], np.uint8).astype(np.int32)
+
+
+def main():
+    args = arguments()
+    tokens_N = byte_tokens(pathlib.Path(args.text))
     windows = len(tokens_N) // SEQ - 1
     held_out = windows - 256  # the last 256 windows: the evaluation
     window = lambda i: tokens_N[i * SEQ : (i + 1) * SEQ + 1]  # noqa: E731

@@ -291,7 +291,7 @@ def print_predictions(args, results: dict, preds: dict) -> None:
               f"{p['goodput'] / r['goodput'] - 1:+.1%} |")  # fmt: skip
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=16)
@@ -324,7 +324,11 @@ def main() -> None:
         metavar="DIR",
         help="no runs: the predictions for a finished --out DIR (the same flags)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     cores = sorted(os.sched_getaffinity(0))
     args.pin = args.pin == "on" or (args.pin == "auto" and len(cores) >= args.learners)
     layouts = args.layouts.split(",")
