@@ -1,8 +1,8 @@
 """The algorithm: DiLoCo over a replica-stacked state and its pieces, and the baselines."""
 
 from diloco_jax.algorithm.baselines import Local, LocalState, data_parallel, single
-from diloco_jax.algorithm.build import diloco, init_replicas, vmap_axes
-from diloco_jax.algorithm.core import Diloco, DilocoState, maskable
+from diloco_jax.algorithm.build import diloco, init_replicas, maskable, vmap_axes
+from diloco_jax.algorithm.core import Diloco, DilocoState
 from diloco_jax.algorithm.moments import MomentSync
 from diloco_jax.algorithm.options import OptionError
 from diloco_jax.algorithm.plan import SyncPlan

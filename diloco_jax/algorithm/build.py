@@ -1,19 +1,39 @@
 """Building DiLoCo: :func:`diloco` picks the pieces its arguments name (the exchange, the sync
-plan, the outer timing) after checking them together; :func:`init_replicas` and
-:func:`vmap_axes` turn any algorithm's declared state into the replica-stacked one and its
-``vmap`` axes."""
+plan, the outer timing) after checking them together, and makes the inner optimizer
+skippable (:func:`maskable`); :func:`init_replicas` and :func:`vmap_axes` turn any
+algorithm's declared state into the replica-stacked one and its ``vmap`` axes."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from diloco_jax.algorithm import compress, dct, exchange, fragments, gossip, moments
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.algorithm.core import Diloco, maskable
+from diloco_jax.algorithm.core import Diloco
 from diloco_jax.algorithm.exchange import AxisName
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.algorithm.timing import make_timing
 from diloco_jax.algorithm.variants import Streaming, check_options
+
+
+def maskable(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``inner`` that takes an extra ``active`` argument: when False the step is skipped (zero
+    updates, state unchanged). Used for stragglers' idle steps (Dynamic Local Updates)."""
+    inner = optax.with_extra_args_support(inner)
+
+    def where(cond, a, b):
+        return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
+
+    def update_fn(updates, state, params=None, *, active=True, **extra):
+        new_updates, new_state = inner.update(updates, state, params, **extra)
+        if active is True:
+            return new_updates, new_state
+        zeros = jax.tree.map(jnp.zeros_like, new_updates)
+        return where(active, new_updates, zeros), where(active, new_state, state)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def _make_exchange(axis_name, codec, dct_config, gossip_config) -> exchange.Exchange:

@@ -87,21 +87,6 @@ def _where(cond: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
 
 
-def maskable(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``inner`` that takes an extra ``active`` argument: when False the step is skipped (zero
-    updates, state unchanged). Used for stragglers' idle steps (Dynamic Local Updates)."""
-    inner = optax.with_extra_args_support(inner)
-
-    def update_fn(updates, state, params=None, *, active=True, **extra):
-        new_updates, new_state = inner.update(updates, state, params, **extra)
-        if active is True:
-            return new_updates, new_state
-        zeros = jax.tree.map(jnp.zeros_like, new_updates)
-        return _where(active, new_updates, zeros), _where(active, new_state, state)
-
-    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
-
-
 class _Round(NamedTuple):
     """What a step's sync and landing change; parameters as lists of leaves."""
 
