@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from diloco_jax.algorithm import diloco, init_replicas, vmap_axes
-from diloco_jax.learners import service, wire
+from diloco_jax.learners import identity, service, wire
 from diloco_jax.learners.syncer import Refused, Syncer
 from tests import helpers
 
@@ -23,6 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOKEN = "learners-test-token"
 CENTERS_RxD = np.array([[1.0, -2.0, 0.5], [3.0, 0.5, -1.0], [-1.0, 2.0, 0.0],
                         [0.5, 0.5, 4.0]], np.float32)  # fmt: skip
+
+
+def _credential(learner: int) -> str:
+    return identity.learner_credential(TOKEN, learner)
 
 
 def _algorithm(outer_mode: str = "sync"):
@@ -268,6 +272,12 @@ class _Clock:
         return self.t
 
 
+def _beat(syncer, learner):
+    """A heartbeat, then the close it may have set off (off the lock) settled."""
+    syncer.heartbeat(learner, 1)
+    syncer.tick()
+
+
 def _ones(v):
     return {"['w']": np.full(3, v, np.float32)}
 
@@ -302,15 +312,15 @@ def test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_its_weight(tmp_p
         clock.t = 1.5
         syncer.push(1, 1, 0, 1.0, _ones(2.0))  # the quorum: the grace runs to t = 2.5
         clock.t = 2.4
-        syncer.heartbeat(2, 1)
+        _beat(syncer, 2)
         assert syncer.round == 0
         clock.t = 2.6
-        syncer.heartbeat(2, 1)
+        _beat(syncer, 2)
         assert syncer.round == 1 and syncer.members[2].status == "present"
         assert syncer.push(2, 1, 0, 2.0, _ones(4.0)) == 1  # late: into round 1
         syncer.push(0, 1, 1, 1.0, _ones(1.0))
         clock.t = 5.0
-        syncer.heartbeat(0, 1)
+        _beat(syncer, 0)
         assert syncer.round == 1  # one push on time and a late one: no quorum yet
         syncer.push(1, 1, 1, 1.0, _ones(1.0))  # all three in round 1: it closes now
         assert syncer.round == 2
@@ -322,7 +332,7 @@ def test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_its_weight(tmp_p
         for i in (0, 1):
             syncer.push(i, 1, 2, 1.0, _ones(1.0))
         clock.t = 10.0
-        syncer.heartbeat(0, 1)
+        _beat(syncer, 0)
         syncer.push(0, 1, 3, 1.0, _ones(1.0))
         with pytest.raises(Refused, match=r"stale: .* round 1, the syncer is at round 3 \(more "
                            "than syncer.max_late = 1 rounds behind"):  # fmt: skip
@@ -355,10 +365,10 @@ def test_the_adaptive_grace_waits_for_learners_that_come_together_not_for_a_stra
         syncer.push(0, 1, 1, 1.0, _ones(1.0))
         syncer.push(1, 1, 1, 1.0, _ones(1.0))
         clock.t = 1.39
-        syncer.heartbeat(2, 1)
+        _beat(syncer, 2)
         assert syncer.round == 1
         clock.t = 1.41
-        syncer.heartbeat(2, 1)
+        _beat(syncer, 2)
         assert syncer.round == 2 and syncer.members[2].status == "present"
         assert syncer.push(2, 1, 1, 1.0, _ones(1.0)) == 1
     finally:
@@ -442,10 +452,10 @@ def test_a_killed_learner_is_dropped_the_round_goes_on_and_its_restart_rejoins(t
             syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
         syncer.push(0, 1, 0, 1.0, _ones(1.0))
         clock.t = 4.9
-        syncer.heartbeat(0, 1)
+        _beat(syncer, 0)
         assert syncer.round == 0 and syncer.members[1].status == "present"
         clock.t = 5.1
-        syncer.heartbeat(0, 1)
+        _beat(syncer, 0)
         assert syncer.round == 1 and syncer.members[1].status == "dropped"
         generation, rnd, _ = syncer.join(1, wire.describe(x), {"outer.sync_every": 3},
                                          wire.named(x))  # fmt: skip
@@ -465,20 +475,20 @@ def test_a_killed_learner_is_dropped_the_round_goes_on_and_its_restart_rejoins(t
 
 def test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_nothing(tmp_path):
     syncer = _syncer(tmp_path, _algorithm(), learners=1)
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     x = {"w": np.zeros(3, np.float32)}
     fields = {"learner": 0, "describe": wire.describe(x), "keys": {"outer.sync_every": 3}}
     try:
         wrong = service.Client(f"127.0.0.1:{server.port}", "not-the-token", timeout=10)
-        with pytest.raises(service.RefusedBySyncer, match="Join: missing or wrong token"):
+        with pytest.raises(service.RefusedBySyncer, match="Join: missing or wrong credential"):
             wrong.call("Join", fields, wire.named(x))
         assert syncer.members == {} and syncer.anchor is None
-        right = service.Client(f"127.0.0.1:{server.port}", TOKEN, timeout=10)
+        right = service.Client(f"127.0.0.1:{server.port}", _credential(0), timeout=10)
         f, anchor = right.call("Join", fields, wire.named(x))
         assert f == {"generation": 1, "round": 0, "finished": False}
         assert list(anchor) == ["['w']"]
-        f, anchor = right.call("Push", {"learner": 0, "generation": 1, "round": 0, "weight": 1.0},
-                               {"['w']": np.ones(3, np.float32)})  # fmt: skip
+        f, anchor = right.call("Push", {"learner": 0, "generation": 1, "round": 0, "weight": 1.0,
+                                        "push": "p0"}, {"['w']": np.ones(3, np.float32)})
         assert f["round"] == 1
         np.testing.assert_allclose(anchor["['w']"], np.full(3, -0.7 * 1.9), rtol=1e-6)
         wrong.close()
@@ -496,13 +506,14 @@ def test_over_grpc_a_late_learner_waits_for_the_round_its_push_joined(tmp_path):
 
     syncer = _syncer(tmp_path, _algorithm(), learners=2, quorum=1, grace=0.01,
                      adaptive_grace=False)  # fmt: skip
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     x = {"w": np.zeros(3, np.float32)}
-    clients = [service.Client(f"127.0.0.1:{server.port}", TOKEN, timeout=10) for _ in range(2)]
+    clients = [service.Client(f"127.0.0.1:{server.port}", _credential(i), timeout=10)
+               for i in range(2)]  # fmt: skip
 
     def push(i, rnd):
         return clients[i].call("Push", {"learner": i, "generation": 1, "round": rnd,
-                                        "weight": 1.0}, _ones(1.0))[0]  # fmt: skip
+                                        "weight": 1.0, "push": f"{i}-{rnd}"}, _ones(1.0))[0]
 
     try:
         for i in (0, 1):
@@ -516,7 +527,7 @@ def test_over_grpc_a_late_learner_waits_for_the_round_its_push_joined(tmp_path):
         assert late.is_alive() and syncer.round == 1  # waiting for round 1 to close
         assert push(0, 1)["round"] == 2
         late.join(10)
-        assert answers["late"] == {"round": 2, "late": 1, "finished": False}
+        assert answers["late"] == {"round": 2, "late": 1, "finished": False, "again": False}
     finally:
         for c in clients:
             c.close()
@@ -656,7 +667,7 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     one = {"parallel.replicas": 1, "parallel.runtime": "sim", **variant}
     want = train(_tiny(**one), tmp_path / "one", show_progress=False)
     syncer = make_syncer(_tiny(**one), tmp_path / "syncer")
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
     try:
         got = train(_tiny(**one, **{"syncer.address": f"127.0.0.1:{server.port}"}),
@@ -718,8 +729,8 @@ def test_a_learner_reads_its_anchor_to_the_host_once_a_round(tmp_path, monkeypat
 
     monkeypatch.setattr(Learner, "_anchor", counted)
     syncer = _syncer(tmp_path, algorithm, learners=1, answer_mean=mode == "eager")
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
-    client = service.Client(f"127.0.0.1:{server.port}", TOKEN, timeout=30.0)
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
+    client = service.Client(f"127.0.0.1:{server.port}", _credential(0), timeout=30.0)
     learner = Learner(client, algorithm, learner=0, keys={"outer.sync_every": 3},
                       rows_per_round=3, heartbeat=10.0, log=logging.getLogger("test"),
                       overlap=mode == "delayed")  # fmt: skip
@@ -757,8 +768,8 @@ def test_a_learners_push_travels_through_its_codec(tmp_path):
     codec = compress.Codec("int8", block=64, min_size=64)
     _, _, local = _learner_fns(algorithm)
     syncer = _syncer(tmp_path, algorithm, learners=1, codec=codec)
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
-    client = service.Client(f"127.0.0.1:{server.port}", TOKEN, timeout=30.0)
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
+    client = service.Client(f"127.0.0.1:{server.port}", _credential(0), timeout=30.0)
     learner = Learner(client, algorithm, learner=0, keys={"outer.sync_every": 3},
                       rows_per_round=3, heartbeat=10.0, log=logging.getLogger("test"),
                       codec=codec)  # fmt: skip
@@ -792,7 +803,7 @@ def test_a_user_task_as_a_learner_trains_what_it_trains_alone(tmp_path, monkeypa
     want = fit(linear_task(), workdir=tmp_path / "alone", overrides=overrides,
                show_progress=False)  # fmt: skip
     syncer = make_syncer(make_config(None, overrides), tmp_path / "syncer")
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
     try:
         got = fit(
@@ -828,7 +839,7 @@ def test_a_learner_of_two_processes_trains_what_two_replicas_train(tmp_path):
     want = train(_tiny(**two, **{"parallel.runtime": "mesh"}), tmp_path / "mesh",
                  show_progress=False)  # fmt: skip
     syncer = make_syncer(_tiny(**two), tmp_path / "syncer")
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     command = [
         sys.executable,
         "-m",
@@ -877,7 +888,7 @@ def test_a_learner_ends_when_the_syncer_closes_the_runs_last_round(tmp_path, mon
 
     cfg = _tiny(**{"parallel.replicas": 1, "syncer.rounds": 1})
     syncer = make_syncer(cfg, tmp_path / "syncer")
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
     learner = _tiny(**{"parallel.replicas": 1, "syncer.address": f"127.0.0.1:{server.port}"})
     try:
@@ -910,7 +921,7 @@ def test_a_syncer_stopped_and_restarted_mid_run_loses_nothing(tmp_path, monkeypa
     one = {"parallel.replicas": 1, "parallel.runtime": "sim", "train.total_steps": 15}
     want = train(_tiny(**one), tmp_path / "one", show_progress=False)
     first = make_syncer(_tiny(**one), tmp_path / "syncer")
-    server = service.Server(first, "127.0.0.1", 0, token=TOKEN).start()
+    server = service.Server(first, "127.0.0.1", 0, secret=TOKEN).start()
     port, servers = server.port, [server]
 
     def restart():
@@ -921,7 +932,7 @@ def test_a_syncer_stopped_and_restarted_mid_run_loses_nothing(tmp_path, monkeypa
         first.close()
         time.sleep(0.5)  # the learner's next push meets no syncer
         second = make_syncer(_tiny(**one), tmp_path / "syncer")
-        servers.append(service.Server(second, "127.0.0.1", port, token=TOKEN).start())
+        servers.append(service.Server(second, "127.0.0.1", port, secret=TOKEN).start())
 
     monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
     thread = threading.Thread(target=restart)
@@ -955,7 +966,7 @@ def test_two_learners_of_one_replica_train_what_the_mesh_trains_with_two(tmp_pat
     want = train(mesh, tmp_path / "mesh", show_progress=False)
     syncer = make_syncer(_tiny(**{"parallel.replicas": 1, "syncer.learners": 2}),
                          tmp_path / "syncer")  # fmt: skip
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     procs = [_learner(i, server.port, tmp_path / f"learner{i}") for i in range(2)]
     try:
         for proc in procs:
@@ -985,7 +996,7 @@ def test_a_learner_the_syncer_refuses_fails_in_one_line(tmp_path, monkeypatch, c
     from diloco_jax.train import main
 
     syncer = make_syncer(_tiny(**{"parallel.replicas": 1}), tmp_path / "syncer")
-    server = service.Server(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
     try:
         code = main(["--config", "tiny", "--workdir", str(tmp_path / "learner"),
@@ -1015,12 +1026,13 @@ def test_an_accumulator_is_not_a_learners_codec():
 
 
 def test_the_status_page_and_metrics_show_the_learners_and_rounds(tmp_path):
+    import urllib.error
     import urllib.request
 
     from diloco_jax.learners.status import StatusServer
 
     syncer = _syncer(tmp_path, _algorithm(), learners=2)
-    page = StatusServer(syncer, "127.0.0.1", 0, token=TOKEN).start()
+    page = StatusServer(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     x = {"w": np.zeros(3, np.float32)}
     try:
         syncer.join(0, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
@@ -1028,10 +1040,15 @@ def test_the_status_page_and_metrics_show_the_learners_and_rounds(tmp_path):
         syncer.leave(1, 1)
         syncer.push(0, 1, 0, 1.0, {"['w']": np.ones(3, np.float32)})
 
-        def get(path):
-            with urllib.request.urlopen(f"http://127.0.0.1:{page.port}{path}") as r:
+        def get(path, credential=identity.operator_credential(TOKEN)):
+            request = urllib.request.Request(f"http://127.0.0.1:{page.port}{path}",
+                                             headers={"Authorization": f"Bearer {credential}"})
+            with urllib.request.urlopen(request) as r:
                 return r.read().decode()
 
+        for who in ("", TOKEN, _credential(0)):  # on loopback too: the operator's alone
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                get("/status", who)
         status = json.loads(get("/status"))
         assert status["round"] == 1 and status["members"]["1"]["status"] == "left"
         metrics = get("/metrics")

@@ -137,6 +137,16 @@ def _validate_syncer(cfg: Config) -> None:
         ("syncer.examples", sy.examples >= 0, "must be an integer >= 0 (0: no budget)"),
         ("syncer.token_file", not sy.token_file or pathlib.Path(sy.token_file).is_file(),
          "must be a file holding the token"),
+        ("syncer.credentials", not sy.credentials or (
+            pathlib.Path(sy.credentials) / "ca.pem").is_file(),
+         "must be a folder made by `diloco-syncer certs DIR` (DIR/syncer or DIR/learner_I), "
+         "holding ca.pem"),
+        ("syncer.address", not sy.address or sy.credentials or sy.insecure or access.is_loopback(
+            host.strip("[]")), "is off loopback without TLS: set syncer.credentials (a folder of "
+         "`diloco-syncer certs DIR`), or syncer.insecure=true to send credentials and tensors in "
+         "clear"),
+        ("syncer.mutual_tls", not sy.mutual_tls or sy.credentials,
+         "needs TLS: set syncer.credentials"),
     ]  # fmt: skip
     if sy.address:
         plain = {"algorithm": cfg.algorithm == "diloco",

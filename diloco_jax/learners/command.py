@@ -5,12 +5,18 @@ written; a restarted syncer goes on from it).
     python -m diloco_jax.syncer --config tiny --workdir runs/syncer \\
         --config.syncer.address=127.0.0.1:50551 --config.syncer.learners=4
 
-Learners: the same config with ``--config.syncer.learner=I`` and the token (``syncer.token_file``
-or ``$DILOCO_SERVE_TOKEN``; without either the syncer writes a new one to WORKDIR/syncer_token).
+Learners: the same config with ``--config.syncer.learner=I`` and learner I's credential.
+
+Across networks: ``diloco-syncer certs DIR --learners N --hosts NAME[,NAME...]`` makes the
+run's CA, secret, certificates and credentials, a folder per host (DIR/syncer, DIR/learner_I,
+DIR/operator); each host is given ``--config.syncer.credentials=`` its folder. Without one, the
+syncer's secret is ``syncer.token_file``'s or ``$DILOCO_SERVE_TOKEN`` or a new one written to
+WORKDIR/syncer_token, and it listens in clear (loopback only, unless ``syncer.insecure``).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 import secrets
@@ -22,18 +28,20 @@ from diloco_jax import config as config_lib
 from diloco_jax.base.axes import REPLICA
 from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, recipe
+from diloco_jax.learners import certs, service
 from diloco_jax.learners import learner as learner_lib
-from diloco_jax.learners import service
 from diloco_jax.learners.status import StatusServer
 from diloco_jax.learners.syncer import Syncer
 from diloco_jax.watch import reporting
 from diloco_jax.watch.reporting import log
 
 
-def syncer_token(token_file: str, workdir: pathlib.Path, environ=os.environ) -> str:
-    """The token learners must present: ``token_file``'s, else ``$DILOCO_SERVE_TOKEN``, else a
+def syncer_token(token_file: str, workdir: pathlib.Path, environ=os.environ,
+                 credentials: str = "") -> str:  # fmt: skip
+    """The run's secret, from which every credential is derived (:mod:`.identity`):
+    ``token_file``'s, else ``$DILOCO_SERVE_TOKEN``, else the ``credentials`` folder's, else a
     new one written to ``workdir/syncer_token`` (readable by this user only)."""
-    text = learner_lib.configured_token(token_file, environ)
+    text = learner_lib.configured_token(token_file, environ, credentials)
     if text:
         return text
     path = workdir / "syncer_token"
@@ -65,19 +73,69 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path, cls=Syncer, **ext
 def serve(cfg: config_lib.Config, workdir: pathlib.Path):
     """The syncer of ``cfg`` listening at ``syncer.address``, and its status server at
     ``syncer.status_port`` (None when 0), both started."""
-    host, _, port = cfg.syncer.address.rpartition(":")
-    token = syncer_token(cfg.syncer.token_file, workdir)
-    server = service.Server(make_syncer(cfg, workdir), host, int(port), token=token,
-                            wait_timeout=cfg.syncer.timeout * 4 + 30)  # fmt: skip
+    sy = cfg.syncer
+    host, _, port = sy.address.rpartition(":")
+    host = host.strip("[]")
+    secret = syncer_token(sy.token_file, workdir, credentials=sy.credentials)
+    tls = certs.read(pathlib.Path(sy.credentials)) if sy.credentials else None
+    if tls is not None and (tls.cert is None or tls.key is None):
+        raise ValueError(f"syncer.credentials = {sy.credentials} holds no cert.pem and key.pem: "
+                         "give the syncer its own folder (DIR/syncer)")  # fmt: skip
+    server = service.Server(make_syncer(cfg, workdir), host, int(port), secret=secret, tls=tls,
+                            mutual=sy.mutual_tls, insecure=sy.insecure,
+                            wait_timeout=sy.timeout * 4 + 30)  # fmt: skip
     page = None
-    if cfg.syncer.status_port:
-        page = StatusServer(server.syncer, host, cfg.syncer.status_port, token=token).start()
-        log.info("syncer status: http://%s:%d/ (/status, /metrics)", host, page.port)
+    if sy.status_port:
+        page = StatusServer(server.syncer, host, sy.status_port, secret=secret, tls=tls,
+                            insecure=sy.insecure).start()  # fmt: skip
+        scheme = "https" if tls else "http"
+        log.info("syncer status: %s://%s:%d/ (/status, /metrics; the operator's credential)",
+                 scheme, host, page.port)  # fmt: skip
     return server.start(), page
 
 
+def make_certs(argv: list[str], prog: str) -> int:
+    """``diloco-syncer certs DIR --learners N [--hosts NAMES] [--days D]``."""
+    parser = argparse.ArgumentParser(
+        prog=f"{prog} certs",
+        description=certs.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("out", metavar="DIR", help="where the folders go (made if missing)")
+    parser.add_argument(
+        "--learners",
+        type=int,
+        required=True,
+        metavar="N",
+        help="learners 0 .. N-1 (run again with a larger N to add some)",
+    )
+    parser.add_argument(
+        "--hosts",
+        default=",".join(certs.DEFAULT_HOSTS),
+        metavar="NAMES",
+        help="the syncer's names and addresses as learners reach it, comma-"
+        "separated (default: %(default)s)",
+    )
+    parser.add_argument("--days", type=int, default=365, help="validity (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        certs.make(
+            pathlib.Path(args.out),
+            args.learners,
+            [h.strip() for h in args.hosts.split(",") if h.strip()],
+            days=args.days,
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.syncer") -> int:
-    args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog, description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["certs"]:
+        return make_certs(argv[1:], prog)
+    args = cli.parse(argv, prog=prog, description=__doc__)
     if args is None:
         return 0
     cfg, workdir = args.cfg, pathlib.Path(args.workdir)
@@ -87,7 +145,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.syn
         return 2
     try:
         server, page = serve(cfg, workdir)
-    except (config_lib.ConfigError, MissingExtra, OSError, ValueError) as e:
+    except (config_lib.ConfigError, MissingExtra, OSError, ValueError) as e:  # one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     log.info("syncer listening at %s:%d for %d learners (round %d); workdir %s", server.host,

@@ -32,6 +32,7 @@ import os
 import pathlib
 import threading
 import time
+import uuid
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +44,7 @@ from diloco_jax.base.access import TOKEN_ENV
 from diloco_jax.base.axes import LOCAL_REPLICA, REPLICA
 from diloco_jax.base.errors import ConfigError
 from diloco_jax.config import recipe
-from diloco_jax.learners import payload, service, wire
+from diloco_jax.learners import certs, identity, payload, service, wire
 from diloco_jax.runtime import fsdp, parallel
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
@@ -61,19 +62,26 @@ def shared_keys(flat: dict[str, Any]) -> dict[str, Any]:
     return {k: flat[k] for k in SHARED_KEYS if k in flat}
 
 
-def configured_token(token_file: str, environ=os.environ) -> str:
-    """The token the config names: the file's contents, else ``$DILOCO_SERVE_TOKEN``, else
-    empty."""
+def configured_token(token_file: str, environ=os.environ, credentials: str = "") -> str:
+    """The token the config names: the file's contents, else ``$DILOCO_SERVE_TOKEN``, else the
+    ``token`` of the ``credentials`` folder (``diloco-syncer certs``), else empty. The syncer's
+    is the run's secret; a learner's, its credential or the secret (:mod:`.identity`)."""
     text = pathlib.Path(token_file).read_text().strip() if token_file else ""
-    return text or environ.get(TOKEN_ENV, "")
+    text = text or environ.get(TOKEN_ENV, "")
+    return text or (certs.token(pathlib.Path(credentials)) if credentials else "")
 
 
-def token(token_file: str, environ=os.environ) -> str:
-    """The syncer's token as a learner needs it (:func:`configured_token`, which must exist)."""
-    text = configured_token(token_file, environ)
+def credential(sy, environ=os.environ) -> str:
+    """Learner ``sy.learner``'s credential (``sy``: the config's ``syncer`` section) from its
+    token (:func:`configured_token`, which must exist)."""
+    text = configured_token(sy.token_file, environ, sy.credentials)
     if not text:
-        raise ConfigError(f"a learner needs the syncer's token: syncer.token_file or ${TOKEN_ENV}")
-    return text
+        raise ConfigError("a learner needs its credential: syncer.credentials (a folder of "
+                          f"`diloco-syncer certs`), syncer.token_file or ${TOKEN_ENV}")  # fmt: skip
+    try:
+        return identity.for_learner(text, sy.learner)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 class Exchanged(NamedTuple):
@@ -230,8 +238,10 @@ class Learner:
         state, mean, total_w = self._contribute(state)
         mean, total_w = parallel.host_copy(mean), float(parallel.host_copy(total_w))
         replicas = self.replicas
+        # the push's id: every retry of it carries the same, and the syncer merges it once
         fields = {"learner": self.learner, "generation": self.generation, "round": self.round,
-                  "weight": total_w * replicas * self.rows_per_round}  # fmt: skip
+                  "weight": total_w * replicas * self.rows_per_round,
+                  "push": uuid.uuid4().hex}  # fmt: skip
         pushed = payload.encode(wire.leaf_names(state.anchor), mean, self.codec, replicas)
         anchor = wire.named(self._anchor(state))  # the join's, should it be needed; read once
         start = time.monotonic()
@@ -339,7 +349,8 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
     ``mesh`` (None: the simulator's layout); ``fsdp_specs``: where its state's leaves live
     with FSDP (:func:`diloco_jax.runtime.parallel.state_specs`)."""
     sy = cfg.syncer
-    client = service.Client(sy.address, token(sy.token_file), timeout=sy.timeout * 4 + 60)
+    tls = certs.read(pathlib.Path(sy.credentials)) if sy.credentials else None
+    client = service.Client(sy.address, credential(sy), tls=tls, timeout=sy.timeout * 4 + 60)
     rows = cfg.data.batch_size * cfg.outer.sync_every
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),
                    rows_per_round=rows, heartbeat=sy.heartbeat, log=log,

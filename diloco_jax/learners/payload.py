@@ -88,20 +88,60 @@ def encode(names: list[str], leaves: list, codec: Codec | None,
     return out
 
 
+def _float_dtypes(param_dtype: str) -> tuple[np.dtype, ...]:
+    """The dtypes a leaf of the push may have: float32 (the exchange's), or the parameter's own
+    float dtype."""
+    own = np.dtype(param_dtype)
+    return (np.dtype(np.float32), own) if np.issubdtype(own, np.floating) else (
+        np.dtype(np.float32),)  # fmt: skip
+
+
+def check_leaves(described: list[list], leaves: list[list], codec: Codec | None) -> None:
+    """Checks a push's arrays as its header declares them (``leaves``: ``[[name, shape, dtype],
+    ...]``) against what a push of the anchor ``described`` with ``codec`` holds: every name,
+    shape and dtype, nothing more. Raises :class:`WireError` naming the first difference, before
+    any of the push's data is read."""
+    got = {}
+    for name, shape, dtype in leaves:
+        if name in got:
+            raise WireError(f"the push sends {name} twice")
+        try:
+            got[name] = (list(shape), np.dtype(dtype))
+        except TypeError:
+            raise WireError(f"the push's {name} has an unknown dtype {dtype!r}") from None
+    sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in described]
+    big = _big(sizes, codec)
+    wanted = set()
+    for i, (name, shape, dtype) in enumerate(described):
+        if i in big:
+            continue
+        wanted.add(name)
+        if name not in got or got[name][0] != list(shape):
+            raise WireError(f"the push lacks {name} {list(shape)} or has another shape")
+        if got[name][1] not in _float_dtypes(dtype):
+            raise WireError(f"the push's {name} is {got[name][1]}, expected float32 or {dtype}")
+    if big:
+        assert codec is not None
+        size = sum(sizes[i] for i in big)
+        _check_codec({n: got[n] for n in _names(codec) if n in got}, codec, size)
+        wanted |= set(_names(codec))
+    extra = sorted(set(got) - wanted)
+    if extra:
+        raise WireError(f"the push has {extra[0]}, which the model does not")
+
+
 def decode(described: list[list], message: dict[str, np.ndarray],
            codec: Codec | None) -> list[np.ndarray]:  # fmt: skip
     """The float32 leaves (in the order of ``described``, the anchor's ``[name, shape, dtype]``)
     of a :func:`encode` message; raises :class:`WireError` naming the first array missing or of
-    another shape or dtype, or a position out of range."""
+    another shape or dtype (:func:`check_leaves`), or a position out of range."""
+    check_leaves(described, [[n, list(a.shape), str(a.dtype)] for n, a in message.items()], codec)
     sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in described]
     big = _big(sizes, codec)
     out: list = [None] * len(described)
-    for i, (name, shape, _) in enumerate(described):
-        if i in big:
-            continue
-        if name not in message or list(message[name].shape) != list(shape):
-            raise WireError(f"the push lacks {name} {list(shape)} or has another shape")
-        out[i] = np.asarray(message[name], np.float32)
+    for i, (name, _, _) in enumerate(described):
+        if i not in big:
+            out[i] = np.asarray(message[name], np.float32)
     if big:
         assert codec is not None
         size = sum(sizes[i] for i in big)
@@ -113,33 +153,38 @@ def decode(described: list[list], message: dict[str, np.ndarray],
     return out
 
 
-def _arrays(message: dict[str, np.ndarray], codec: Codec, size: int) -> tuple[np.ndarray, ...]:
-    """The codec's arrays of ``message``, checked against what ``size`` values encode to."""
+def _check_codec(got: dict[str, tuple[list, np.dtype]], codec: Codec, size: int) -> None:
+    """The codec's arrays (``{name: (shape, dtype)}``) against what ``size`` values encode to."""
     like = jax.eval_shape(_encode, jax.ShapeDtypeStruct((size,), jnp.float32), codec,
                           min(size, compress.topk_count(size, codec.topk_fraction)))  # fmt: skip
-    got = []
     for name, want in zip(_names(codec), like, strict=True):
-        a = message.get(name)
-        if a is None or a.dtype != want.dtype:
+        if name not in got or got[name][1] != want.dtype:
             raise WireError(f"the push lacks {name} ({want.dtype}) for codec {codec.name}")
+        shape = got[name][0]
         if codec.name == "topk":  # k: one replica's count or a multiple of it, at most size
-            n = a.shape[0] if a.ndim == 1 else -1
+            n = shape[0] if len(shape) == 1 else -1
             ok = 0 < n <= size and (n % want.shape[0] == 0 or n == size)
         else:
-            ok = a.shape == want.shape
+            ok = tuple(shape) == want.shape
         if not ok:
-            raise WireError(f"{name} is {list(a.shape)}, expected {list(want.shape)} "
+            raise WireError(f"{name} is {list(shape)}, expected {list(want.shape)} "
                             f"for {size:,} values in codec {codec.name}")  # fmt: skip
-        got.append(a)
+    if codec.name == "topk" and got[_names(codec)[0]][0] != got[_names(codec)[1]][0]:
+        raise WireError(f"{got[_names(codec)[0]][0]} top-k values with "
+                        f"{got[_names(codec)[1]][0]} positions")  # fmt: skip
+
+
+def _arrays(message: dict[str, np.ndarray], codec: Codec, size: int) -> tuple[np.ndarray, ...]:
+    """The codec's arrays of ``message`` (checked by :func:`check_leaves`); top-k positions
+    checked too: in range, none twice."""
+    got = tuple(message[name] for name in _names(codec))
     if codec.name == "topk":
-        values, positions = got
-        if values.shape != positions.shape:
-            raise WireError(f"{len(values)} top-k values with {len(positions)} positions")
+        positions = got[1]
         if positions.min() < 0 or positions.max() >= size:
             raise WireError(f"a top-k position outside [0, {size:,})")
         if np.unique(positions).size != positions.size:
             raise WireError("a top-k position sent twice")
-    return tuple(got)
+    return got
 
 
 def push_bytes(message: dict[str, np.ndarray]) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Any
 
 import numpy as np
 
@@ -24,9 +25,29 @@ class Member:
 class Push:
     generation: int
     weight: float
-    mean: list  # float32 leaves, in the anchor's order
+    mean: Any  # float32 leaves in the anchor's order: a list, or a file (:class:`.intake.Spilled`)
     finite: bool
     late: int = 0  # rounds behind the one it joins
+    id: str = ""  # the learner's id for it: a push is merged once, whatever the retries
+    base: int = 0  # the round whose anchor it was computed against
+
+    def leaves(self) -> list:
+        return self.mean if isinstance(self.mean, list) else self.mean.leaves()
+
+
+@dataclasses.dataclass(frozen=True)
+class Merged:
+    """What became of a push the syncer merged (kept for a retry of it, across restarts): whose
+    it was, the round it was computed against and the round it went into."""
+
+    learner: int
+    generation: int
+    base: int
+    joined: int
+
+    @property
+    def late(self) -> int:
+        return self.joined - self.base
 
 
 def digest(leaves: list) -> str:
@@ -40,14 +61,21 @@ def digest(leaves: list) -> str:
 def merge(pushes: list[Push]) -> tuple[list, float]:
     """The pushes' mean weighted by their examples: ``sum_l (w_l / W) m_l`` in float32, in
     learner order (each weight divided first, so equal weights scale exactly and one
-    learner's mean passes unchanged); leaves out pushes that are not finite."""
+    learner's mean passes unchanged); leaves out pushes that are not finite. One push's leaves
+    are in memory at a time (a push in a file is read when its turn comes), and each is added
+    leaf by leaf: memory is the model's size twice, whatever the number of pushes."""
     finite = [p for p in pushes if p.finite and p.weight > 0]
     total_w = sum(p.weight for p in finite)
     if not finite:
-        return [np.zeros_like(x) for x in pushes[0].mean], 0.0
-    total: list | None = None
+        return [np.zeros_like(x, np.float32) for x in pushes[0].leaves()], 0.0
+    total: list = []
     for p in finite:
         share = np.float32(p.weight / total_w)
-        part = [share * x for x in p.mean]
-        total = part if total is None else [t + x for t, x in zip(total, part, strict=True)]
-    return total or [], total_w
+        leaves = p.leaves()
+        if not total:
+            total = [share * x for x in leaves]
+            continue
+        for t, x in zip(total, leaves, strict=True):
+            t += share * x  # the same two float32 roundings as t + (share * x)
+        del leaves
+    return total, total_w

@@ -2,13 +2,27 @@
 
 gRPC (``grpcio``, the ``learners`` extra) with raw byte messages: every request and reply is a
 :mod:`diloco_jax.learners.wire` message, its arrays streamed in chunks of at most
-``wire.CHUNK`` bytes, each call under a deadline. Every call carries the token
-(``authorization: Bearer TOKEN`` metadata); a wrong or missing one is ``UNAUTHENTICATED`` and
-changes nothing. Methods of the service ``diloco_jax.Syncer``:
+``wire.CHUNK`` bytes, each call under a deadline.
+
+- **Encryption**: with the syncer's certificate and key (``syncer.credentials``), the channel is
+  TLS and the learners verify the syncer against the run's CA; with ``mutual`` each learner
+  shows its own certificate too, and its name must be the one its credential claims. Off
+  loopback the server refuses to start without TLS unless told ``insecure``.
+- **Identity**: every call carries a credential (``authorization: Bearer CREDENTIAL``), checked
+  against the run's secret (:mod:`.identity`): a learner's lets it act as itself only (a call
+  naming another learner is ``PERMISSION_DENIED`` and changes nothing). A wrong or missing one
+  is ``UNAUTHENTICATED``; failures are counted per peer, logged a line per peer with the count,
+  and answered more slowly after :data:`FREE_FAILURES`.
+- **A push** is checked before its data is read: its header (leaf names, shapes, dtypes and
+  so its size) against the joined anchor and codec, its id against the pushes already in
+  (exactly once: a copy is answered with its round's result). Its data then streams to a file
+  (:mod:`.intake`), never whole in memory.
+
+Methods of the service ``diloco_jax.Syncer``:
 
 - ``Join`` (stream -> stream): learner index, parameters described, training keys, its anchor
   -> generation, round, the syncer's anchor.
-- ``Push`` (stream -> stream): learner, generation, base round, weight, its mean
+- ``Push`` (stream -> stream): learner, generation, base round, weight, push id, its mean
   pseudo-gradient -> the anchor after the round it is merged into (its own round, or for a
   late push in quorum rounds the open one), once that round has closed, and how many rounds
   late the push was.
@@ -19,9 +33,9 @@ A refusal is ``FAILED_PRECONDITION`` with the syncer's one-line reason.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import random
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -31,11 +45,13 @@ import numpy as np
 
 from diloco_jax.base import extras
 from diloco_jax.base.access import is_loopback
-from diloco_jax.learners import wire
+from diloco_jax.learners import identity, intake, wire
 from diloco_jax.learners.syncer import Refused, Syncer
 
 log = logging.getLogger("diloco_jax")
 SERVICE = "diloco_jax.Syncer"
+FREE_FAILURES = 3  # failed authentications a peer gets before its answers slow down
+LOG_EVERY = 30.0  # seconds between two lines about one peer's failures
 
 
 def _grpc():
@@ -47,34 +63,82 @@ def _options(max_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_send_message_length", wire.CHUNK + wire.MAX_HEADER)]  # fmt: skip
 
 
-class Server:
-    """``syncer`` served at ``host:port`` (0: a free port, see :attr:`port`)."""
+def plaintext_refusal(host: str, what: str = "the syncer") -> str:
+    return (f"{what} would listen on {host} without TLS: set syncer.credentials to the folder "
+            "`diloco-syncer certs DIR` made for it (DIR/syncer), or syncer.insecure=true to send "
+            "credentials and tensors in clear")  # fmt: skip
 
-    def __init__(self, syncer: Syncer, host: str, port: int, *, token: str,
-                 max_bytes: int = 1 << 34, wait_timeout: float = 600.0):  # fmt: skip
+
+class _Failures:
+    """Failed authentications per peer address: counted, logged a line per peer at most every
+    :data:`LOG_EVERY` seconds (with the count), answered later after :data:`FREE_FAILURES`."""
+
+    def __init__(self, syncer: Syncer):
+        self.syncer, self.lock = syncer, threading.Lock()
+        self.count: dict[str, int] = {}
+        self.logged: dict[str, float] = {}
+
+    def delay(self, peer: str, why: str) -> float:
+        """Counts one failure of ``peer``; returns the seconds to wait before answering."""
+        with self.lock:
+            n = self.count[peer] = self.count.get(peer, 0) + 1
+            say = time.monotonic() - self.logged.get(peer, -LOG_EVERY) >= LOG_EVERY
+            if say:
+                self.logged[peer] = time.monotonic()
+        if say:
+            log.warning("syncer: %d failed authentication(s) from %s so far (%s)", n, peer, why)
+            self.syncer.event("auth_failed", peer=peer, count=n, reason=why)
+        return 0.0 if n <= FREE_FAILURES else min(0.05 * 2 ** (n - FREE_FAILURES), 2.0)
+
+
+def _address(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:1.2.3.4:5678``, ``ipv6:[::1]:5678``)."""
+    where = peer.partition(":")[2]
+    return where.rpartition(":")[0] or where
+
+
+class Server:
+    """``syncer`` served at ``host:port`` (0: a free port, see :attr:`port`). ``secret``: the
+    run's secret (:mod:`.identity`); ``tls``: the syncer's :class:`~.certs.Tls` (None:
+    plaintext, refused off loopback unless ``insecure``); ``mutual``: learners must show a
+    certificate of the run's CA."""
+
+    def __init__(self, syncer: Syncer, host: str, port: int, *, secret: str, tls=None,
+                 mutual: bool = False, insecure: bool = False, max_bytes: int = 1 << 34,
+                 wait_timeout: float = 600.0):  # fmt: skip
         grpc = _grpc()
-        if not token:
-            raise ValueError("the syncer needs a token (syncer.token_file or $DILOCO_SERVE_TOKEN)")
-        self.syncer, self.token, self.max_bytes = syncer, token, max_bytes
-        self.wait_timeout = wait_timeout
+        if not secret:
+            raise ValueError("the syncer needs the run's secret (syncer.credentials, "
+                             "syncer.token_file or $DILOCO_SERVE_TOKEN)")  # fmt: skip
+        if tls is None and not is_loopback(host) and not insecure:
+            raise ValueError(plaintext_refusal(host))
+        if mutual and tls is None:
+            raise ValueError("syncer.mutual_tls needs TLS: set syncer.credentials")
+        self.syncer, self.secret, self.max_bytes = syncer, secret, max_bytes
+        self.wait_timeout, self.mutual = wait_timeout, mutual
+        self.failures = _Failures(syncer)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
                                    options=_options(max_bytes))  # fmt: skip
-        handlers = {
-            "Join": grpc.stream_stream_rpc_method_handler(self._join),
-            "Push": grpc.stream_stream_rpc_method_handler(self._push),
-            "Heartbeat": grpc.stream_stream_rpc_method_handler(self._heartbeat),
-            "Leave": grpc.stream_stream_rpc_method_handler(self._leave),
-        }
+        handlers = {name: grpc.stream_stream_rpc_method_handler(fn) for name, fn in (
+            ("Join", self._join), ("Push", self._push), ("Heartbeat", self._heartbeat),
+            ("Leave", self._leave))}  # fmt: skip
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
         )
-        where = host if ":" not in host else f"[{host}]"
-        self.port = self._server.add_insecure_port(f"{where}:{port}")
+        where = f"{host if ':' not in host else f'[{host}]'}:{port}"
+        if tls is None:
+            self.port = self._server.add_insecure_port(where)
+        else:
+            creds = grpc.ssl_server_credentials([(tls.key, tls.cert)],
+                                                root_certificates=tls.ca if mutual else None,
+                                                require_client_auth=mutual)  # fmt: skip
+            self.port = self._server.add_secure_port(where, creds)
         if not self.port:
             raise OSError(f"cannot listen on {host}:{port}")
-        self.host = host
-        if not is_loopback(host):
-            log.warning("the syncer listens on %s: every learner needs the token", host)
+        self.host, self.tls = host, tls is not None
+        if tls is None and not is_loopback(host):
+            log.warning("the syncer listens on %s WITHOUT TLS (syncer.insecure): credentials "
+                        "and tensors travel in clear", host)  # fmt: skip
 
     def start(self) -> Server:
         self._server.start()
@@ -83,18 +147,61 @@ class Server:
     def stop(self, grace: float = 0.5) -> None:
         self._server.stop(grace).wait()
 
-    # each handler: check the token, read the request, answer or refuse
-    def _read(self, requests, context) -> tuple[dict, dict[str, np.ndarray]]:
+    # each handler: who is calling, read the request, answer or refuse
+    def _who(self, context) -> identity.Identity:
+        """The caller's identity, from its call's metadata (before any message is read); aborts
+        ``UNAUTHENTICATED`` (counted, slowed) for a wrong credential."""
         grpc = _grpc()
         given = dict(context.invocation_metadata()).get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+        who = identity.identify(self.secret, given.removeprefix("Bearer "))
+        if who is not None and self.mutual:  # the certificate must name the same party
+            names = context.auth_context().get("x509_common_name", [])
+            want = f"learner-{who.index}" if who.kind == identity.LEARNER else who.kind
+            if [n.decode() for n in names] != [want]:
+                who = None
+        if who is None:
+            peer = _address(context.peer())
+            time.sleep(self.failures.delay(peer, "missing or wrong credential"))
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong credential")
+        assert who is not None
+        return who
+
+    def _as(self, who: identity.Identity, learner: int, context) -> None:
+        """Aborts ``PERMISSION_DENIED`` unless ``who`` is learner ``learner`` itself."""
+        grpc = _grpc()
+        if who != identity.Identity(identity.LEARNER, learner):
+            self.syncer.event("impersonation", caller=str(who), claimed=learner,
+                              peer=_address(context.peer()))  # fmt: skip
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this credential is {who}'s: it cannot act as learner {learner}",
+            )
+
+    def _header(self, it, context, max_bytes: int | None = None) -> wire.Header:
         try:
-            fields, arrays = wire.decode(requests, self.max_bytes)
+            return wire.read_header(it, self.max_bytes if max_bytes is None else max_bytes)
         except wire.WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {e}")
-        self.syncer.bytes_in += sum(a.nbytes for a in arrays.values())
-        return fields, arrays
+            context.abort(_grpc().StatusCode.INVALID_ARGUMENT, f"refused: {e}")
+            raise
+
+    def _read(self, requests, context) -> tuple[dict, dict[str, np.ndarray]]:
+        """A whole (small) request of a learner, after its credential is checked."""
+        who, it = self._who(context), iter(requests)
+        header = self._header(it, context)
+        self._as(who, _learner_of(header.fields, context), context)
+        data, at = bytearray(header.size), 0
+
+        def write(chunk: bytes) -> None:
+            nonlocal at
+            data[at : at + len(chunk)] = chunk
+            at += len(chunk)
+
+        try:
+            wire.read_data(it, header, write)
+        except wire.WireError as e:
+            context.abort(_grpc().StatusCode.INVALID_ARGUMENT, f"refused: {e}")
+        self.syncer.bytes_in += header.size
+        return header.fields, wire.arrays_in(data, header.leaves)
 
     def _answer(self, fields: dict, arrays: dict | None = None) -> Iterator[bytes]:
         self.syncer.bytes_out += sum(a.nbytes for a in (arrays or {}).values())
@@ -115,17 +222,62 @@ class Server:
                              "finished": self.syncer.finished}, anchor)  # fmt: skip
 
     def _push(self, requests, context):
-        f, arrays = self._read(requests, context)
-        learner, generation, base = int(f["learner"]), int(f["generation"]), int(f["round"])
-        late = self._refusing(context, lambda: self.syncer.push(
-            learner, generation, base, float(f["weight"]), arrays))  # fmt: skip
+        who, it = self._who(context), iter(requests)
+        header = self._header(it, context)
+        f = header.fields
+        learner = _learner_of(f, context)
+        self._as(who, learner, context)
+        try:
+            generation, base, weight = int(f["generation"]), int(f["round"]), float(f["weight"])
+            push_id = str(f["push"])[:64]
+        except (KeyError, TypeError, ValueError):
+            context.abort(_grpc().StatusCode.INVALID_ARGUMENT, "refused: a push without its "
+                          "generation, round, weight and push id")  # fmt: skip
+            raise
+        sy = self.syncer
+        ticket = self._refusing(context, lambda: sy.admit(learner, generation, base, push_id,
+                                                          header.leaves))  # fmt: skip
+        if ticket.kind == "again":  # a copy: answered with the first one's round, not merged
+            settled = sy.settled(ticket, self.wait_timeout)
+            ticket = (
+                settled
+                if settled is not None
+                else self._refusing(
+                    context, lambda: sy.admit(learner, generation, base, push_id, header.leaves)
+                )
+            )
+        if ticket.kind == "new":
+            late = self._receive(it, header, ticket, weight, context)
+        else:
+            late = 0 if ticket.joined is None else ticket.joined - ticket.base
         joined = base + late  # the round this push is merged into: the answer follows it
-        rnd, anchor = self.syncer.wait(joined, 0.0 if self.syncer.finished else self.wait_timeout)
-        if rnd <= joined and not self.syncer.finished:
+        rnd, anchor = sy.wait(joined, 0.0 if sy.finished else self.wait_timeout)
+        if rnd <= joined and not sy.finished:
             context.abort(_grpc().StatusCode.DEADLINE_EXCEEDED,
                           f"round {joined} did not close in {self.wait_timeout:.0f}s")  # fmt: skip
-        return self._answer({"round": rnd, "late": late, "finished": self.syncer.finished},
-                            anchor)  # fmt: skip
+        return self._answer({"round": rnd, "late": late, "finished": sy.finished,
+                             "again": ticket.kind == "again"}, anchor)  # fmt: skip
+
+    def _receive(self, it, header: wire.Header, ticket, weight: float, context) -> int:
+        """A new push's data, streamed to a file and entered into the open round; its lateness."""
+        sy = self.syncer
+        path = sy.incoming / f"{ticket.learner}-{ticket.id}"
+        try:
+            intake.receive(it, header, path)
+            spilled = intake.spilled(sy._described(), header, path, sy.codec)
+        except wire.WireError as e:
+            sy.release(ticket)
+            context.abort(_grpc().StatusCode.INVALID_ARGUMENT, f"refused: {e}")
+        except BaseException:  # the stream broke: its copy may come again
+            sy.release(ticket)
+            raise
+        sy.bytes_in += header.size
+        try:
+            return sy.enter(ticket, weight, spilled, spilled.finite())
+        except Refused as e:
+            spilled.remove()
+            context.abort(_grpc().StatusCode.FAILED_PRECONDITION, str(e))
+            raise
 
     def _heartbeat(self, requests, context):
         f, _ = self._read(requests, context)
@@ -140,6 +292,14 @@ class Server:
         return self._answer({})
 
 
+def _learner_of(fields: dict, context) -> int:
+    try:
+        return int(fields["learner"])
+    except (KeyError, TypeError, ValueError):
+        context.abort(_grpc().StatusCode.INVALID_ARGUMENT, "refused: a call without its learner")
+        raise
+
+
 class RefusedBySyncer(RuntimeError):
     """The syncer turned a request down (its reason is the message)."""
 
@@ -152,13 +312,17 @@ class Client:
     """A learner's connection to the syncer at ``address`` (``HOST:PORT``). Calls retry with
     backoff while the syncer cannot be reached (saying so), up to ``patience`` seconds."""
 
-    def __init__(self, address: str, token: str, *, timeout: float, patience: float = 300.0,
-                 max_bytes: int = 1 << 34):  # fmt: skip
+    def __init__(self, address: str, credential: str, *, timeout: float, tls=None,
+                 patience: float = 300.0, max_bytes: int = 1 << 34):  # fmt: skip
         grpc = _grpc()
         self.address, self.timeout, self.patience, self.max_bytes = (
             address, timeout, patience, max_bytes)  # fmt: skip
-        self._metadata = (("authorization", f"Bearer {token}"),)
-        self._channel = grpc.insecure_channel(address, options=_options(max_bytes))
+        self._metadata = (("authorization", f"Bearer {credential}"),)
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=_options(max_bytes))
+        else:  # the syncer is verified against the run's CA; our certificate, if we have one
+            creds = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
+            self._channel = grpc.secure_channel(address, creds, options=_options(max_bytes))
         self._calls = {name: self._channel.stream_stream(f"/{SERVICE}/{name}")
                        for name in ("Join", "Push", "Heartbeat", "Leave")}  # fmt: skip
         self.bytes_sent = self.bytes_received = 0  # on the wire: headers, arrays, framing
@@ -187,7 +351,8 @@ class Client:
             except grpc.RpcError as e:
                 code = e.code()
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
-                            grpc.StatusCode.UNAUTHENTICATED):  # fmt: skip
+                            grpc.StatusCode.UNAUTHENTICATED,
+                            grpc.StatusCode.PERMISSION_DENIED):  # fmt: skip
                     raise RefusedBySyncer(f"{name}: {e.details()}") from None
                 # unreachable, or the syncer stopped while answering: try again
                 again = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

@@ -1,12 +1,15 @@
 """The syncer's status over HTTP (``syncer.status_port``): ``/`` a page a person reads,
-``/status`` the same as JSON, ``/metrics`` for Prometheus. Reads need the token (``Authorization:
-Bearer TOKEN``) unless the server listens on a loopback address."""
+``/status`` the same as JSON, ``/metrics`` for Prometheus. Every read needs the operator's
+credential (``Authorization: Bearer CREDENTIAL``, :func:`.identity.operator_credential`), on
+loopback too; a learner's is refused. With the syncer's certificate the page is HTTPS; off
+loopback it must be, unless ``insecure``."""
 
 from __future__ import annotations
 
-import hmac
 import html
 import json
+import pathlib
+import ssl
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from diloco_jax.base.access import is_loopback
+from diloco_jax.learners import identity
 from diloco_jax.learners.syncer import Syncer
 
 STATUSES = ("present", "dropped", "left")
@@ -91,11 +95,17 @@ def page(st: dict) -> str:
 
 
 class StatusServer:
-    """Serves ``syncer``'s status at ``host:port`` in a thread (0: a free port)."""
+    """Serves ``syncer``'s status at ``host:port`` in a thread (0: a free port); ``secret``:
+    the run's (the operator's credential is derived from it); ``tls``: the syncer's
+    :class:`~.certs.Tls` (None: plain HTTP, refused off loopback unless ``insecure``)."""
 
-    def __init__(self, syncer: Syncer, host: str, port: int, *, token: str):
+    def __init__(self, syncer: Syncer, host: str, port: int, *, secret: str, tls=None,
+                 insecure: bool = False):  # fmt: skip
+        if tls is None and not is_loopback(host) and not insecure:
+            from diloco_jax.learners.service import plaintext_refusal
+
+            raise ValueError(plaintext_refusal(host, "the syncer's status page"))
         registry, update = _registry(syncer)
-        needs_token = not is_loopback(host)
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, format, *args):  # noqa: A002 - the base class's name
@@ -109,10 +119,10 @@ class StatusServer:
                 self.wfile.write(body)
 
             def do_GET(self):  # noqa: N802 - http.server's name
-                given = self.headers.get("Authorization", "")
-                if needs_token and not hmac.compare_digest(given.encode(),
-                                                           f"Bearer {token}".encode()):  # fmt: skip
-                    return self._send(401, b'{"error": "missing or wrong token"}',
+                given = self.headers.get("Authorization", "").removeprefix("Bearer ")
+                who = identity.identify(secret, given)
+                if who is None or who.kind != identity.OPERATOR:
+                    return self._send(401, b'{"error": "the operator\'s credential is needed"}',
                                       "application/json")  # fmt: skip
                 path = self.path.split("?")[0]
                 if path == "/metrics":
@@ -125,6 +135,11 @@ class StatusServer:
                 return self._send(404, b'{"error": "not found"}', "application/json")
 
         self._httpd = ThreadingHTTPServer((host, port), Handler)
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_verify_locations(cadata=tls.ca.decode())
+            _load_chain(context, tls)
+            self._httpd.socket = context.wrap_socket(self._httpd.socket, server_side=True)
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True,
                                         name="syncer-status")  # fmt: skip
@@ -136,3 +151,15 @@ class StatusServer:
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+def _load_chain(context: ssl.SSLContext, tls) -> None:
+    """``tls``'s certificate and key into ``context`` (the ssl module reads files only)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        cert, key = pathlib.Path(folder) / "cert.pem", pathlib.Path(folder) / "key.pem"
+        cert.write_bytes(tls.cert)
+        key.touch(0o600)
+        key.write_bytes(tls.key)
+        context.load_cert_chain(cert, key)

@@ -48,25 +48,39 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
   per round it is late: its pseudo-gradient was taken against an anchor that has moved since,
   by a step that already holds much of the same direction (1: its examples count in full; the
   examples budget counts them in full either way).
-- a retried push counts once.
+- every push carries an id: a push is merged at most once, whether it arrives once, twice,
+  after its round closed or after the syncer restarted (the merged ids are in each round's
+  checkpoint); a copy is answered with the result of the round its push went into. A different
+  push for a slot already taken (the same learner, generation and round) is refused as a
+  conflict, in the tape and the log.
+- a learner dropped for silence in quorum rounds (a partition) that comes back with a push of
+  its generation at most ``syncer.max_late`` rounds late is admitted again and its push merged
+  late; in synchronous rounds it joins again, as before.
+
+The round's merge, outer step and checkpoint run off the lock (heartbeats, joins and status
+are answered meanwhile); the new anchor is answered only once its checkpoint is written.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
 import pathlib
+import shutil
 import threading
 import time
+import uuid
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from diloco_jax.learners import payload, wire
-from diloco_jax.learners.rounds import Member, Push, digest, merge
+from diloco_jax.learners.rounds import Member, Merged, Push, digest, merge
 from diloco_jax.runtime import checkpoint
 
 log = logging.getLogger("diloco_jax")
@@ -74,6 +88,19 @@ log = logging.getLogger("diloco_jax")
 
 class Refused(ValueError):
     """A request the syncer turns down; the message says why (sent back to the learner)."""
+
+
+class Ticket(NamedTuple):
+    """A push admitted to the syncer (:meth:`Syncer.admit`): ``kind`` ``"new"`` (its data is
+    awaited: :meth:`Syncer.enter`), ``"again"`` (a copy of a push already in: answered with
+    ``joined``'s result, or, where that is None, once the first copy is in) or ``"finished"``."""
+
+    kind: str
+    learner: int
+    generation: int
+    base: int
+    id: str
+    joined: int | None = None
 
 
 class Syncer:
@@ -125,10 +152,19 @@ class Syncer:
         self.bytes_in = self.bytes_out = 0
         self.waited = 0.0  # seconds rounds stood open
         self._opened: float | None = None
+        self.receiving: dict[int, Ticket] = {}  # pushes admitted, their data on the way
+        self.records: dict[str, Merged] = {}  # the ids of recent merged pushes (a retry's answer)
+        self._closing: str | None = None  # a round being merged and written, off the lock
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="close")
+        self.incoming = self.workdir / "incoming"  # pushes as they stream in (:mod:`.intake`)
+        shutil.rmtree(self.incoming, ignore_errors=True)  # an open round's: its pushes come again
+        self.incoming.mkdir()
         self._tape = (self.workdir / "syncer.jsonl").open("a")
         self._mngr = checkpoint.manager(self.workdir, max_to_keep=3)
         self._step = jax.jit(self._outer_step)
         self._restore()
+
+    background = True  # a round is closed in a thread of its own (the replay's: inline)
 
     # ---- the tape, the checkpoint ------------------------------------------------------------
 
@@ -139,9 +175,24 @@ class Syncer:
         log.info("syncer: %s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
 
     def _restore(self) -> None:
-        step = self._mngr.latest_step()
-        if step is None:
-            return
+        """The newest readable checkpoint; a damaged one (truncated, corrupt) is named in one
+        line and the one before it taken, as a run's resume does."""
+        for step in sorted(self._mngr.all_steps(), reverse=True):
+            try:
+                self._restore_step(step)
+                return
+            except checkpoint.SchemaError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any damage: the previous round's checkpoint
+                where = self._mngr.directory / str(step)
+                log.warning("syncer: checkpoint %s is damaged (%s: %s); trying the previous one",
+                            where, type(e).__name__, str(e)[:160])  # fmt: skip
+                self.event("damaged_checkpoint", path=str(where), error=type(e).__name__)
+        if self._mngr.all_steps():
+            raise checkpoint.CheckpointError(f"no readable syncer checkpoint in "
+                                             f"{self._mngr.directory}")  # fmt: skip
+
+    def _restore_step(self, step: int) -> None:
         meta = checkpoint.saved_meta(self._mngr, step)["config"]
         described = meta["leaves"]
         like_anchor = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for _, s, d in described]
@@ -152,20 +203,29 @@ class Syncer:
         self.anchor = [np.asarray(x) for x in saved["anchor"]]
         self.outer_state = jax.tree.unflatten(jax.tree.structure(like_outer), saved["outer"])
         self.round, self.merged = step, float(meta.get("merged", 0.0))
+        self.records = {k: Merged(*v) for k, v in meta.get("pushes", {}).items()}
         # the members of the last round, present again: their pushes need no new join
         for i, generation in meta.get("members", {}).items():
             self.members[int(i)] = Member(int(generation), step, self.clock())
         self.event("restored", anchor=digest(self.anchor), members=sorted(self.members))
 
-    def _save(self) -> None:
-        state = {"anchor": self.anchor, "outer": jax.tree.leaves(self.outer_state)}
-        assert self.anchor is not None
+    def _save(self, rnd: int, anchor: list, outer_state, meta: dict) -> None:
+        """Writes round ``rnd``'s anchor and outer state (atomically: orbax writes a temporary
+        folder and renames it) with ``meta`` (:meth:`_meta`)."""
+        state = {"anchor": anchor, "outer": jax.tree.leaves(outer_state)}
+        checkpoint.save(self._mngr, rnd, state, meta, wait=True)
+
+    def _meta(self, rnd: int, anchor: list) -> dict:
         described = [[n, list(a.shape), str(a.dtype)]
-                     for n, a in zip(self.names, self.anchor, strict=True)]  # fmt: skip
+                     for n, a in zip(self.names, anchor, strict=True)]  # fmt: skip
         members = {str(i): self.members[i].generation for i in self.present()}
-        meta = {"leaves": described, "keys": self.keys, "round": self.round, "members": members,
-                "merged": self.merged}  # fmt: skip
-        checkpoint.save(self._mngr, self.round, state, meta, wait=True)
+        pushes = {k: list(dataclasses.astuple(r)) for k, r in self.records.items()}
+        return {"leaves": described, "keys": self.keys, "round": rnd, "members": members,
+                "merged": self.merged, "pushes": pushes}  # fmt: skip
+
+    def _described(self) -> list[list]:
+        return [[n, list(a.shape), str(a.dtype)]
+                for n, a in zip(self.names, self.anchor or [], strict=True)]  # fmt: skip
 
     # ---- what learners ask ------------------------------------------------------------------
 
@@ -182,11 +242,13 @@ class Syncer:
                 raise Refused(f"{key} is {keys.get(key)!r} on learner {learner} but {value!r} "
                               "on the syncer")  # fmt: skip
         with self.lock:
+            self._settle()
             if self.anchor is None:
                 self.names = [n for n, _, _ in describe]
                 self.anchor = [np.asarray(anchor[n]) for n in self.names]
                 self.outer_state = jax.device_get(self.algorithm.outer.init(self.anchor))
-                self._save()  # round 0: a restarted syncer starts where its learners did
+                # round 0: a restarted syncer starts where its learners did
+                self._save(0, self.anchor, self.outer_state, self._meta(0, self.anchor))
                 self.event("initial_anchor", learner=learner, anchor=digest(self.anchor))
             mine = [[n, list(a.shape), str(a.dtype)]
                     for n, a in zip(self.names, self.anchor, strict=True)]  # fmt: skip
@@ -202,6 +264,7 @@ class Syncer:
             if waits:  # the open round goes on without it; it starts from the next anchor
                 self._wait_past(self.round, self.timeout + self.grace)
             self._advance()
+            self._settle()
             return generation, self.round, dict(zip(self.names, self.anchor, strict=True))
 
     def heartbeat(self, learner: int, generation: int) -> int:
@@ -228,38 +291,95 @@ class Syncer:
             bool(self.examples) and self.merged >= self.examples)  # fmt: skip
 
     def push(self, learner: int, generation: int, base_round: int, weight: float,
-             mean: dict[str, np.ndarray]) -> int:  # fmt: skip
+             mean: dict[str, np.ndarray], push_id: str = "") -> int:  # fmt: skip
         """Adds ``learner``'s mean pseudo-gradient against the anchor of ``base_round`` to the
         open round; returns how many rounds late it is (0: on time; the learner's answer is the
-        anchor after round ``base_round + late``). Raises :class:`Refused` (stale, dropped, old
-        generation, wrong leaves)."""
+        anchor after round ``base_round + late``). ``push_id``: the push's id (a copy of a push
+        already in changes nothing; empty: a new id). Raises :class:`Refused` (stale, dropped,
+        old generation, wrong leaves, a conflict). The network's pushes take :meth:`admit` and
+        :meth:`enter` themselves, their data streamed to a file between the two."""
+        described = [[n, list(a.shape), str(a.dtype)] for n, a in mean.items()]
+        ticket = self.admit(learner, generation, base_round, push_id or uuid.uuid4().hex,
+                            described)  # fmt: skip
+        if ticket.kind != "new":
+            return 0 if ticket.joined is None else ticket.joined - ticket.base
+        try:
+            leaves = payload.decode(self._described(), mean, self.codec)
+        except wire.WireError as e:
+            self.release(ticket)
+            raise Refused(str(e)) from None
+        finite = all(bool(np.isfinite(x).all()) for x in leaves)
+        return self.enter(ticket, weight, leaves, finite)
+
+    def admit(self, learner: int, generation: int, base_round: int, push_id: str,
+              leaves: list[list] | None = None) -> Ticket:  # fmt: skip
+        """The first half of a push, before its data: refuses one that cannot enter the open
+        round (stale, dropped, old generation, a conflict, or arrays ``leaves`` ``[[name,
+        shape, dtype], ...]`` that do not fit the anchor and codec), and recognises a copy of a
+        push already in (kind ``"again"``); a new push holds its learner's slot until
+        :meth:`enter` or :meth:`release`."""
         with self.lock:
-            member = self._member(learner, generation)
+            self._settle()
+            again = self._copy_of(learner, push_id)
+            if again is not None:
+                return again
+            member = self._member(learner, generation, base_round)
+            member.last_seen = self.clock()
+            if self.finished:  # the run is over: the learner gets the final anchor and ends
+                return Ticket("finished", learner, generation, base_round, push_id, base_round)
+            self._check_late(learner, base_round)
+            taken = self._slot(learner, generation, base_round)
+            if taken:
+                self.event("conflict", learner=learner, base_round=base_round, taken=taken,
+                           refused=push_id)  # fmt: skip
+                raise Refused(f"conflict: learner {learner} already pushed for round "
+                              f"{base_round} (push {taken[:12]}); a different push "
+                              f"({push_id[:12]}) for the same slot is refused")  # fmt: skip
+            if leaves is not None:
+                try:
+                    payload.check_leaves(self._described(), leaves, self.codec)
+                except wire.WireError as e:
+                    self.event("refused", learner=learner, reason=str(e)[:200])
+                    raise Refused(str(e)) from None
+            ticket = Ticket("new", learner, generation, base_round, push_id)
+            self.receiving[learner] = ticket
+            return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        """Gives up an admitted push whose data did not arrive whole (its copy may come again)."""
+        with self.lock:
+            if self.receiving.get(ticket.learner) == ticket:
+                del self.receiving[ticket.learner]
+                self.lock.notify_all()
+
+    def settled(self, ticket: Ticket, timeout: float) -> Ticket | None:
+        """A copy's ticket once its first copy is in (``joined`` set), or None when the first
+        copy was given up (this one is then pushed as new)."""
+        end = self.clock() + timeout
+        with self.lock:
+            while ticket.joined is None:
+                if self.receiving.get(ticket.learner, None) is None or self.clock() > end:
+                    again = self._copy_of(ticket.learner, ticket.id)
+                    return again if again is not None and again.joined is not None else None
+                self.lock.wait(0.05)
+            return ticket
+
+    def enter(self, ticket: Ticket, weight: float, leaves, finite: bool) -> int:
+        """The second half of a push: its float32 ``leaves`` (a list, or a file:
+        :class:`~diloco_jax.learners.intake.Spilled`) enter the open round; returns how late
+        it is (a round may have closed while its data came, under a quorum)."""
+        with self.lock:
+            self._settle()
+            if self.receiving.get(ticket.learner) != ticket:
+                raise Refused(f"push {ticket.id[:12]} of learner {ticket.learner} was given up")
+            del self.receiving[ticket.learner]
+            self.lock.notify_all()
+            learner, generation = ticket.learner, ticket.generation
+            member = self._member(learner, generation, ticket.base)
             now = member.last_seen = self.clock()
             if self.finished:
-                return 0  # the run is over: the learner gets the final anchor and ends
-            late = self.round - base_round
-            if late < 0:
-                raise Refused(f"round {base_round} has not started (the syncer is at "
-                              f"{self.round})")  # fmt: skip
-            if late and (not self.quorum or late > self.max_late):
-                rule = (
-                    "synchronous rounds merge no late work"
-                    if not self.quorum
-                    else f"more than syncer.max_late = {self.max_late} rounds behind"
-                )
-                self.event("refused", learner=learner, reason="stale", base_round=base_round)
-                raise Refused(f"stale: computed against round {base_round}, the syncer is at "
-                              f"round {self.round} ({rule}); restart from its anchor")  # fmt: skip
-            if learner in self.pending:
-                return late  # a retried push counts once
-            described = [[n, list(a.shape), str(a.dtype)]
-                         for n, a in zip(self.names, self.anchor or [], strict=True)]  # fmt: skip
-            try:
-                leaves = payload.decode(described, mean, self.codec)
-            except wire.WireError as e:
-                raise Refused(str(e)) from None
-            finite = all(bool(np.isfinite(x).all()) for x in leaves)
+                return 0
+            late = self._check_late(learner, ticket.base)
             if not finite:
                 self.event("not_finite", learner=learner)
             if not self.pending:  # the round opens: it waits for the learners present now
@@ -267,7 +387,8 @@ class Syncer:
                 self.expected = set(self.present())
                 if not self.quorum and self.round == 0:  # a synchronous run starts together:
                     self.expected |= set(range(self.learners))  # every declared learner
-            self.pending[learner] = Push(generation, float(weight), leaves, finite, late)
+            self.pending[learner] = Push(generation, float(weight), leaves, finite, late,
+                                         ticket.id, ticket.base)  # fmt: skip
             if finite:
                 self.full_push[learner] = max(self.full_push.get(learner, 0.0), float(weight))
             member.pushes += 1
@@ -277,9 +398,52 @@ class Syncer:
             elif self.quorum and sum(not p.late for p in self.pending.values()) >= self.quorum:
                 self._quorum_at, self._grace_now = now, self.grace_in_force()
             self.event("pushed", learner=learner, generation=generation, weight=weight,
-                       finite=finite, late=late)  # fmt: skip
+                       finite=finite, late=late, push=ticket.id)  # fmt: skip
             self._advance()
+            self._settle()
             return late
+
+    def _copy_of(self, learner: int, push_id: str) -> Ticket | None:
+        """A ticket ``"again"`` if ``push_id`` is a push already merged, in the open round or on
+        its way (``joined`` None: not in yet); None if it is new. Raises :class:`Refused` for
+        another learner's id."""
+        done = self.records.get(push_id)
+        if done is not None:
+            if done.learner != learner:
+                raise Refused(f"push {push_id[:12]} is learner {done.learner}'s")
+            return Ticket("again", learner, done.generation, done.base, push_id, done.joined)
+        p = self.pending.get(learner)
+        if p is not None and p.id == push_id:
+            return Ticket("again", learner, p.generation, p.base, push_id, self.round)
+        t = self.receiving.get(learner)
+        return t._replace(kind="again") if t is not None and t.id == push_id else None
+
+    def _slot(self, learner: int, generation: int, base_round: int) -> str | None:
+        """The id of a push already in ``learner``'s slot for ``base_round`` (open, on its way
+        or merged), if any."""
+        for held in (self.pending.get(learner), self.receiving.get(learner)):
+            if held is not None:
+                return held.id
+        return next((k for k, r in self.records.items() if (r.learner, r.generation, r.base)
+                     == (learner, generation, base_round)), None)  # fmt: skip
+
+    def _check_late(self, learner: int, base_round: int) -> int:
+        """How late a push against ``base_round`` is; raises :class:`Refused` for one of a
+        round not started, or one too late for the rules."""
+        late = self.round - base_round
+        if late < 0:
+            raise Refused(f"round {base_round} has not started (the syncer is at "
+                          f"{self.round})")  # fmt: skip
+        if late and (not self.quorum or late > self.max_late):
+            rule = (
+                "synchronous rounds merge no late work"
+                if not self.quorum
+                else f"more than syncer.max_late = {self.max_late} rounds behind"
+            )
+            self.event("refused", learner=learner, reason="stale", base_round=base_round)
+            raise Refused(f"stale: computed against round {base_round}, the syncer is at "
+                          f"round {self.round} ({rule}); restart from its anchor")  # fmt: skip
+        return late
 
     def wait(self, after_round: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
         """Blocks until the syncer is past ``after_round`` (or ``timeout`` seconds, checking the
@@ -288,6 +452,7 @@ class Syncer:
         not close, or is older than the syncer remembers)."""
         with self.lock:
             self._wait_past(after_round, timeout)
+            self._settle()
             leaves = self.anchor or []
             if self.answer_mean:
                 mean = self.means.get(after_round) or [np.zeros_like(a) for a in leaves]
@@ -296,7 +461,7 @@ class Syncer:
 
     def _wait_past(self, after_round: int, timeout: float) -> None:
         end = self.clock() + timeout
-        while self.round <= after_round:
+        while self.round <= after_round or self._closing:
             left = end - self.clock()
             if left <= 0:
                 break
@@ -308,23 +473,32 @@ class Syncer:
         or a deadline past), as a waiting learner's call does every 50 ms."""
         with self.lock:
             self._advance()
+            self._settle()
 
     def next_check(self) -> float | None:
         """When, on :attr:`clock`, the open round's grace window or deadline ends (None: no
         round is open)."""
         with self.lock:
-            if not self.pending:
+            if not self.pending or self._closing:
                 return None
             grace_end = None if self._quorum_at is None else self._quorum_at + self._grace_now
             return min(t for t in (self.deadline, grace_end, float("inf")) if t is not None)
 
     # ---- rounds -----------------------------------------------------------------------------
 
-    def _member(self, learner: int, generation: int) -> Member:
+    def _member(self, learner: int, generation: int, base_round: int | None = None) -> Member:
+        """``learner``'s membership, for a call of its ``generation``; a push (against
+        ``base_round``) of a learner dropped for silence under a quorum, at most
+        ``syncer.max_late`` rounds late, admits it again (a partition that healed)."""
         member = self.members.get(learner)
         if member is None or member.generation != generation:
             raise Refused(f"learner {learner} generation {generation} is not a member (an old "
                           "connection, or never joined): join again")  # fmt: skip
+        late = None if base_round is None else self.round - base_round
+        if (member.status == "dropped" and self.quorum and late is not None
+                and 0 <= late <= self.max_late):  # fmt: skip
+            member.status = "present"
+            self.event("readmitted", learner=learner, generation=generation, late=late)
         if member.status != "present":
             raise Refused(f"learner {learner} was {member.status}: join again")
         return member
@@ -346,7 +520,7 @@ class Syncer:
             if i not in self.pending and now - m.last_seen > self.dead_after:
                 m.status = "dropped"
                 self.event("dropped", learner=i, reason=f"silent for {now - m.last_seen:.1f}s")
-        if not self.pending:
+        if not self.pending or self._closing:
             return
         waiting = [i for i in sorted(self.expected) if i not in self.pending and (
             i not in self.members or self.members[i].status == "present")]  # fmt: skip
@@ -372,37 +546,80 @@ class Syncer:
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
         return self.algorithm.outer_step(mean, anchor, outer_state, self.outer_scale, anyone)
 
+    def _settle(self) -> None:
+        """Waits (the lock released meanwhile) until no round is being closed."""
+        while self._closing:
+            self.lock.wait(0.05)
+
     def _close(self, why: str) -> None:
+        """Closes the open round: its pushes leave ``pending`` now; the merge, outer step and
+        checkpoint follow off the lock (:meth:`_finish_close`), and only then does the round
+        advance and the new anchor go out."""
         order = sorted(self.pending)
         pushes = [self.pending[i] for i in order]
+        self.waited += self.clock() - (self._opened or self.clock())
+        if self._quorum_at is not None:
+            self._history.append(max(self._lags, default=0.0))
+        self.pending, self.deadline, self._opened = {}, None, None
+        self.expected, self._quorum_at, self._lags = set(), None, []
+        self._closing = why
+        if not self.background:
+            self._finish_close(order, pushes, why, locked=True)
+            return
+        self._writer.submit(self._finish_close, order, pushes, why)
+
+    def _finish_close(self, order: list[int], pushes: list[Push], why: str,
+                      locked: bool = False) -> None:  # fmt: skip
+        try:
+            self._commit(order, pushes, why, locked)
+        except Exception as e:  # noqa: BLE001 - said; the round is closed with what it has
+            log.exception("syncer: closing round %d failed", self.round)
+            self.event("close_failed", error=f"{type(e).__name__}: {str(e)[:200]}")
+            with self.lock:
+                self._closing = None
+                self.lock.notify_all()
+
+    def _commit(self, order: list[int], pushes: list[Push], why: str, locked: bool) -> None:
+        timer = time.perf_counter()
         examples = sum(p.weight for p in pushes if p.finite)
         mean, total_w = merge([dataclasses.replace(p, weight=p.weight * self.late_weight**p.late)
                                for p in pushes])  # fmt: skip
         if self.weigh_rounds:  # a thin round moves the anchor less, a round with late work more
             share = np.float32(total_w / self.full_round())
             mean = [share * m for m in mean]
-        if self.answer_mean:  # kept for the late pushes of the rounds after it
-            self.means = {k: v for k, v in self.means.items() if k >= self.round - self.max_late}
-            self.means[self.round] = [np.asarray(m, np.float32) for m in mean]
+        merged_s = time.perf_counter() - timer
         anchor, outer = self._step(mean, self.anchor, self.outer_state, total_w > 0)
-        self.anchor = [np.asarray(x) for x in jax.device_get(anchor)]
-        self.outer_state = jax.device_get(outer)
-        self.waited += self.clock() - (self._opened or self.clock())
-        if self._quorum_at is not None:
-            self._history.append(max(self._lags, default=0.0))
+        anchor = [np.asarray(x) for x in jax.device_get(anchor)]
+        outer = jax.device_get(outer)
+        step_s = time.perf_counter() - timer - merged_s
         closed = self.round
-        self.round += 1
-        self.merged += examples
-        self._save()  # before anyone sees the new anchor
-        if self.finished:
-            self.event("finished", rounds=self.round, examples=self.merged)
-        self.event("closed", closed=closed, learners=order, why=why,
-                   late=[i for i, p in zip(order, pushes, strict=True) if p.late],
-                   weights=[p.weight for p in pushes], total_weight=total_w,
-                   anchor=digest(self.anchor))  # fmt: skip
-        self.pending, self.deadline, self._opened = {}, None, None
-        self.expected, self._quorum_at, self._lags = set(), None, []
-        self.lock.notify_all()
+        with contextlib.nullcontext() if locked else self.lock:
+            for p, i in zip(pushes, order, strict=True):
+                self.records[p.id] = Merged(i, p.generation, p.base, closed)
+            keep = closed - self.max_late - 1  # a copy older than this is stale anyway
+            self.records = {k: r for k, r in self.records.items() if r.joined >= keep}
+            self.merged += examples
+            meta = self._meta(closed + 1, anchor)
+        self._save(closed + 1, anchor, outer, meta)  # before anyone sees the new anchor
+        saved_s = time.perf_counter() - timer - merged_s - step_s
+        for p in pushes:
+            if not isinstance(p.mean, list):
+                p.mean.remove()
+        with contextlib.nullcontext() if locked else self.lock:
+            if self.answer_mean:  # kept for the late pushes of the rounds after it
+                self.means = {k: v for k, v in self.means.items()
+                              if k >= closed - self.max_late}  # fmt: skip
+                self.means[closed] = [np.asarray(m, np.float32) for m in mean]
+            self.anchor, self.outer_state, self.round = anchor, outer, closed + 1
+            if self.finished:
+                self.event("finished", rounds=self.round, examples=self.merged)
+            self.event("closed", closed=closed, learners=order, why=why,
+                       late=[i for i, p in zip(order, pushes, strict=True) if p.late],
+                       weights=[p.weight for p in pushes], total_weight=total_w,
+                       anchor=digest(self.anchor), merge_s=round(merged_s, 4),
+                       step_s=round(step_s, 4), checkpoint_s=round(saved_s, 4))  # fmt: skip
+            self._closing = None
+            self.lock.notify_all()
 
     def status(self) -> dict[str, Any]:
         """What the status page and ``/metrics`` show."""
@@ -419,9 +636,11 @@ class Syncer:
                 "pending": sorted(self.pending), "waiting_for": sorted(self.expected - set(
                     self.pending)), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "waited_seconds": round(self.waited, 3),
+                "closing": bool(self._closing),
             }  # fmt: skip
 
     def close(self) -> None:
+        self._writer.shutdown(wait=True)
         self._mngr.wait_until_finished()
         self._mngr.close()
         self._tape.close()

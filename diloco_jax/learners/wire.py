@@ -56,61 +56,126 @@ def first_mismatch(ours: list[list], theirs: list[list]) -> str | None:
     return None
 
 
+def _bytes_of(a: np.ndarray) -> np.ndarray:
+    """``a``'s little-endian bytes as a flat uint8 view (a copy only where it is not contiguous
+    or not little-endian already)."""
+    a = np.ascontiguousarray(a)
+    return a.astype(a.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
+
+
 def encode(fields: dict, arrays: dict[str, np.ndarray] | None = None) -> Iterator[bytes]:
-    """The chunks of a message: ``fields`` (JSON-able) and named arrays."""
+    """The chunks of a message: ``fields`` (JSON-able) and named arrays. The arrays are read in
+    place, chunk by chunk: no copy of the whole message is made (a syncer answers many learners
+    with one anchor)."""
     arrays = arrays or {}
-    blobs = [np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-             for a in arrays.values()]  # fmt: skip
+    views = [_bytes_of(a) for a in arrays.values()]
     digest = hashlib.sha256()
-    for b in blobs:
-        digest.update(b)
+    for v in views:
+        digest.update(v)
     header = {"fields": fields,
               "leaves": [[n, list(a.shape), str(a.dtype)] for n, a in arrays.items()],
-              "bytes": sum(len(b) for b in blobs), "sha256": digest.hexdigest()}  # fmt: skip
+              "bytes": sum(v.size for v in views), "sha256": digest.hexdigest()}  # fmt: skip
     yield json.dumps(header).encode()
-    buffer = b"".join(blobs)
-    for start in range(0, len(buffer), CHUNK):
-        yield buffer[start : start + CHUNK]
+    pending: list[np.ndarray] = []  # parts of the next chunk
+    filled = 0
+    for v in views:
+        start = 0
+        while start < v.size:
+            take = min(CHUNK - filled, v.size - start)
+            pending.append(v[start : start + take])
+            filled, start = filled + take, start + take
+            if filled == CHUNK:
+                yield b"".join(p.tobytes() for p in pending) if len(pending) > 1 else (
+                    pending[0].tobytes())  # fmt: skip
+                pending, filled = [], 0
+    if pending:
+        yield b"".join(p.tobytes() for p in pending)
+
+
+class Header:
+    """A message's header, read and checked before any of its data: ``fields``, ``leaves``
+    (``[[name, shape, dtype], ...]`` in data order), ``size`` (data bytes) and ``sha256``."""
+
+    def __init__(self, first: bytes, max_bytes: int):
+        if len(first) > MAX_HEADER:
+            raise WireError(f"a header of {len(first):,} bytes (at most {MAX_HEADER:,})")
+        try:
+            header = json.loads(first)
+            self.size, self.leaves = int(header["bytes"]), header["leaves"]
+            self.fields, self.sha256 = header["fields"], str(header.get("sha256", ""))
+            declared = sum(_nbytes(shape, dtype) for _, shape, dtype in self.leaves)
+        except (ValueError, KeyError, TypeError) as e:
+            raise WireError(f"an unreadable header: {e}") from None
+        if not isinstance(self.fields, dict):
+            raise WireError("an unreadable header: its fields are not an object")
+        if self.size > max_bytes:
+            raise WireError(f"a message of {self.size:,} bytes, more than the limit of "
+                            f"{max_bytes:,}")  # fmt: skip
+        if declared != self.size:
+            raise WireError(f"leaves of {declared:,} bytes in a message of {self.size:,}")
+
+
+def _nbytes(shape, dtype) -> int:
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"a shape of {shape}")
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def read_header(it: Iterator[bytes], max_bytes: int) -> Header:
+    """The header of the message whose chunks ``it`` yields (its first chunk)."""
+    try:
+        first = next(it)
+    except StopIteration:
+        raise WireError("an empty message (no header)") from None
+    return Header(first, max_bytes)
+
+
+def read_data(it: Iterator[bytes], header: Header, write) -> None:
+    """Passes the data chunks of ``it`` to ``write`` as they come, checking that they add up to
+    the header's size and checksum; raises :class:`WireError` (whatever was written then is
+    not the message)."""
+    digest, got = hashlib.sha256(), 0
+    for chunk in it:
+        got += len(chunk)
+        if got > header.size:
+            raise WireError(f"a message longer than the {header.size:,} bytes its header "
+                            "declares")  # fmt: skip
+        digest.update(chunk)
+        write(chunk)
+    if got < header.size:
+        raise WireError(f"a truncated message: {got:,} of {header.size:,} bytes")
+    if digest.hexdigest() != header.sha256:
+        raise WireError("a message whose bytes do not match its checksum")
+
+
+def arrays_in(data, leaves: list) -> dict[str, np.ndarray]:
+    """The named arrays laid out one after another in ``data`` (a buffer: bytes, bytearray,
+    a memory map), as the header's ``leaves`` say; views, not copies, where the byte order
+    allows."""
+    arrays, offset = {}, 0
+    for name, shape, dtype in leaves:
+        dt = np.dtype(dtype).newbyteorder("<")
+        n = _nbytes(shape, dtype)
+        arrays[name] = np.frombuffer(data, dt, n // dt.itemsize, offset).reshape(shape)
+        arrays[name] = arrays[name].astype(np.dtype(dtype), copy=False)
+        offset += n
+    return arrays
 
 
 def decode(chunks: Iterable[bytes], max_bytes: int) -> tuple[dict, dict[str, np.ndarray]]:
     """``(fields, arrays)`` of a message's chunks; refuses one whose data exceed ``max_bytes``
     (before reading them), is cut short or longer than it says, or fails its checksum."""
     it = iter(chunks)
-    try:
-        first = next(it)
-    except StopIteration:
-        raise WireError("an empty message (no header)") from None
-    if len(first) > MAX_HEADER:
-        raise WireError(f"a header of {len(first):,} bytes (at most {MAX_HEADER:,})")
-    try:
-        header = json.loads(first)
-        size, leaves, fields = int(header["bytes"]), header["leaves"], header["fields"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise WireError(f"an unreadable header: {e}") from None
-    if size > max_bytes:
-        raise WireError(f"a message of {size:,} bytes, more than the limit of {max_bytes:,}")
-    parts, got = [], 0
-    for chunk in it:
-        got += len(chunk)
-        if got > size:
-            raise WireError(f"a message longer than the {size:,} bytes its header declares")
-        parts.append(chunk)
-    if got < size:
-        raise WireError(f"a truncated message: {got:,} of {size:,} bytes")
-    data = b"".join(parts)
-    if hashlib.sha256(data).hexdigest() != header.get("sha256"):
-        raise WireError("a message whose bytes do not match its checksum")
-    arrays, offset = {}, 0
-    for name, shape, dtype in leaves:
-        dt = np.dtype(dtype).newbyteorder("<")
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        arrays[name] = np.frombuffer(data, dt, n // dt.itemsize, offset).reshape(shape)
-        arrays[name] = arrays[name].astype(np.dtype(dtype), copy=False)
-        offset += n
-    if offset != size:
-        raise WireError(f"leaves of {offset:,} bytes in a message of {size:,}")
-    return fields, arrays
+    header = read_header(it, max_bytes)
+    data, at = bytearray(header.size), 0
+
+    def write(chunk: bytes) -> None:
+        nonlocal at
+        data[at : at + len(chunk)] = chunk
+        at += len(chunk)
+
+    read_data(it, header, write)
+    return header.fields, arrays_in(data, header.leaves)
 
 
 def named(tree: Any) -> dict[str, np.ndarray]:

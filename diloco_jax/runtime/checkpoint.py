@@ -28,6 +28,10 @@ class CheckpointError(ValueError):
     """A checkpoint does not fit this run, or none can be read."""
 
 
+class SchemaError(CheckpointError):
+    """A checkpoint written by another version of diloco-jax (not a damaged one)."""
+
+
 class MismatchError(CheckpointError):
     """The checkpoint at ``step`` holds parameters of other shapes than this run's."""
 
@@ -149,7 +153,7 @@ def _check_schema(path: pathlib.Path, version) -> None:
         age = "another"
         if isinstance(version, int):
             age = "an older" if version < SCHEMA_VERSION else "a newer"
-        raise CheckpointError(
+        raise SchemaError(
             f"checkpoint {path} was written by {age} version of diloco-jax (schema {version}, "
             f"this is {SCHEMA_VERSION}); continue it with that version, or start a new --workdir"
         )
