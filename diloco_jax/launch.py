@@ -11,7 +11,9 @@ it calls ``diloco_jax.run.preemption.watch_launcher()``). Exit status: 0, or the
 process's.
 
 ``--learners L`` starts a syncer (``python -m diloco_jax.syncer``) and L learners instead, each
-its own run of ``--module`` with ``syncer.learner`` = I, on 127.0.0.1 with a fresh token; a
+its own run of ``--module`` with ``syncer.learner`` = I, on 127.0.0.1 over TLS with the run's
+certificates and credentials (made in DIR/credentials by ``diloco-syncer certs``, kept across
+restarts: each process gets its own folder, a learner its own credential); a
 learner that fails does not stop the others (``--max_restarts`` starts it again, resuming from
 its checkpoint; so does a syncer that fails, from its last round, while the learners retry),
 the syncer is stopped when every learner has ended, and a syncer that fails for good stops the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import secrets
+import pathlib
 import signal
 import socket
 import subprocess
@@ -196,8 +198,15 @@ class _Learners:
         self.port = free_port()
         self.common = [*rest, f"--config.syncer.address=127.0.0.1:{self.port}",
                        f"--config.syncer.learners={self.count}"]  # fmt: skip
+        from diloco_jax.base import extras
+
+        extras.require("cryptography", "learners and a syncer")
+        from diloco_jax.learners import certs
+
+        self.credentials = pathlib.Path(workdir) / "credentials"
+        certs.make(self.credentials, self.count, list(certs.DEFAULT_HOSTS), log=lambda _: None)
         env = dict(os.environ)
-        env[TOKEN_ENV] = env.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+        env.pop(TOKEN_ENV, None)  # each process's credential is in its own folder
         flags = [f for f in env.get("XLA_FLAGS", "").split()
                  if "host_platform_device_count" not in f]  # fmt: skip
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count="
@@ -216,11 +225,13 @@ class _Learners:
 
     def _learner(self, i: int) -> subprocess.Popen:
         return self._start(self.opts.module, "--workdir", f"{self.workdir}/learner_{i}",
-                           *self.common, f"--config.syncer.learner={i}")  # fmt: skip
+                           *self.common, f"--config.syncer.learner={i}",
+                           f"--config.syncer.credentials={self.credentials / f'learner_{i}'}")
 
     def _syncer(self) -> subprocess.Popen:
         return self._start("diloco_jax.syncer", "--workdir", f"{self.workdir}/syncer",
-                           *self.common)  # fmt: skip
+                           *self.common,
+                           f"--config.syncer.credentials={self.credentials / 'syncer'}")
 
     def _again(self, slot: int, what: str, code: int) -> bool:
         """Whether ``what`` (slot ``slot``) is to be started again after exiting with ``code``."""

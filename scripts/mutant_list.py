@@ -33,6 +33,7 @@ RESUME = "diloco_jax/run/resume.py"
 CORPUS = "diloco_jax/data/corpus.py"
 VALIDATION = "diloco_jax/config/validation.py"
 
+T_SEC = "tests/test_syncer_security.py::"
 T_DILOCO = "tests/test_diloco.py::"
 T_HAND = T_DILOCO + "test_hand_computed_quadratic_trajectory"
 T_SIGN = T_DILOCO + "test_pseudo_gradient_sign_mean_over_replicas_only_and_outer_step_not_a_noop"
@@ -448,4 +449,56 @@ MUTANTS = [
            "            it = _open(self.pipeline, replica, self.pipelines,",
            ["tests/test_learners.py::test_a_learners_grain_pipelines_are_its_replicas_of_every_"
             "learners"]),
+    Mutant("the syncer merges a copy of a push already merged", "faults",
+           "diloco_jax/learners/syncer.py", "        done = self.records.get(push_id)",
+           "        done = None",
+           [T_SEC + "test_a_push_is_merged_once_whatever_the_copies_and_a_forged_one_is_refused",
+            T_SEC + "test_over_grpc_a_retried_push_is_answered_again_not_merged_again"]),
+    Mutant("a different push for a taken slot replaces the first", "faults",
+           "diloco_jax/learners/syncer.py", "            if taken:", "            if False:",
+           [T_SEC + "test_a_push_is_merged_once_whatever_the_copies_and_a_forged_one_is_refused"]),
+    Mutant("a learner's credential acts as any learner", "command line",
+           "diloco_jax/learners/service.py",
+           "        if who != identity.Identity(identity.LEARNER, learner):",
+           "        if who.kind != identity.LEARNER:",
+           [T_SEC + "test_a_learners_credential_acts_only_as_itself"]),
+    Mutant("mutual TLS does not compare the certificate's name", "command line",
+           "diloco_jax/learners/service.py", "            if [n.decode() for n in names] != [want]:",
+           "            if False:",
+           [T_SEC + "test_a_learners_credential_acts_only_as_itself"]),
+    Mutant("a push's dtypes are not checked", "faults", "diloco_jax/learners/payload.py",
+           "        if got[name][1] not in _float_dtypes(dtype):", "        if False:",
+           [T_SEC + "test_a_push_of_another_dtype_or_size_is_refused_before_its_data_is_read"]),
+    Mutant("a push's header is not checked before its data is read", "faults",
+           "diloco_jax/learners/syncer.py", "            if leaves is not None:",
+           "            if False:",
+           [T_SEC + "test_a_push_of_another_dtype_or_size_is_refused_before_its_data_is_read"]),
+    Mutant("a damaged newest syncer checkpoint stops the syncer", "checkpoint",
+           "diloco_jax/learners/syncer.py",
+           "            except Exception as e:  # noqa: BLE001 - any damage: the previous round's",
+           "            except checkpoint.SchemaError as e:  # noqa: BLE001 - any damage: the "
+           "previous round's",
+           [T_SEC + "test_a_damaged_newest_checkpoint_falls_back_to_the_round_before"]),
+    Mutant("a partitioned learner is not admitted again", "faults",
+           "diloco_jax/learners/syncer.py", "        if (member.status == \"dropped\" and self.quorum",
+           "        if (False and self.quorum",
+           [T_SEC + "test_a_partitioned_learner_is_admitted_again_under_a_quorum"]),
+    Mutant("the round's checkpoint is written under the lock", "faults",
+           "diloco_jax/learners/syncer.py", "    background = True", "    background = False",
+           [T_SEC + "test_heartbeats_and_status_are_answered_while_a_round_is_written"]),
+    Mutant("failed authentications are answered at once, however many", "command line",
+           "diloco_jax/learners/service.py",
+           "        return 0.0 if n <= FREE_FAILURES else min(0.05 * 2 ** (n - FREE_FAILURES), 2.0)",
+           "        return 0.0",
+           [T_SEC + "test_failed_authentication_is_logged_per_peer_and_slowed"]),
+    Mutant("the syncer listens in clear off loopback", "command line",
+           "diloco_jax/learners/service.py",
+           "        if tls is None and not is_loopback(host) and not insecure:",
+           "        if False:", [T_SEC + "test_the_syncer_refuses_to_listen_in_clear_off_loopback"]),
+    Mutant("the status page takes a learner's credential", "command line",
+           "diloco_jax/learners/status.py",
+           "                if who is None or who.kind != identity.OPERATOR:",
+           "                if who is None:",
+           ["tests/test_learners.py::test_the_status_page_and_metrics_show_the_learners_and_"
+            "rounds"]),
 ]  # fmt: skip

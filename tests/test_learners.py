@@ -479,9 +479,12 @@ def test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_nothing(tmp_path
     x = {"w": np.zeros(3, np.float32)}
     fields = {"learner": 0, "describe": wire.describe(x), "keys": {"outer.sync_every": 3}}
     try:
-        wrong = service.Client(f"127.0.0.1:{server.port}", "not-the-token", timeout=10)
-        with pytest.raises(service.RefusedBySyncer, match="Join: missing or wrong credential"):
-            wrong.call("Join", fields, wire.named(x))
+        # a malformed one, and a well-formed one made with another secret (forged)
+        for bad in ("not-the-token", identity.learner_credential("another-secret", 0)):
+            wrong = service.Client(f"127.0.0.1:{server.port}", bad, timeout=10)
+            with pytest.raises(service.RefusedBySyncer, match="Join: missing or wrong credential"):
+                wrong.call("Join", fields, wire.named(x))
+            wrong.close()
         assert syncer.members == {} and syncer.anchor is None
         right = service.Client(f"127.0.0.1:{server.port}", _credential(0), timeout=10)
         f, anchor = right.call("Join", fields, wire.named(x))
@@ -491,7 +494,6 @@ def test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_nothing(tmp_path
                                         "push": "p0"}, {"['w']": np.ones(3, np.float32)})
         assert f["round"] == 1
         np.testing.assert_allclose(anchor["['w']"], np.full(3, -0.7 * 1.9), rtol=1e-6)
-        wrong.close()
         right.close()
     finally:
         server.stop()

@@ -24,6 +24,7 @@ EXTRAS = {
     "matplotlib": ("matplotlib", "plots"),
     "wandb": ("wandb", "wandb"),
     "grpc": ("gRPC (grpcio)", "learners"),
+    "cryptography": ("cryptography", "learners"),
 }
 
 

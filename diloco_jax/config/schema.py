@@ -250,10 +250,10 @@ class SyncerConfig:
                               "late")  # fmt: skip
     status_port: int = _key(0, "the syncer's status page, /status and /metrics on this port; "
                             "0: off")  # fmt: skip
-    token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else "
-                           "the credentials' token, else WORKDIR/syncer_token")  # fmt: skip
-    credentials: str = _key("", "this host's folder of `diloco-syncer certs DIR` (DIR/syncer, "
-                            "DIR/learner_I): TLS and token; empty: no TLS")  # fmt: skip
+    token_file: str = _key("", "a file holding the token; empty: $DILOCO_SERVE_TOKEN, else the "
+                           "credentials' token")  # fmt: skip
+    credentials: str = _key("", "this host's folder of `diloco-syncer certs` (DIR/syncer, "
+                            "DIR/learner_I): TLS and token; empty: none")  # fmt: skip
     mutual_tls: bool = _key(False, "the syncer requires each learner's certificate, its name the "
                             "one its credential claims")  # fmt: skip
     insecure: bool = _key(False, "allow a syncer address off loopback without TLS (credentials "

@@ -25,11 +25,12 @@ import sys
 import threading
 
 from diloco_jax import config as config_lib
+from diloco_jax.base import extras
 from diloco_jax.base.axes import REPLICA
 from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, recipe
-from diloco_jax.learners import certs, service
 from diloco_jax.learners import learner as learner_lib
+from diloco_jax.learners import service
 from diloco_jax.learners.status import StatusServer
 from diloco_jax.learners.syncer import Syncer
 from diloco_jax.watch import reporting
@@ -77,7 +78,7 @@ def serve(cfg: config_lib.Config, workdir: pathlib.Path):
     host, _, port = sy.address.rpartition(":")
     host = host.strip("[]")
     secret = syncer_token(sy.token_file, workdir, credentials=sy.credentials)
-    tls = certs.read(pathlib.Path(sy.credentials)) if sy.credentials else None
+    tls = learner_lib.tls_of(sy.credentials)
     if tls is not None and (tls.cert is None or tls.key is None):
         raise ValueError(f"syncer.credentials = {sy.credentials} holds no cert.pem and key.pem: "
                          "give the syncer its own folder (DIR/syncer)")  # fmt: skip
@@ -96,6 +97,13 @@ def serve(cfg: config_lib.Config, workdir: pathlib.Path):
 
 def make_certs(argv: list[str], prog: str) -> int:
     """``diloco-syncer certs DIR --learners N [--hosts NAMES] [--days D]``."""
+    try:
+        extras.require("cryptography", "making certificates")
+    except MissingExtra as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from diloco_jax.learners import certs
+
     parser = argparse.ArgumentParser(
         prog=f"{prog} certs",
         description=certs.__doc__,

@@ -25,14 +25,14 @@ LEARNER = "learner"
 
 
 class Identity(NamedTuple):
-    """A caller the syncer knows: ``kind`` ``"learner"`` (with its ``index``) or
-    ``"operator"`` (index -1)."""
+    """A caller the syncer knows: ``kind`` ``"learner"`` (with its index, ``learner``) or
+    ``"operator"`` (learner -1)."""
 
     kind: str
-    index: int = -1
+    learner: int = -1
 
     def __str__(self) -> str:
-        return f"learner {self.index}" if self.kind == LEARNER else self.kind
+        return f"learner {self.learner}" if self.kind == LEARNER else self.kind
 
 
 def _mac(secret: str, what: str) -> str:

@@ -40,11 +40,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.base import extras
 from diloco_jax.base.access import TOKEN_ENV
 from diloco_jax.base.axes import LOCAL_REPLICA, REPLICA
 from diloco_jax.base.errors import ConfigError
 from diloco_jax.config import recipe
-from diloco_jax.learners import certs, identity, payload, service, wire
+from diloco_jax.learners import identity, payload, service, wire
 from diloco_jax.runtime import fsdp, parallel
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
@@ -68,7 +69,19 @@ def configured_token(token_file: str, environ=os.environ, credentials: str = "")
     is the run's secret; a learner's, its credential or the secret (:mod:`.identity`)."""
     text = pathlib.Path(token_file).read_text().strip() if token_file else ""
     text = text or environ.get(TOKEN_ENV, "")
-    return text or (certs.token(pathlib.Path(credentials)) if credentials else "")
+    token = pathlib.Path(credentials) / "token"
+    return text or (token.read_text().strip() if credentials and token.is_file() else "")
+
+
+def tls_of(credentials: str):
+    """The :class:`~diloco_jax.learners.certs.Tls` of a ``syncer.credentials`` folder (None:
+    no folder, no TLS)."""
+    if not credentials:
+        return None
+    extras.require("cryptography", "TLS between learners and a syncer")
+    from diloco_jax.learners import certs
+
+    return certs.read(pathlib.Path(credentials))
 
 
 def credential(sy, environ=os.environ) -> str:
@@ -349,7 +362,7 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
     ``mesh`` (None: the simulator's layout); ``fsdp_specs``: where its state's leaves live
     with FSDP (:func:`diloco_jax.runtime.parallel.state_specs`)."""
     sy = cfg.syncer
-    tls = certs.read(pathlib.Path(sy.credentials)) if sy.credentials else None
+    tls = tls_of(sy.credentials)
     client = service.Client(sy.address, credential(sy), tls=tls, timeout=sy.timeout * 4 + 60)
     rows = cfg.data.batch_size * cfg.outer.sync_every
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),

@@ -119,7 +119,8 @@ def check_leaves(described: list[list], leaves: list[list], codec: Codec | None)
         if name not in got or got[name][0] != list(shape):
             raise WireError(f"the push lacks {name} {list(shape)} or has another shape")
         if got[name][1] not in _float_dtypes(dtype):
-            raise WireError(f"the push's {name} is {got[name][1]}, expected float32 or {dtype}")
+            allowed = " or ".join(dict.fromkeys(str(d) for d in _float_dtypes(dtype)))
+            raise WireError(f"the push's {name} is {got[name][1]}, expected {allowed}")
     if big:
         assert codec is not None
         size = sum(sizes[i] for i in big)

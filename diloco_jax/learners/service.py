@@ -156,7 +156,7 @@ class Server:
         who = identity.identify(self.secret, given.removeprefix("Bearer "))
         if who is not None and self.mutual:  # the certificate must name the same party
             names = context.auth_context().get("x509_common_name", [])
-            want = f"learner-{who.index}" if who.kind == identity.LEARNER else who.kind
+            want = f"learner-{who.learner}" if who.kind == identity.LEARNER else who.kind
             if [n.decode() for n in names] != [want]:
                 who = None
         if who is None:

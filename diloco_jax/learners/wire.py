@@ -71,7 +71,7 @@ def encode(fields: dict, arrays: dict[str, np.ndarray] | None = None) -> Iterato
     views = [_bytes_of(a) for a in arrays.values()]
     digest = hashlib.sha256()
     for v in views:
-        digest.update(v)
+        digest.update(v.data)
     header = {"fields": fields,
               "leaves": [[n, list(a.shape), str(a.dtype)] for n, a in arrays.items()],
               "bytes": sum(v.size for v in views), "sha256": digest.hexdigest()}  # fmt: skip
