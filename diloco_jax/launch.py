@@ -224,14 +224,23 @@ class _Learners:
                                 preexec_fn=self._die_with_launcher)  # fmt: skip
 
     def _learner(self, i: int) -> subprocess.Popen:
-        return self._start(self.opts.module, "--workdir", f"{self.workdir}/learner_{i}",
-                           *self.common, f"--config.syncer.learner={i}",
-                           f"--config.syncer.credentials={self.credentials / f'learner_{i}'}")
+        return self._start(
+            self.opts.module,
+            "--workdir",
+            f"{self.workdir}/learner_{i}",
+            *self.common,
+            f"--config.syncer.learner={i}",
+            f"--config.syncer.credentials={self.credentials / f'learner_{i}'}",
+        )
 
     def _syncer(self) -> subprocess.Popen:
-        return self._start("diloco_jax.syncer", "--workdir", f"{self.workdir}/syncer",
-                           *self.common,
-                           f"--config.syncer.credentials={self.credentials / 'syncer'}")
+        return self._start(
+            "diloco_jax.syncer",
+            "--workdir",
+            f"{self.workdir}/syncer",
+            *self.common,
+            f"--config.syncer.credentials={self.credentials / 'syncer'}",
+        )
 
     def _again(self, slot: int, what: str, code: int) -> bool:
         """Whether ``what`` (slot ``slot``) is to be started again after exiting with ``code``."""

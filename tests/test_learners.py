@@ -490,8 +490,11 @@ def test_over_grpc_a_wrong_token_is_unauthenticated_and_changes_nothing(tmp_path
         f, anchor = right.call("Join", fields, wire.named(x))
         assert f == {"generation": 1, "round": 0, "finished": False}
         assert list(anchor) == ["['w']"]
-        f, anchor = right.call("Push", {"learner": 0, "generation": 1, "round": 0, "weight": 1.0,
-                                        "push": "p0"}, {"['w']": np.ones(3, np.float32)})
+        f, anchor = right.call(
+            "Push",
+            {"learner": 0, "generation": 1, "round": 0, "weight": 1.0, "push": "p0"},
+            {"['w']": np.ones(3, np.float32)},
+        )
         assert f["round"] == 1
         np.testing.assert_allclose(anchor["['w']"], np.full(3, -0.7 * 1.9), rtol=1e-6)
         right.close()
@@ -514,8 +517,11 @@ def test_over_grpc_a_late_learner_waits_for_the_round_its_push_joined(tmp_path):
                for i in range(2)]  # fmt: skip
 
     def push(i, rnd):
-        return clients[i].call("Push", {"learner": i, "generation": 1, "round": rnd,
-                                        "weight": 1.0, "push": f"{i}-{rnd}"}, _ones(1.0))[0]
+        return clients[i].call(
+            "Push",
+            {"learner": i, "generation": 1, "round": rnd, "weight": 1.0, "push": f"{i}-{rnd}"},
+            _ones(1.0),
+        )[0]
 
     try:
         for i in (0, 1):
@@ -1042,9 +1048,12 @@ def test_the_status_page_and_metrics_show_the_learners_and_rounds(tmp_path):
         syncer.leave(1, 1)
         syncer.push(0, 1, 0, 1.0, {"['w']": np.ones(3, np.float32)})
 
-        def get(path, credential=identity.operator_credential(TOKEN)):
-            request = urllib.request.Request(f"http://127.0.0.1:{page.port}{path}",
-                                             headers={"Authorization": f"Bearer {credential}"})
+        def get(path, credential=None):
+            credential = identity.operator_credential(TOKEN) if credential is None else credential
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{page.port}{path}",
+                headers={"Authorization": f"Bearer {credential}"},
+            )
             with urllib.request.urlopen(request) as r:
                 return r.read().decode()
 

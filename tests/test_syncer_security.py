@@ -368,8 +368,9 @@ def test_heartbeats_and_status_are_answered_while_a_round_is_written(tmp_path):
             late=syncer.push(1, 1, 0, 1.0, _ones(1.0), push_id="b")))  # fmt: skip
         closing.start()
         assert written.wait(30)
-        beat = threading.Thread(target=lambda: answers.update(beat=syncer.heartbeat(0, 1),
-                                                              status=syncer.status()))
+        beat = threading.Thread(
+            target=lambda: answers.update(beat=syncer.heartbeat(0, 1), status=syncer.status())
+        )
         beat.start()
         beat.join(10)
         assert not beat.is_alive() and answers["beat"] == 0 and answers["status"]["closing"]
