@@ -450,7 +450,7 @@ MUTANTS = [
            ["tests/test_learners.py::test_a_learners_grain_pipelines_are_its_replicas_of_every_"
             "learners"]),
     Mutant("the syncer merges a copy of a push already merged", "faults",
-           "diloco_jax/learners/syncer.py", "        done = self.records.get(push_id)",
+           "diloco_jax/learners/ledger.py", "        done = self.records.get(push_id)",
            "        done = None",
            [T_SEC + "test_a_push_is_merged_once_whatever_the_copies_and_a_forged_one_is_refused",
             T_SEC + "test_over_grpc_a_retried_push_is_answered_again_not_merged_again"]),
@@ -475,7 +475,7 @@ MUTANTS = [
            "            if False:",
            [T_SEC + "test_a_push_of_another_dtype_or_size_is_refused_before_its_data_is_read"]),
     Mutant("a damaged newest syncer checkpoint stops the syncer", "checkpoint",
-           "diloco_jax/learners/syncer.py",
+           "diloco_jax/learners/store.py",
            "            except Exception as e:  # noqa: BLE001 - any damage: the previous round's",
            "            except checkpoint.SchemaError as e:  # noqa: BLE001 - any damage: the "
            "previous round's",

@@ -279,7 +279,7 @@ def test_a_push_of_another_dtype_or_size_is_refused_before_its_data_is_read(tmp_
                       timeout=30))  # fmt: skip
         assert "lacks ['w'] [3] or has another shape" in refused.value.details()
         assert len(pulled) < 64  # of 1024 MiB: refused at the header
-        assert syncer.pending == {} and syncer.receiving == {} and syncer.round == 0
+        assert syncer.pending == {} and syncer.ledger.receiving == {} and syncer.round == 0
         assert not any(syncer.incoming.iterdir())
     finally:
         client.close()

@@ -35,21 +35,6 @@ class Push:
         return self.mean if isinstance(self.mean, list) else self.mean.leaves()
 
 
-@dataclasses.dataclass(frozen=True)
-class Merged:
-    """What became of a push the syncer merged (kept for a retry of it, across restarts): whose
-    it was, the round it was computed against and the round it went into."""
-
-    learner: int
-    generation: int
-    base: int
-    joined: int
-
-    @property
-    def late(self) -> int:
-        return self.joined - self.base
-
-
 def digest(leaves: list) -> str:
     """A short hash of a list of arrays (the tape's anchor hash)."""
     h = hashlib.sha256()

@@ -178,16 +178,20 @@ class Server:
             )
 
     def _header(self, it, context, max_bytes: int | None = None) -> wire.Header:
+        """The first message of a request, its size checked against ``max_bytes`` (default:
+        the server's) before anything more is read."""
         try:
             return wire.read_header(it, self.max_bytes if max_bytes is None else max_bytes)
         except wire.WireError as e:
             context.abort(_grpc().StatusCode.INVALID_ARGUMENT, f"refused: {e}")
             raise
 
-    def _read(self, requests, context) -> tuple[dict, dict[str, np.ndarray]]:
-        """A whole (small) request of a learner, after its credential is checked."""
+    def _read(self, requests, context, max_bytes: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
+        """A whole request of a learner, after its credential is checked: one of at most
+        ``max_bytes`` of data (a heartbeat or a leave has none; a join, the model's bytes once
+        the syncer has an anchor)."""
         who, it = self._who(context), iter(requests)
-        header = self._header(it, context)
+        header = self._header(it, context, max_bytes)
         self._as(who, _learner_of(header.fields, context), context)
         data, at = bytearray(header.size), 0
 
@@ -214,7 +218,8 @@ class Server:
             context.abort(_grpc().StatusCode.FAILED_PRECONDITION, str(e))
 
     def _join(self, requests, context):
-        f, arrays = self._read(requests, context)
+        model = sum(a.nbytes for a in self.syncer.anchor or [])  # the first join brings it
+        f, arrays = self._read(requests, context, model or self.max_bytes)
         generation, rnd, anchor = self._refusing(
             context, lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"], arrays)
         )

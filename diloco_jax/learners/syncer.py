@@ -66,7 +66,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import logging
 import pathlib
 import shutil
@@ -74,33 +73,21 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
 from diloco_jax.learners import payload, wire
-from diloco_jax.learners.rounds import Member, Merged, Push, digest, merge
-from diloco_jax.runtime import checkpoint
+from diloco_jax.learners.ledger import Ledger, Ticket
+from diloco_jax.learners.rounds import Member, Push, digest, merge
+from diloco_jax.learners.store import Store
 
 log = logging.getLogger("diloco_jax")
 
 
 class Refused(ValueError):
     """A request the syncer turns down; the message says why (sent back to the learner)."""
-
-
-class Ticket(NamedTuple):
-    """A push admitted to the syncer (:meth:`Syncer.admit`): ``kind`` ``"new"`` (its data is
-    awaited: :meth:`Syncer.enter`), ``"again"`` (a copy of a push already in: answered with
-    ``joined``'s result, or, where that is None, once the first copy is in) or ``"finished"``."""
-
-    kind: str
-    learner: int
-    generation: int
-    base: int
-    id: str
-    joined: int | None = None
 
 
 class Syncer:
@@ -152,15 +139,13 @@ class Syncer:
         self.bytes_in = self.bytes_out = 0
         self.waited = 0.0  # seconds rounds stood open
         self._opened: float | None = None
-        self.receiving: dict[int, Ticket] = {}  # pushes admitted, their data on the way
-        self.records: dict[str, Merged] = {}  # the ids of recent merged pushes (a retry's answer)
+        self.ledger = Ledger()  # pushes by id: on their way, merged (exactly once)
         self._closing: str | None = None  # a round being merged and written, off the lock
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="close")
         self.incoming = self.workdir / "incoming"  # pushes as they stream in (:mod:`.intake`)
         shutil.rmtree(self.incoming, ignore_errors=True)  # an open round's: its pushes come again
         self.incoming.mkdir()
-        self._tape = (self.workdir / "syncer.jsonl").open("a")
-        self._mngr = checkpoint.manager(self.workdir, max_to_keep=3)
+        self.store = Store(self.workdir)
         self._step = jax.jit(self._outer_step)
         self._restore()
 
@@ -169,59 +154,41 @@ class Syncer:
     # ---- the tape, the checkpoint ------------------------------------------------------------
 
     def event(self, kind: str, **fields) -> None:
-        line = {"event": kind, "round": self.round, "time": time.time(), **fields}
-        self._tape.write(json.dumps(line) + "\n")
-        self._tape.flush()
-        log.info("syncer: %s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
+        self.store.event(kind, self.round, **fields)
 
     def _restore(self) -> None:
-        """The newest readable checkpoint; a damaged one (truncated, corrupt) is named in one
-        line and the one before it taken, as a run's resume does."""
-        for step in sorted(self._mngr.all_steps(), reverse=True):
-            try:
-                self._restore_step(step)
-                return
-            except checkpoint.SchemaError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any damage: the previous round's checkpoint
-                where = self._mngr.directory / str(step)
-                log.warning("syncer: checkpoint %s is damaged (%s: %s); trying the previous one",
-                            where, type(e).__name__, str(e)[:160])  # fmt: skip
-                self.event("damaged_checkpoint", path=str(where), error=type(e).__name__)
-        if self._mngr.all_steps():
-            raise checkpoint.CheckpointError(f"no readable syncer checkpoint in "
-                                             f"{self._mngr.directory}")  # fmt: skip
-
-    def _restore_step(self, step: int) -> None:
-        meta = checkpoint.saved_meta(self._mngr, step)["config"]
-        described = meta["leaves"]
-        like_anchor = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for _, s, d in described]
-        like_outer = jax.eval_shape(self.algorithm.outer.init, like_anchor)
-        like = {"anchor": like_anchor, "outer": jax.tree.leaves(like_outer)}
-        saved = checkpoint.restore(self._mngr, like, step)
-        self.names = [n for n, _, _ in described]
+        """The newest readable checkpoint's round, anchor, outer state, members and merged
+        pushes (a damaged one: the one before, :meth:`Store.restore`)."""
+        got = self.store.restore(self._like)
+        if got is None:
+            return
+        step, meta, saved = got
+        self.names = [n for n, _, _ in meta["leaves"]]
         self.anchor = [np.asarray(x) for x in saved["anchor"]]
-        self.outer_state = jax.tree.unflatten(jax.tree.structure(like_outer), saved["outer"])
+        outer = jax.eval_shape(self.algorithm.outer.init, self._like(meta)["anchor"])
+        self.outer_state = jax.tree.unflatten(jax.tree.structure(outer), saved["outer"])
         self.round, self.merged = step, float(meta.get("merged", 0.0))
-        self.records = {k: Merged(*v) for k, v in meta.get("pushes", {}).items()}
+        self.ledger = Ledger.from_meta(meta.get("pushes", {}))
         # the members of the last round, present again: their pushes need no new join
         for i, generation in meta.get("members", {}).items():
             self.members[int(i)] = Member(int(generation), step, self.clock())
         self.event("restored", anchor=digest(self.anchor), members=sorted(self.members))
 
+    def _like(self, meta: dict) -> dict:
+        """The structure of a checkpoint's state, from its ``meta``."""
+        anchor = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for _, s, d in meta["leaves"]]
+        outer = jax.eval_shape(self.algorithm.outer.init, anchor)
+        return {"anchor": anchor, "outer": jax.tree.leaves(outer)}
+
     def _save(self, rnd: int, anchor: list, outer_state, meta: dict) -> None:
-        """Writes round ``rnd``'s anchor and outer state (atomically: orbax writes a temporary
-        folder and renames it) with ``meta`` (:meth:`_meta`)."""
-        state = {"anchor": anchor, "outer": jax.tree.leaves(outer_state)}
-        checkpoint.save(self._mngr, rnd, state, meta, wait=True)
+        self.store.save(rnd, anchor, outer_state, meta)
 
     def _meta(self, rnd: int, anchor: list) -> dict:
         described = [[n, list(a.shape), str(a.dtype)]
                      for n, a in zip(self.names, anchor, strict=True)]  # fmt: skip
         members = {str(i): self.members[i].generation for i in self.present()}
-        pushes = {k: list(dataclasses.astuple(r)) for k, r in self.records.items()}
         return {"leaves": described, "keys": self.keys, "round": rnd, "members": members,
-                "merged": self.merged, "pushes": pushes}  # fmt: skip
+                "merged": self.merged, "pushes": self.ledger.to_meta()}  # fmt: skip
 
     def _described(self) -> list[list]:
         return [[n, list(a.shape), str(a.dtype)]
@@ -328,7 +295,7 @@ class Syncer:
             if self.finished:  # the run is over: the learner gets the final anchor and ends
                 return Ticket("finished", learner, generation, base_round, push_id, base_round)
             self._check_late(learner, base_round)
-            taken = self._slot(learner, generation, base_round)
+            taken = self.ledger.slot(learner, generation, base_round, self.pending)
             if taken:
                 self.event("conflict", learner=learner, base_round=base_round, taken=taken,
                            refused=push_id)  # fmt: skip
@@ -342,14 +309,13 @@ class Syncer:
                     self.event("refused", learner=learner, reason=str(e)[:200])
                     raise Refused(str(e)) from None
             ticket = Ticket("new", learner, generation, base_round, push_id)
-            self.receiving[learner] = ticket
+            self.ledger.receiving[learner] = ticket
             return ticket
 
     def release(self, ticket: Ticket) -> None:
         """Gives up an admitted push whose data did not arrive whole (its copy may come again)."""
         with self.lock:
-            if self.receiving.get(ticket.learner) == ticket:
-                del self.receiving[ticket.learner]
+            if self.ledger.take(ticket):
                 self.lock.notify_all()
 
     def settled(self, ticket: Ticket, timeout: float) -> Ticket | None:
@@ -358,7 +324,7 @@ class Syncer:
         end = self.clock() + timeout
         with self.lock:
             while ticket.joined is None:
-                if self.receiving.get(ticket.learner, None) is None or self.clock() > end:
+                if ticket.learner not in self.ledger.receiving or self.clock() > end:
                     again = self._copy_of(ticket.learner, ticket.id)
                     return again if again is not None and again.joined is not None else None
                 self.lock.wait(0.05)
@@ -370,9 +336,8 @@ class Syncer:
         it is (a round may have closed while its data came, under a quorum)."""
         with self.lock:
             self._settle()
-            if self.receiving.get(ticket.learner) != ticket:
+            if not self.ledger.take(ticket):
                 raise Refused(f"push {ticket.id[:12]} of learner {ticket.learner} was given up")
-            del self.receiving[ticket.learner]
             self.lock.notify_all()
             learner, generation = ticket.learner, ticket.generation
             member = self._member(learner, generation, ticket.base)
@@ -404,28 +369,10 @@ class Syncer:
             return late
 
     def _copy_of(self, learner: int, push_id: str) -> Ticket | None:
-        """A ticket ``"again"`` if ``push_id`` is a push already merged, in the open round or on
-        its way (``joined`` None: not in yet); None if it is new. Raises :class:`Refused` for
-        another learner's id."""
-        done = self.records.get(push_id)
-        if done is not None:
-            if done.learner != learner:
-                raise Refused(f"push {push_id[:12]} is learner {done.learner}'s")
-            return Ticket("again", learner, done.generation, done.base, push_id, done.joined)
-        p = self.pending.get(learner)
-        if p is not None and p.id == push_id:
-            return Ticket("again", learner, p.generation, p.base, push_id, self.round)
-        t = self.receiving.get(learner)
-        return t._replace(kind="again") if t is not None and t.id == push_id else None
-
-    def _slot(self, learner: int, generation: int, base_round: int) -> str | None:
-        """The id of a push already in ``learner``'s slot for ``base_round`` (open, on its way
-        or merged), if any."""
-        for held in (self.pending.get(learner), self.receiving.get(learner)):
-            if held is not None:
-                return held.id
-        return next((k for k, r in self.records.items() if (r.learner, r.generation, r.base)
-                     == (learner, generation, base_round)), None)  # fmt: skip
+        try:
+            return self.ledger.copy_of(learner, push_id, self.pending, self.round)
+        except PermissionError as e:
+            raise Refused(str(e)) from None
 
     def _check_late(self, learner: int, base_round: int) -> int:
         """How late a push against ``base_round`` is; raises :class:`Refused` for one of a
@@ -594,10 +541,8 @@ class Syncer:
         step_s = time.perf_counter() - timer - merged_s
         closed = self.round
         with contextlib.nullcontext() if locked else self.lock:
-            for p, i in zip(pushes, order, strict=True):
-                self.records[p.id] = Merged(i, p.generation, p.base, closed)
-            keep = closed - self.max_late - 1  # a copy older than this is stale anyway
-            self.records = {k: r for k, r in self.records.items() if r.joined >= keep}
+            self.ledger.merged(dict(zip(order, pushes, strict=True)), closed,
+                               closed - self.max_late - 1)  # fmt: skip
             self.merged += examples
             meta = self._meta(closed + 1, anchor)
         self._save(closed + 1, anchor, outer, meta)  # before anyone sees the new anchor
@@ -641,6 +586,4 @@ class Syncer:
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
-        self._mngr.wait_until_finished()
-        self._mngr.close()
-        self._tape.close()
+        self.store.close()

@@ -1,0 +1,65 @@
+"""What a syncer keeps on disk: its tape (``WORKDIR/syncer.jsonl``, one JSON object per event)
+and its checkpoints (orbax, under ``WORKDIR/checkpoints/<round>``, written atomically: a
+temporary folder renamed when complete; the last three kept). A damaged newest checkpoint
+(truncated, corrupt) is named in one line and the one before it restored, as a run's resume
+does; one written by another version of diloco-jax stops the syncer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from diloco_jax.runtime import checkpoint
+
+log = logging.getLogger("diloco_jax")
+
+
+class Store:
+    """The tape and the checkpoints of the syncer in ``workdir``."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.tape = (workdir / "syncer.jsonl").open("a")
+        self.mngr = checkpoint.manager(workdir, max_to_keep=3)
+
+    def event(self, kind: str, rnd: int, **fields) -> None:
+        """One line in the tape (and the log): ``kind``, the syncer's round, the Unix time."""
+        line = {"event": kind, "round": rnd, "time": time.time(), **fields}
+        self.tape.write(json.dumps(line) + "\n")
+        self.tape.flush()
+        log.info("syncer: %s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def save(self, rnd: int, anchor: list, outer_state, meta: dict) -> None:
+        """Round ``rnd``'s anchor and outer state, with ``meta`` (JSON-able)."""
+        state = {"anchor": anchor, "outer": jax.tree.leaves(outer_state)}
+        checkpoint.save(self.mngr, rnd, state, meta, wait=True)
+
+    def restore(self, like_of: Callable[[dict], Any]) -> tuple[int, dict, Any] | None:
+        """``(round, meta, state)`` of the newest readable checkpoint (``like_of(meta)``: the
+        structure its state is restored into), or None where there is none."""
+        steps = sorted(self.mngr.all_steps(), reverse=True)
+        for step in steps:
+            try:
+                meta = checkpoint.saved_meta(self.mngr, step)["config"]
+                return step, meta, checkpoint.restore(self.mngr, like_of(meta), step)
+            except checkpoint.SchemaError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any damage: the previous round's checkpoint
+                where = self.mngr.directory / str(step)
+                log.warning("syncer: checkpoint %s is damaged (%s: %s); trying the previous one",
+                            where, type(e).__name__, str(e)[:160])  # fmt: skip
+                self.event("damaged_checkpoint", step, path=str(where), error=type(e).__name__)
+        if steps:
+            raise checkpoint.CheckpointError(f"no readable syncer checkpoint in "
+                                             f"{self.mngr.directory}")  # fmt: skip
+        return None
+
+    def close(self) -> None:
+        self.mngr.wait_until_finished()
+        self.mngr.close()
+        self.tape.close()
