@@ -257,6 +257,8 @@ def close(s: Setup, r: Run, summary: dict, step: int, call_seconds, host_seconds
     r.live.close()
     if r.learner is not None:
         r.learner.close()
+    if r.mngr is not None:  # its writer threads end now, not when a garbage collection finds
+        r.mngr.close()  # it (a caught network error's frames can hold the run that long)
 
 
 class Calls(NamedTuple):
