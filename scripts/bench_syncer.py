@@ -4,28 +4,25 @@ on localhost with TLS.
     uv run python scripts/bench_syncer.py [--params 25e6,100e6] [--learners 1,4,8,16]
         [--rounds 2] [--leaves 4] [--join_anchor first|all] [--out runs/bench_syncer/results]
 
-Per configuration (a model of ``--params`` float32 parameters in ``--leaves`` equal leaves, and
-``--learners`` learners): the syncer serves in a subprocess of its own (this script's
-``--serve`` mode: plain DiLoCo, synchronous rounds) with a fresh workdir; the learners are
-client threads of this process, each with its own credential and TLS folder. Threads, not
-processes: the client's work (TLS, framing, the checksum) is in gRPC's C core and hashlib, which
-release the GIL, and on a machine of few cores more processes would only contend with the
-syncer's. Learner 0 joins first with the initial anchor (zeros), the others after it (with
-``--join_anchor all`` each sends its anchor too, as the real learner does); then every round
-each learner pushes the same random pseudo-gradient. A further client beats for learner 0 every
-50 ms during the rounds.
+Per model size (float32, ``--leaves`` equal leaves) and learner count, the syncer serves plain
+DiLoCo in a subprocess of its own (``--serve``, a fresh workdir), so its memory is its own. The
+learners are threads of this process, each with its credential and TLS folder (threads: their
+work is in gRPC's C core and hashlib, which release the GIL; on few cores more processes would
+only take the syncer's CPU). Learner 0 joins with the initial anchor (zeros), the others after
+it (``--join_anchor all``: each with an anchor, as the real learner); every round all push the
+same pseudo-gradient (:func:`streamed`); a further client beats for learner 0 every 50 ms.
 
-Reported: the syncer's peak RSS (VmHWM of its process, reset after the joins, and VmRSS sampled
-every 50 ms), as GB and as a multiple of the model's bytes; seconds per round's close (merge,
-outer step, checkpoint: the tape's ``closed`` events, rounds after the first where there are
-several, since the first compiles the outer step); ingest (see ``INGEST``); heartbeat latency
-(max and p99, and max while a checkpoint was written, from the tape's times). A projection to
-1 B parameters x the most learners measured, from the RSS and close-time slopes over the sizes.
+Reported: the syncer's peak RSS (VmHWM, reset after the joins, and VmRSS every 50 ms) in GB and
+per model byte; the close's seconds (merge, outer step, checkpoint: the tape's ``closed``
+events; rounds after the first, which compiles the step); ingest (:data:`INGEST`); heartbeat
+latency, overall and while a checkpoint is written; where memory and time go (:data:`PHASES`);
+a projection to 1 B parameters from the slopes over the sizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -40,14 +37,18 @@ import uuid
 import numpy as np
 from bench_command import cpu_name  # scripts/: this script's own folder
 
-from diloco_jax.learners import certs, identity, service
+from diloco_jax.learners import certs, identity, service, wire
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INGEST = ("ingest MB/s: the bytes of all of a round's pushes (their float32 arrays) over the "
           "time from the first push's call to the last push entering the round (its 'pushed' "
           "event in the tape: its data on the syncer's disk and checked)")  # fmt: skip
 TARGETS = {"rss": "peak RSS <= 4 x model + 1 GB (at the most learners)",
-           "ingest": "ingest >= 300 MB/s", "heartbeat": "heartbeat <= 1 s during checkpoints"}
+           "ingest": "ingest >= 300 MB/s",
+           "heartbeat": "heartbeat <= 1 s during checkpoints"}  # fmt: skip
+# the phases of a round (rest: the close after its checkpoint, untimed in the tape: the pushes'
+# files removed and the round advanced, under the lock; answer: the new anchor sent back)
+PHASES = ("ingest", "merge", "step", "checkpoint", "rest", "answer")
 
 
 def serve(folder: str, workdir: str, learners: int) -> None:
@@ -57,6 +58,7 @@ def serve(folder: str, workdir: str, learners: int) -> None:
     from diloco_jax.algorithm import diloco
     from diloco_jax.learners.syncer import Syncer
 
+    service.fewer_malloc_arenas()  # as python -m diloco_jax.syncer does
     algorithm = diloco(optax.adamw(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True),
                        sync_every=10)  # fmt: skip
     syncer = Syncer(algorithm, pathlib.Path(workdir), keys={}, learners=learners, timeout=600,
@@ -71,48 +73,41 @@ def serve(folder: str, workdir: str, learners: int) -> None:
     syncer.close()
 
 
-def status_kb(pid: int, key: str) -> int:
+def memory(pid: int, key: str = "VmRSS") -> int:
+    """Bytes of ``key`` (VmRSS, VmHWM) in ``/proc/PID/status``."""
     for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
-            return int(line.split()[1])
+            return int(line.split()[1]) * 1024
     raise KeyError(key)
 
 
-class Sampler(threading.Thread):
-    """VmRSS of ``pid`` every 50 ms: ``samples`` of ``(time, bytes)``."""
+class Every(threading.Thread):
+    """``fn()`` every 50 ms until :attr:`stop`: ``got`` of ``(time, its value)``; ``errors``."""
 
-    def __init__(self, pid: int):
+    def __init__(self, fn):
         super().__init__(daemon=True)
-        self.pid, self.samples, self.stop = pid, [], threading.Event()
+        self.fn, self.got, self.errors, self.stop = fn, [], [], threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.05):
             try:
-                self.samples.append((time.time(), status_kb(self.pid, "VmRSS") * 1024))
-            except (OSError, KeyError):
-                return
+                self.got.append((time.time(), self.fn()))
+            except Exception as e:  # noqa: BLE001 - said by the caller
+                self.errors.append(f"{type(e).__name__}: {e}")
 
     def peak(self, since: float = 0.0) -> int:
-        return max((b for t, b in self.samples if t >= since), default=0)
+        return max((b for t, b in self.got if t >= since), default=0)
 
 
-class Heartbeats(threading.Thread):
-    """Learner 0's heartbeat every 50 ms: ``beats`` of ``(start, seconds)``."""
+def heartbeat(client: service.Client, generation: int):
+    """A heartbeat of learner 0 (its seconds, as a function to call :class:`Every` 50 ms)."""
 
-    def __init__(self, client: service.Client, generation: int):
-        super().__init__(daemon=True)
-        self.client, self.generation = client, generation
-        self.beats, self.errors, self.stop = [], [], threading.Event()
+    def beat() -> float:
+        t0 = time.perf_counter()
+        client.call("Heartbeat", {"learner": 0, "generation": generation}, timeout=60)
+        return time.perf_counter() - t0
 
-    def run(self) -> None:
-        while not self.stop.wait(0.05):
-            start, t0 = time.time(), time.perf_counter()
-            try:
-                self.client.call("Heartbeat", {"learner": 0, "generation": self.generation},
-                                 timeout=60)  # fmt: skip
-            except (service.RefusedBySyncer, ConnectionError) as e:
-                self.errors.append(str(e))
-            self.beats.append((start, time.perf_counter() - t0))
+    return beat
 
 
 def start_syncer(folder: pathlib.Path, workdir: pathlib.Path, learners: int):
@@ -126,6 +121,19 @@ def start_syncer(folder: pathlib.Path, workdir: pathlib.Path, learners: int):
     return proc, f"127.0.0.1:{port}"
 
 
+def streamed(client: service.Client, name: str, fields: dict, arrays: dict) -> dict:
+    """``client.call`` without holding the message: its chunks made as gRPC sends them, the
+    reply's data checked (size, checksum) and dropped; the reply's fields. ``call`` keeps the
+    whole push and the whole reply, 2 x the model per learner: 16 learner threads of a 0.4 GB
+    model did not fit this machine beside the syncer. The syncer sees the same bytes."""
+    replies = client._calls[name](wire.encode(fields, arrays), metadata=client._metadata,
+                                  timeout=client.timeout)  # fmt: skip
+    it = iter(replies)
+    header = wire.read_header(it, client.max_bytes)
+    wire.read_data(it, header, lambda _: None)
+    return header.fields
+
+
 def clients(folder: pathlib.Path, address: str, learners: int) -> list[service.Client]:
     """A client per learner, and a last one for learner 0's heartbeats."""
     secret = certs.token(folder / "syncer")
@@ -135,25 +143,9 @@ def clients(folder: pathlib.Path, address: str, learners: int) -> list[service.C
 
 
 def in_threads(fn, n: int) -> list:
-    """``fn(i)`` for ``i < n``, each in a thread of its own; their results (raises the first
-    error)."""
-    out: list = [None] * n
-
-    def one(i: int) -> None:
-        try:
-            out[i] = fn(i)
-        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
-            out[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in out:
-        if isinstance(r, BaseException):
-            raise r
-    return out
+    """``fn(i)`` for ``i < n``, each in a thread of its own; their results (the first error)."""
+    with concurrent.futures.ThreadPoolExecutor(max(n, 1)) as pool:
+        return list(pool.map(fn, range(n)))
 
 
 def join_all(cls: list[service.Client], push: dict, join_anchor: str) -> list[int]:
@@ -163,7 +155,7 @@ def join_all(cls: list[service.Client], push: dict, join_anchor: str) -> list[in
     def join(i: int) -> int:
         bring = i == 0 or join_anchor == "all"
         anchor = {n: np.zeros_like(a) for n, a in push.items()} if bring else {}
-        f, _ = cls[i].call("Join", {"learner": i, "describe": described, "keys": {}}, anchor)
+        f = streamed(cls[i], "Join", {"learner": i, "describe": described, "keys": {}}, anchor)
         return int(f["generation"])
 
     first = join(0)
@@ -180,7 +172,7 @@ def push_rounds(cls, generations, push: dict, rounds: int) -> list[list[float]]:
             starts[r][i] = time.time()
             fields = {"learner": i, "generation": generations[i], "round": r, "weight": 1.0,
                       "push": uuid.uuid4().hex}  # fmt: skip
-            f, _ = cls[i].call("Push", fields, push)
+            f = streamed(cls[i], "Push", fields, push)
             assert int(f["round"]) == r + 1, f
 
     in_threads(learner, len(cls))
@@ -193,24 +185,25 @@ def run_config(args, folder: pathlib.Path, params: int, learners: int) -> dict:
     push = {f"['w{k}']": rng.normal(0, 1e-3, n).astype(np.float32) for k in range(args.leaves)}
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench_syncer_"))
     proc, address = start_syncer(folder, workdir / "syncer", learners)
-    sampler = Sampler(proc.pid)
+    sampler = Every(lambda: memory(proc.pid))
     sampler.start()
     try:
         cls = clients(folder, address, learners)
         t0 = time.time()
         generations = join_all(cls[:learners], push, args.join_anchor)
-        joined = {"s": time.time() - t0, "hwm": status_kb(proc.pid, "VmHWM") * 1024,
-                  "rss": status_kb(proc.pid, "VmRSS") * 1024, "sampled": sampler.peak()}
+        joined = {"s": time.time() - t0, "hwm": memory(proc.pid, "VmHWM"),
+                  "rss": memory(proc.pid), "sampled": sampler.peak()}  # fmt: skip
         pathlib.Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-        beats = Heartbeats(cls[learners], generations[0])
+        beats = Every(heartbeat(cls[learners], generations[0]))
         rounds_from = time.time()
         beats.start()
         starts = push_rounds(cls[:learners], generations, push, args.rounds)
         beats.stop.set()
         beats.join()
+        end = time.time()
         if beats.errors:
             raise RuntimeError(f"heartbeats failed: {beats.errors[0]}")
-        hwm = status_kb(proc.pid, "VmHWM") * 1024
+        hwm = memory(proc.pid, "VmHWM")
         tape = [json.loads(x) for x in (workdir / "syncer" / "syncer.jsonl").read_text()
                 .splitlines()]  # fmt: skip
     finally:
@@ -221,34 +214,60 @@ def run_config(args, folder: pathlib.Path, params: int, learners: int) -> dict:
     model = sum(a.nbytes for a in push.values())
     return {"params": params, "learners": learners, "model_bytes": model, "join": joined,
             "rounds_hwm": hwm, "rounds_sampled": sampler.peak(rounds_from), "starts": starts,
-            "beats": beats.beats, "tape": [e for e in tape if e["event"] in ("pushed", "closed")],
-            "rss_trace": sampler.samples[::4]}  # fmt: skip
+            "beats": beats.got, "tape": [e for e in tape if e["event"] in ("pushed", "closed")],
+            "end": end, "rss_trace": sampler.got}  # fmt: skip
+
+
+def rounds_of(raw: dict) -> list[list[float]]:
+    """Each round's times: its first push's call, its last push in (the close starts), the ends
+    of the merge, the outer step and the checkpoint (the tape's seconds), the close's end (its
+    ``closed`` event), the next round's first push (or the end)."""
+    closed = {e["closed"]: e for e in raw["tape"] if e["event"] == "closed"}
+    out = []
+    for r, starts in enumerate(raw["starts"]):
+        e = closed[r]
+        last = max(x["time"] for x in raw["tape"] if x["event"] == "pushed" and x["round"] == r)
+        close = np.cumsum([last, e["merge_s"], e["step_s"], e["checkpoint_s"]]).tolist()
+        after = min(raw["starts"][r + 1]) if r + 1 < len(raw["starts"]) else raw["end"]
+        out.append([min(starts), *close, e["time"], after])
+    return out
 
 
 def summary(raw: dict) -> dict:
     """The reported numbers of one configuration's raw measurements."""
-    closed = [e for e in raw["tape"] if e["event"] == "closed"]
-    steady = closed[1:] or closed
-    close = {k: float(np.mean([e[k] for e in steady])) for k in ("merge_s", "step_s",
-                                                                 "checkpoint_s")}  # fmt: skip
-    ingest = []
-    for r, starts in enumerate(raw["starts"]):
-        last = max(e["time"] for e in raw["tape"] if e["event"] == "pushed" and e["round"] == r)
-        ingest.append(raw["learners"] * raw["model_bytes"] / 1e6 / (last - min(starts)))
-    writing = [(e["time"] - e["checkpoint_s"], e["time"]) for e in closed]
+    times = rounds_of(raw)
+    steady = np.array(times[1:] or times)
+    merge, step, ckpt, rest = (np.diff(steady, axis=1)[:, 1:5]).mean(axis=0).tolist()
+    ingest = [raw["learners"] * raw["model_bytes"] / 1e6 / (t[1] - t[0]) for t in times]
     lat = np.array([s for _, s in raw["beats"]] or [0.0])
-    in_ckpt = [s for t, s in raw["beats"] if any(t < b and t + s > a for a, b in writing)]
+    by_phase = phases(raw, times)
     peak = max(raw["join"]["hwm"], raw["join"]["sampled"], raw["rounds_hwm"],
                raw["rounds_sampled"])  # fmt: skip
     return {"params": raw["params"], "learners": raw["learners"],
             "model_gb": raw["model_bytes"] / 1e9, "peak_rss_gb": peak / 1e9,
             "x_model": peak / raw["model_bytes"], "join_peak_gb": raw["join"]["hwm"] / 1e9,
             "rounds_peak_gb": max(raw["rounds_hwm"], raw["rounds_sampled"]) / 1e9,
-            "close_s": sum(close.values()), **close, "ingest_mb_s": float(np.mean(ingest)),
+            "close_s": merge + step + ckpt + rest, "merge_s": merge, "step_s": step,
+            "checkpoint_s": ckpt, "rest_s": rest, "ingest_mb_s": float(np.mean(ingest)),
             "ingest_rounds": ingest, "join_s": raw["join"]["s"],
             "heartbeat_max_s": float(lat.max()), "heartbeat_p99_s": float(np.quantile(lat, 0.99)),
-            "heartbeats": len(raw["beats"]), "heartbeats_in_checkpoint": len(in_ckpt),
-            "heartbeat_checkpoint_max_s": max(in_ckpt, default=float("nan"))}  # fmt: skip
+            "heartbeats": len(raw["beats"]), "after_joins_gb": raw["join"]["rss"] / 1e9,
+            "heartbeats_in_checkpoint": by_phase["checkpoint"]["heartbeats"],
+            "heartbeat_checkpoint_max_s": by_phase["checkpoint"]["heartbeat_ms"] / 1e3,
+            "phases": by_phase}  # fmt: skip
+
+
+def phases(raw: dict, times: list[list[float]]) -> dict:
+    """Per phase of the rounds (:data:`PHASES`, between the times of :func:`rounds_of`), the
+    syncer's sampled peak RSS (GB) and the heartbeats' count and max (ms)."""
+    out = {}
+    for i, p in enumerate(PHASES):
+        within = [(t[i], t[i + 1]) for t in times]
+        rss = [b for t, b in raw["rss_trace"] if any(a <= t <= z for a, z in within)]
+        beats = [s for t, s in raw["beats"] if any(t < z and t + s > a for a, z in within)]
+        out[p] = {"rss_gb": max(rss, default=0) / 1e9, "heartbeats": len(beats),
+                  "heartbeat_ms": max(beats, default=float("nan")) * 1e3}  # fmt: skip
+    return out
 
 
 def projection(rows: list[dict], params: float = 1e9) -> dict | None:
@@ -272,7 +291,7 @@ def table(rows: list[dict], proj: dict | None, machine: str) -> str:
     most = max(r["learners"] for r in rows)
     lines = [machine, "", INGEST + ".", "Targets (not asserted): " + "; ".join(TARGETS.values()),
              "", "| params | learners | model GB | peak RSS GB | x model | (joins / rounds) GB "
-             "| close s (merge + step + ckpt) | ingest MB/s | heartbeat max / p99 ms | "
+             "| close s (merge + step + ckpt + rest) | ingest MB/s | heartbeat max / p99 ms | "
              "max in ckpt ms (beats) | targets |", "|" + "---|" * 11]  # fmt: skip
     for r in rows:
         missed = [k for k, bad in (
@@ -283,7 +302,8 @@ def table(rows: list[dict], proj: dict | None, machine: str) -> str:
             f"| {r['params'] / 1e6:g} M | {r['learners']} | {r['model_gb']:.3f} | "
             f"{r['peak_rss_gb']:.2f} | {r['x_model']:.1f} | {r['join_peak_gb']:.2f} / "
             f"{r['rounds_peak_gb']:.2f} | {r['close_s']:.2f} ({r['merge_s']:.2f} + "
-            f"{r['step_s']:.2f} + {r['checkpoint_s']:.2f}) | {r['ingest_mb_s']:.0f} | "
+            f"{r['step_s']:.2f} + {r['checkpoint_s']:.2f} + {r['rest_s']:.2f}) | "
+            f"{r['ingest_mb_s']:.0f} | "
             f"{r['heartbeat_max_s'] * 1e3:.0f} / {r['heartbeat_p99_s'] * 1e3:.0f} | "
             f"{r['heartbeat_checkpoint_max_s'] * 1e3:.0f} ({r['heartbeats_in_checkpoint']}) | "
             f"{'missed: ' + ', '.join(missed) if missed else 'met'} |")  # fmt: skip
@@ -296,7 +316,20 @@ def table(rows: list[dict], proj: dict | None, machine: str) -> str:
         lines += ["", "The last row is a projection, not a measurement: linear fits of peak RSS "
                   f"and close time against the model's bytes at {proj['learners']} learners "
                   "over the sizes measured."]  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join(lines + phase_table(rows))
+
+
+def phase_table(rows: list[dict]) -> list[str]:
+    lines = ["", "Where it goes: the syncer's sampled peak RSS (GB) / the heartbeats' max (ms) "
+             "in each phase of the rounds (all rounds)", "",
+             "| params | learners | after joins GB | " + " | ".join(PHASES) + " |",
+             "|" + "---|" * (3 + len(PHASES))]  # fmt: skip
+    for r in rows:
+        cells = [f"{r['phases'][p]['rss_gb']:.2f} / {r['phases'][p]['heartbeat_ms']:.0f}"
+                 .replace("0.00 /", "- /").replace("nan", "-") for p in PHASES]  # fmt: skip
+        lines.append(f"| {r['params'] / 1e6:g} M | {r['learners']} | "
+                     f"{r['after_joins_gb']:.2f} | " + " | ".join(cells) + " |")  # fmt: skip
+    return lines
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -306,20 +339,29 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--leaves", type=int, default=4, help="equal float32 leaves")
     parser.add_argument("--join_anchor", choices=("first", "all"), default="first",
-                        help="who sends an anchor with its join (all: as the real learner)")
+                        help="who joins with an anchor (all: as the real learner)")  # fmt: skip
     parser.add_argument("--out", default="runs/bench_syncer/results",
                         help="writes OUT.json and OUT.md")  # fmt: skip
     return parser.parse_args(argv)
 
 
+def machine_line() -> str:
+    """The CPU, its cores, the commit (and whether the package differs from it), the command."""
+
+    def git(*words: str) -> str:
+        return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True).stdout
+
+    commit = git("rev-parse", "--short", "HEAD").strip()
+    changed = ", ".join(x[3:] for x in git("status", "--porcelain", "diloco_jax").splitlines())
+    commit += f" (uncommitted changes: {changed})" if changed else ""
+    return (f"{cpu_name()}, {os.cpu_count()} cores, commit {commit}; "
+            f"`{' '.join(['python', 'scripts/bench_syncer.py', *sys.argv[1:]])}`")  # fmt: skip
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
         return serve(*sys.argv[2:4], int(sys.argv[4]))
-    args = arguments()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    machine = (f"{cpu_name()}, {os.cpu_count()} cores, commit {commit}; "
-               f"`{' '.join(['python', 'scripts/bench_syncer.py', *sys.argv[1:]])}`")  # fmt: skip
+    args, machine = arguments(), machine_line()
     sizes = [int(float(p)) for p in args.params.split(",")]
     counts = [int(n) for n in args.learners.split(",")]
     folder = pathlib.Path(tempfile.mkdtemp(prefix="bench_syncer_certs_"))
@@ -329,7 +371,7 @@ def main() -> None:
         for learners in counts:
             raws.append(run_config(args, folder, params, learners))
             rows.append(summary(raws[-1]))
-            print(json.dumps({k: v for k, v in rows[-1].items()}), file=sys.stderr, flush=True)
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     shutil.rmtree(folder, ignore_errors=True)
     proj = projection(rows)
     text = table(rows, proj, machine)

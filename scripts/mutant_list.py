@@ -398,8 +398,8 @@ MUTANTS = [
            ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
             "trains"]),
     Mutant("a thin round takes the whole outer step", "faults", "diloco_jax/learners/syncer.py",
-           "            share = np.float32(total_w / self.full_round())",
-           "            share = np.float32(1.0)",
+           "                share = np.float32(total_w / full)",
+           "                share = np.float32(1.0)",
            ["tests/test_learners.py::test_weighed_rounds_move_the_anchor_by_the_examples_"
             "merged"]),
     Mutant("a learner's other processes restart from their own anchor", "faults",
@@ -433,8 +433,8 @@ MUTANTS = [
             "the_core"]),
     Mutant("an eager syncer answers with the anchor, not the round's mean", "faults",
            "diloco_jax/learners/syncer.py",
-           "            if self.answer_mean:\n                mean",
-           "            if False:\n                mean",
+           "            if not self.answer_mean:\n                return self.round",
+           "            if True:\n                return self.round",
            ["tests/test_learners.py::test_four_learners_through_a_syncer_equal_four_replicas_of_"
             "the_core"]),
     Mutant("an FSDP learner pushes its first device's slice of the anchor", "faults",

@@ -18,6 +18,7 @@ import numpy as np
 
 from diloco_jax.learners import payload, wire
 
+BLOCK = 1 << 20  # values read at once to check a push
 DECODING = threading.Semaphore(1)  # codec pushes decoded at once: each holds the model in memory
 
 
@@ -39,8 +40,17 @@ class Spilled:
         return x.astype(np.float32).reshape(shape)
 
     def finite(self) -> bool:
-        """Whether every value is finite (one leaf in memory at a time)."""
-        return all(bool(np.isfinite(self.leaf(i)).all()) for i in range(len(self.layout)))
+        """Whether every value is finite, read in blocks of :data:`BLOCK` values (pushes of
+        many learners are checked at once: each holds a block, not a leaf)."""
+        for offset, shape, dtype in self.layout:
+            dt = np.dtype(dtype).newbyteorder("<")
+            count = int(np.prod(shape, dtype=np.int64))
+            for start in range(0, count, BLOCK):
+                x = np.fromfile(self.path, dt, min(BLOCK, count - start),
+                                offset=offset + start * dt.itemsize)  # fmt: skip
+                if not np.isfinite(x).all():
+                    return False
+        return True
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

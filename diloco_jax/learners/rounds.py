@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from diloco_jax.learners import wire
+
 
 @dataclasses.dataclass
 class Member:
@@ -34,33 +36,46 @@ class Push:
     def leaves(self) -> list:
         return self.mean if isinstance(self.mean, list) else self.mean.leaves()
 
+    def leaf(self, i: int):
+        return self.mean[i] if isinstance(self.mean, list) else self.mean.leaf(i)
 
-def digest(leaves: list) -> str:
-    """A short hash of a list of arrays (the tape's anchor hash)."""
+    def count(self) -> int:
+        return len(self.mean) if isinstance(self.mean, list) else len(self.mean.layout)
+
+
+def sha256(leaves: list) -> str:
+    """The SHA-256 (hex) of a list of arrays' little-endian bytes one after another: a wire
+    message's checksum of them (:func:`.wire.encode`), and in short the tape's anchor hash.
+    Read in place, without a copy."""
     h = hashlib.sha256()
     for x in leaves:
-        h.update(np.ascontiguousarray(x).tobytes())
-    return h.hexdigest()[:16]
+        h.update(wire.bytes_of(np.asarray(x)).data)
+    return h.hexdigest()
 
 
-def merge(pushes: list[Push]) -> tuple[list, float]:
+def merge(pushes: list[Push], finish=None) -> tuple[list, float]:
     """The pushes' mean weighted by their examples: ``sum_l (w_l / W) m_l`` in float32, in
     learner order (each weight divided first, so equal weights scale exactly and one
-    learner's mean passes unchanged); leaves out pushes that are not finite. One push's leaves
-    are in memory at a time (a push in a file is read when its turn comes), and each is added
-    leaf by leaf: memory is the model's size twice, whatever the number of pushes."""
+    learner's mean passes unchanged); leaves out pushes that are not finite. Leaf by leaf:
+    each push's leaf is read when its turn comes (from its file, for a push the network
+    brought), so memory is the mean and one leaf, whatever the number of pushes; each value's
+    sum is taken in the same order as push by push. ``finish(leaf, total_w)``, if given, turns
+    each leaf of the mean into what is returned as soon as it is summed (the syncer scales it
+    and moves it to the device, so the whole mean is never held twice)."""
     finite = [p for p in pushes if p.finite and p.weight > 0]
     total_w = sum(p.weight for p in finite)
+    finish = finish or (lambda leaf, _: leaf)
     if not finite:
-        return [np.zeros_like(x, np.float32) for x in pushes[0].leaves()], 0.0
-    total: list = []
-    for p in finite:
-        share = np.float32(p.weight / total_w)
-        leaves = p.leaves()
-        if not total:
-            total = [share * x for x in leaves]
-            continue
-        for t, x in zip(total, leaves, strict=True):
-            t += share * x  # the same two float32 roundings as t + (share * x)
-        del leaves
+        return [finish(np.zeros(x.shape, np.float32), 0.0) for x in pushes[0].leaves()], 0.0
+    shares = [np.float32(p.weight / total_w) for p in finite]
+    total = []
+    for i in range(finite[0].count()):
+        acc = None
+        for share, p in zip(shares, finite, strict=True):
+            part = share * p.leaf(i)
+            if acc is None:
+                acc = part
+            else:
+                acc += part  # the same two float32 roundings as acc + (share * x)
+        total.append(finish(acc, total_w))
     return total, total_w

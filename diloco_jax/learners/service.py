@@ -117,6 +117,7 @@ class Server:
         self.syncer, self.secret, self.max_bytes = syncer, secret, max_bytes
         self.wait_timeout, self.mutual = wait_timeout, mutual
         self.failures = _Failures(syncer)
+        self._first_join = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
                                    options=_options(max_bytes))  # fmt: skip
         handlers = {name: grpc.stream_stream_rpc_method_handler(fn) for name, fn in (
@@ -188,11 +189,19 @@ class Server:
 
     def _read(self, requests, context, max_bytes: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
         """A whole request of a learner, after its credential is checked: one of at most
-        ``max_bytes`` of data (a heartbeat or a leave has none; a join, the model's bytes once
-        the syncer has an anchor)."""
+        ``max_bytes`` of data (a heartbeat or a leave has none)."""
+        header, it = self._opened(requests, context, max_bytes)
+        return header.fields, self._data(it, header, context)
+
+    def _opened(self, requests, context, max_bytes: int) -> tuple[wire.Header, Iterator[bytes]]:
+        """A learner's request up to its header: the caller's credential, then the header's
+        size (at most ``max_bytes``) and the learner it names."""
         who, it = self._who(context), iter(requests)
         header = self._header(it, context, max_bytes)
         self._as(who, _learner_of(header.fields, context), context)
+        return header, it
+
+    def _data(self, it, header: wire.Header, context) -> dict[str, np.ndarray]:
         data, at = bytearray(header.size), 0
 
         def write(chunk: bytes) -> None:
@@ -205,11 +214,12 @@ class Server:
         except wire.WireError as e:
             context.abort(_grpc().StatusCode.INVALID_ARGUMENT, f"refused: {e}")
         self.syncer.bytes_in += header.size
-        return header.fields, wire.arrays_in(data, header.leaves)
+        return wire.arrays_in(data, header.leaves)
 
-    def _answer(self, fields: dict, arrays: dict | None = None) -> Iterator[bytes]:
+    def _answer(self, fields: dict, arrays: dict | None = None,
+                sha256: str | None = None) -> Iterator[bytes]:  # fmt: skip
         self.syncer.bytes_out += sum(a.nbytes for a in (arrays or {}).values())
-        return wire.encode(fields, arrays)
+        return wire.encode(fields, arrays, sha256)
 
     def _refusing(self, context, fn):
         try:
@@ -218,8 +228,13 @@ class Server:
             context.abort(_grpc().StatusCode.FAILED_PRECONDITION, str(e))
 
     def _join(self, requests, context):
-        model = sum(a.nbytes for a in self.syncer.anchor or [])  # the first join brings it
-        f, arrays = self._read(requests, context, model or self.max_bytes)
+        model = sum(a.nbytes for a in self.syncer.anchor or [])
+        header, it = self._opened(requests, context, model or self.max_bytes)
+        f, arrays = header.fields, {}
+        if self.syncer.anchor is None:  # the first join brings the anchor; the others' are
+            with self._first_join:  # not read (many joins at once would each hold a model)
+                if self.syncer.anchor is None:
+                    arrays = self._data(it, header, context)
         generation, rnd, anchor = self._refusing(
             context, lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"], arrays)
         )
@@ -256,12 +271,12 @@ class Server:
         else:
             late = 0 if ticket.joined is None else ticket.joined - ticket.base
         joined = base + late  # the round this push is merged into: the answer follows it
-        rnd, anchor = sy.wait(joined, 0.0 if sy.finished else self.wait_timeout)
+        rnd, anchor, sha = sy.answer(joined, 0.0 if sy.finished else self.wait_timeout)
         if rnd <= joined and not sy.finished:
             context.abort(_grpc().StatusCode.DEADLINE_EXCEEDED,
                           f"round {joined} did not close in {self.wait_timeout:.0f}s")  # fmt: skip
         return self._answer({"round": rnd, "late": late, "finished": sy.finished,
-                             "again": ticket.kind == "again"}, anchor)  # fmt: skip
+                             "again": ticket.kind == "again"}, anchor, sha)  # fmt: skip
 
     def _receive(self, it, header: wire.Header, ticket, weight: float, context) -> int:
         """A new push's data, streamed to a file and entered into the open round; its lateness."""
@@ -341,13 +356,14 @@ class Client:
         grpc = _grpc()
         start, delay = time.monotonic(), 0.2
         while True:
-            chunks = list(wire.encode(fields, arrays))
+            put: list[int] = []  # encoded as it is sent, again at each try: never held whole
             try:
-                replies = self._calls[name](iter(chunks), metadata=self._metadata,
+                replies = self._calls[name](_kept(wire.encode(fields, arrays), put),
+                                            metadata=self._metadata,
                                             timeout=timeout or self.timeout)  # fmt: skip
                 got: list[int] = []
                 out = wire.decode(_kept(replies, got), self.max_bytes)
-                sent, received = sum(len(c) for c in chunks), sum(got)
+                sent, received = sum(put), sum(got)
                 self.bytes_sent += sent
                 self.bytes_received += received
                 if counts is not None:
@@ -371,6 +387,20 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def fewer_malloc_arenas(arenas: int = 2) -> None:
+    """Caps glibc's malloc arenas for this process (a server's many threads each get their
+    own, and keep the 1 MiB chunks they freed: measured, the syncer's memory grew with its
+    learners). Best effort: nothing where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
 
 
 def _kept(chunks, sizes: list[int]) -> Iterator[bytes]:

@@ -72,15 +72,17 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from collections import deque
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax.learners import payload, wire
 from diloco_jax.learners.ledger import Ledger, Ticket
-from diloco_jax.learners.rounds import Member, Push, digest, merge
+from diloco_jax.learners.rounds import Member, Push, merge, sha256
 from diloco_jax.learners.store import Store
 
 log = logging.getLogger("diloco_jax")
@@ -128,7 +130,10 @@ class Syncer:
         self.pending: dict[int, Push] = {}
         self.round = 0
         self.names: list[str] = []  # the anchor's leaves, by name (empty: no anchor yet)
-        self.anchor: list[np.ndarray] | None = None
+        # the anchor and outer state live as JAX arrays (the outer step's inputs as they are;
+        # a learner's answer reads the anchor in place)
+        self.anchor: list[jax.Array] | None = None
+        self.anchor_sha = ""  # the SHA-256 of the anchor's bytes: the answers' checksum
         self.outer_state: Any = None
         self.deadline: float | None = None
         self.expected: set[int] = set()  # the learners the open round waits for
@@ -146,7 +151,9 @@ class Syncer:
         shutil.rmtree(self.incoming, ignore_errors=True)  # an open round's: its pushes come again
         self.incoming.mkdir()
         self.store = Store(self.workdir)
-        self._step = jax.jit(self._outer_step)
+        # the mean's buffers are given to the new anchor (the old anchor may still be read by
+        # an answer on its way, and the outer state by a close that failed)
+        self._step = jax.jit(self._outer_step, donate_argnums=(0,))
         self._restore()
 
     background = True  # a round is closed in a thread of its own (the replay's: inline)
@@ -164,7 +171,8 @@ class Syncer:
             return
         step, meta, saved = got
         self.names = [n for n, _, _ in meta["leaves"]]
-        self.anchor = [np.asarray(x) for x in saved["anchor"]]
+        self.anchor = list(saved["anchor"])
+        self.anchor_sha = sha256(self.anchor)
         outer = jax.eval_shape(self.algorithm.outer.init, self._like(meta)["anchor"])
         self.outer_state = jax.tree.unflatten(jax.tree.structure(outer), saved["outer"])
         self.round, self.merged = step, float(meta.get("merged", 0.0))
@@ -172,7 +180,7 @@ class Syncer:
         # the members of the last round, present again: their pushes need no new join
         for i, generation in meta.get("members", {}).items():
             self.members[int(i)] = Member(int(generation), step, self.clock())
-        self.event("restored", anchor=digest(self.anchor), members=sorted(self.members))
+        self.event("restored", anchor=self.anchor_sha[:16], members=sorted(self.members))
 
     def _like(self, meta: dict) -> dict:
         """The structure of a checkpoint's state, from its ``meta``."""
@@ -212,11 +220,12 @@ class Syncer:
             self._settle()
             if self.anchor is None:
                 self.names = [n for n, _, _ in describe]
-                self.anchor = [np.asarray(anchor[n]) for n in self.names]
-                self.outer_state = jax.device_get(self.algorithm.outer.init(self.anchor))
+                self.anchor = [jnp.asarray(anchor[n]) for n in self.names]
+                self.anchor_sha = sha256(self.anchor)
+                self.outer_state = self.algorithm.outer.init(self.anchor)
                 # round 0: a restarted syncer starts where its learners did
                 self._save(0, self.anchor, self.outer_state, self._meta(0, self.anchor))
-                self.event("initial_anchor", learner=learner, anchor=digest(self.anchor))
+                self.event("initial_anchor", learner=learner, anchor=self.anchor_sha[:16])
             mine = [[n, list(a.shape), str(a.dtype)]
                     for n, a in zip(self.names, self.anchor, strict=True)]  # fmt: skip
             problem = wire.first_mismatch(mine, describe)
@@ -392,19 +401,25 @@ class Syncer:
                           f"round {self.round} ({rule}); restart from its anchor")  # fmt: skip
         return late
 
-    def wait(self, after_round: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
+    def wait(self, after_round: int, timeout: float) -> tuple[int, dict[str, Any]]:
         """Blocks until the syncer is past ``after_round`` (or ``timeout`` seconds, checking the
         round's deadline meanwhile); returns ``(round, anchor by name)``, or with
         ``answer_mean`` ``(round, round after_round's merged mean by name)`` (zeros if it did
         not close, or is older than the syncer remembers)."""
+        rnd, named, _ = self.answer(after_round, timeout)
+        return rnd, named
+
+    def answer(self, after_round: int, timeout: float) -> tuple[int, dict[str, Any], str | None]:
+        """:meth:`wait`'s answer and its SHA-256 where it is the anchor's (None: a mean)."""
         with self.lock:
             self._wait_past(after_round, timeout)
             self._settle()
-            leaves = self.anchor or []
-            if self.answer_mean:
-                mean = self.means.get(after_round) or [np.zeros_like(a) for a in leaves]
-                leaves = [m.astype(a.dtype) for m, a in zip(mean, leaves, strict=True)]
-            return self.round, dict(zip(self.names, leaves, strict=True))
+            leaves: list = self.anchor or []
+            if not self.answer_mean:
+                return self.round, dict(zip(self.names, leaves, strict=True)), self.anchor_sha
+            mean = self.means.get(after_round) or [np.zeros(a.shape, a.dtype) for a in leaves]
+            leaves = [m.astype(a.dtype) for m, a in zip(mean, leaves, strict=True)]
+            return self.round, dict(zip(self.names, leaves, strict=True)), None
 
     def _wait_past(self, after_round: int, timeout: float) -> None:
         end = self.clock() + timeout
@@ -529,15 +544,24 @@ class Syncer:
     def _commit(self, order: list[int], pushes: list[Push], why: str, locked: bool) -> None:
         timer = time.perf_counter()
         examples = sum(p.weight for p in pushes if p.finite)
+        full = self.full_round()
+
+        def finish(leaf: np.ndarray, total_w: float) -> jax.Array:
+            if self.weigh_rounds:  # a thin round moves the anchor less, one with late work more
+                share = np.float32(total_w / full)
+                leaf *= share  # in place: the same rounding as share * leaf
+            return jnp.asarray(leaf)  # on the device leaf by leaf: the mean is held once
+
         mean, total_w = merge([dataclasses.replace(p, weight=p.weight * self.late_weight**p.late)
-                               for p in pushes])  # fmt: skip
-        if self.weigh_rounds:  # a thin round moves the anchor less, a round with late work more
-            share = np.float32(total_w / self.full_round())
-            mean = [share * m for m in mean]
+                               for p in pushes], finish)  # fmt: skip
         merged_s = time.perf_counter() - timer
-        anchor, outer = self._step(mean, self.anchor, self.outer_state, total_w > 0)
-        anchor = [np.asarray(x) for x in jax.device_get(anchor)]
-        outer = jax.device_get(outer)
+        # eager: the mean is kept for the answers (a copy: the step takes the mean's buffers)
+        kept = [np.array(m, np.float32) for m in mean] if self.answer_mean else None
+        with warnings.catch_warnings():  # a bfloat16 anchor cannot take a float32 buffer
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            anchor, outer = self._step(mean, self.anchor, self.outer_state, total_w > 0)
+        anchor = list(anchor)
+        anchor_sha = sha256(anchor)
         step_s = time.perf_counter() - timer - merged_s
         closed = self.round
         with contextlib.nullcontext() if locked else self.lock:
@@ -554,14 +578,15 @@ class Syncer:
             if self.answer_mean:  # kept for the late pushes of the rounds after it
                 self.means = {k: v for k, v in self.means.items()
                               if k >= closed - self.max_late}  # fmt: skip
-                self.means[closed] = [np.asarray(m, np.float32) for m in mean]
+                self.means[closed] = kept or []
             self.anchor, self.outer_state, self.round = anchor, outer, closed + 1
+            self.anchor_sha = anchor_sha
             if self.finished:
                 self.event("finished", rounds=self.round, examples=self.merged)
             self.event("closed", closed=closed, learners=order, why=why,
                        late=[i for i, p in zip(order, pushes, strict=True) if p.late],
                        weights=[p.weight for p in pushes], total_weight=total_w,
-                       anchor=digest(self.anchor), merge_s=round(merged_s, 4),
+                       anchor=anchor_sha[:16], merge_s=round(merged_s, 4),
                        step_s=round(step_s, 4), checkpoint_s=round(saved_s, 4))  # fmt: skip
             self._closing = None
             self.lock.notify_all()

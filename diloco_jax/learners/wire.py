@@ -56,25 +56,27 @@ def first_mismatch(ours: list[list], theirs: list[list]) -> str | None:
     return None
 
 
-def _bytes_of(a: np.ndarray) -> np.ndarray:
+def bytes_of(a: np.ndarray) -> np.ndarray:
     """``a``'s little-endian bytes as a flat uint8 view (a copy only where it is not contiguous
     or not little-endian already)."""
     a = np.ascontiguousarray(a)
     return a.astype(a.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
 
 
-def encode(fields: dict, arrays: dict[str, np.ndarray] | None = None) -> Iterator[bytes]:
-    """The chunks of a message: ``fields`` (JSON-able) and named arrays. The arrays are read in
-    place, chunk by chunk: no copy of the whole message is made (a syncer answers many learners
-    with one anchor)."""
+def encode(fields: dict, arrays: dict[str, np.ndarray] | None = None,
+           sha256: str | None = None) -> Iterator[bytes]:  # fmt: skip
+    """The chunks of a message: ``fields`` (JSON-able) and named arrays (``sha256``: their
+    checksum where it is known already: a syncer answers every learner with one anchor). The
+    arrays are read in place, chunk by chunk: no copy of the whole message is made."""
     arrays = arrays or {}
-    views = [_bytes_of(a) for a in arrays.values()]
+    views = [bytes_of(np.asarray(a)) for a in arrays.values()]
     digest = hashlib.sha256()
-    for v in views:
+    for v in views if sha256 is None else ():
         digest.update(v.data)
     header = {"fields": fields,
               "leaves": [[n, list(a.shape), str(a.dtype)] for n, a in arrays.items()],
-              "bytes": sum(v.size for v in views), "sha256": digest.hexdigest()}  # fmt: skip
+              "bytes": sum(v.size for v in views),
+              "sha256": sha256 or digest.hexdigest()}  # fmt: skip
     yield json.dumps(header).encode()
     pending: list[np.ndarray] = []  # parts of the next chunk
     filled = 0

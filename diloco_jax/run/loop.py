@@ -141,7 +141,7 @@ class Run(NamedTuple):
     """What a run writes to and is watched through."""
 
     lead: bool  # the process that logs and writes files
-    mngr: object  # the checkpoint manager, or None (train.checkpoint=false)
+    mngr: Any  # the checkpoint manager, or None (train.checkpoint=false)
     runlog: reporting.RunLog
     live: Live
     learner: Any = None  # syncer.address: this run's side of the syncer's rounds
