@@ -58,7 +58,7 @@ def serve(folder: str, workdir: str, learners: int) -> None:
     from diloco_jax.algorithm import diloco
     from diloco_jax.learners.syncer import Syncer
 
-    service.fewer_malloc_arenas()  # as python -m diloco_jax.syncer does
+    service.tune_malloc()  # as python -m diloco_jax.syncer does
     algorithm = diloco(optax.adamw(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True),
                        sync_every=10)  # fmt: skip
     syncer = Syncer(algorithm, pathlib.Path(workdir), keys={}, learners=learners, timeout=600,

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.syn
     if not cfg.syncer.address:
         print("error: config key syncer.address must be HOST:PORT to listen at", file=sys.stderr)
         return 2
-    service.fewer_malloc_arenas()
+    service.tune_malloc()
     try:
         server, page = serve(cfg, workdir)
     except (config_lib.ConfigError, MissingExtra, OSError, ValueError) as e:  # one line

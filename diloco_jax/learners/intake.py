@@ -37,7 +37,7 @@ class Spilled:
         offset, shape, dtype = self.layout[i]
         count = int(np.prod(shape, dtype=np.int64))
         x = np.fromfile(self.path, np.dtype(dtype).newbyteorder("<"), count, offset=offset)
-        return x.astype(np.float32).reshape(shape)
+        return x.astype(np.float32, copy=False).reshape(shape)
 
     def finite(self) -> bool:
         """Whether every value is finite, read in blocks of :data:`BLOCK` values (pushes of

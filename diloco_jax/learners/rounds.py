@@ -72,7 +72,11 @@ def merge(pushes: list[Push], finish=None) -> tuple[list, float]:
     for i in range(finite[0].count()):
         acc = None
         for share, p in zip(shares, finite, strict=True):
-            part = share * p.leaf(i)
+            part = p.leaf(i)
+            if isinstance(p.mean, list):  # the caller's array: not written to
+                part = share * part
+            else:  # read fresh from its file: scaled in place
+                part *= share
             if acc is None:
                 acc = part
             else:

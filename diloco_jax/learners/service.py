@@ -389,16 +389,20 @@ class Client:
         self._channel.close()
 
 
-def fewer_malloc_arenas(arenas: int = 2) -> None:
-    """Caps glibc's malloc arenas for this process (a server's many threads each get their
-    own, and keep the 1 MiB chunks they freed: measured, the syncer's memory grew with its
-    learners). Best effort: nothing where the C library is not glibc."""
+def tune_malloc(arenas: int = 2, mapped: int = wire.CHUNK) -> None:
+    """glibc's malloc for a server of many threads and 1 MiB messages: at most ``arenas``
+    arenas (each thread would get its own), and blocks of ``mapped`` bytes or more mapped and
+    unmapped, never kept in an arena (glibc's moving threshold otherwise keeps the chunks of
+    every stream that was ever open). Measured on the syncer (scripts/bench_syncer.py): its
+    memory no longer grows with its learners. Best effort: nothing where the C library is not
+    glibc."""
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-8, arenas)  # M_ARENA_MAX
+        libc.mallopt(-3, mapped)  # M_MMAP_THRESHOLD (fixed: no longer raised by frees)
     except (OSError, AttributeError):
         pass
 

@@ -151,9 +151,9 @@ class Syncer:
         shutil.rmtree(self.incoming, ignore_errors=True)  # an open round's: its pushes come again
         self.incoming.mkdir()
         self.store = Store(self.workdir)
-        # the mean's buffers are given to the new anchor (the old anchor may still be read by
-        # an answer on its way, and the outer state by a close that failed)
-        self._step = jax.jit(self._outer_step, donate_argnums=(0,))
+        # the mean's and the outer state's buffers are given to the new anchor and outer state
+        # (not the anchor's: an answer on its way may still be reading it)
+        self._step = jax.jit(self._outer_step, donate_argnums=(0, 2))
         self._restore()
 
     background = True  # a round is closed in a thread of its own (the replay's: inline)
@@ -534,7 +534,7 @@ class Syncer:
                       locked: bool = False) -> None:  # fmt: skip
         try:
             self._commit(order, pushes, why, locked)
-        except Exception as e:  # noqa: BLE001 - said; the round is closed with what it has
+        except Exception as e:  # noqa: BLE001 - said; the round's pushes are lost
             log.exception("syncer: closing round %d failed", self.round)
             self.event("close_failed", error=f"{type(e).__name__}: {str(e)[:200]}")
             with self.lock:
@@ -542,6 +542,11 @@ class Syncer:
                 self.lock.notify_all()
 
     def _commit(self, order: list[int], pushes: list[Push], why: str, locked: bool) -> None:
+        """Merges ``pushes`` (of learners ``order``), takes the outer step, writes the
+        checkpoint and advances the round. The old anchor and outer state are let go as soon as
+        the new ones exist (nothing reads them while a round closes), so the checkpoint is
+        written with the model held about three times: anchor, outer state, and what the write
+        itself takes."""
         timer = time.perf_counter()
         examples = sum(p.weight for p in pushes if p.finite)
         full = self.full_round()
@@ -560,16 +565,22 @@ class Syncer:
         with warnings.catch_warnings():  # a bfloat16 anchor cannot take a float32 buffer
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             anchor, outer = self._step(mean, self.anchor, self.outer_state, total_w > 0)
+        del mean
         anchor = list(anchor)
         anchor_sha = sha256(anchor)
         step_s = time.perf_counter() - timer - merged_s
         closed = self.round
         with contextlib.nullcontext() if locked else self.lock:
+            self.anchor, self.outer_state, self.anchor_sha = anchor, outer, anchor_sha
             self.ledger.merged(dict(zip(order, pushes, strict=True)), closed,
                                closed - self.max_late - 1)  # fmt: skip
             self.merged += examples
             meta = self._meta(closed + 1, anchor)
-        self._save(closed + 1, anchor, outer, meta)  # before anyone sees the new anchor
+        try:
+            self._save(closed + 1, anchor, outer, meta)  # before anyone sees the new anchor
+        except Exception as e:  # noqa: BLE001 - the round goes on; a restart would lose it
+            log.exception("syncer: the checkpoint of round %d was not written", closed + 1)
+            self.event("checkpoint_failed", error=f"{type(e).__name__}: {str(e)[:200]}")
         saved_s = time.perf_counter() - timer - merged_s - step_s
         for p in pushes:
             if not isinstance(p.mean, list):
@@ -579,8 +590,7 @@ class Syncer:
                 self.means = {k: v for k, v in self.means.items()
                               if k >= closed - self.max_late}  # fmt: skip
                 self.means[closed] = kept or []
-            self.anchor, self.outer_state, self.round = anchor, outer, closed + 1
-            self.anchor_sha = anchor_sha
+            self.round = closed + 1
             if self.finished:
                 self.event("finished", rounds=self.round, examples=self.merged)
             self.event("closed", closed=closed, learners=order, why=why,
