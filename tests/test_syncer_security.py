@@ -430,3 +430,37 @@ def test_the_syncer_refuses_to_listen_in_clear_off_loopback(tmp_path):
         server.stop(0)
     finally:
         syncer.close()
+
+
+def test_the_status_page_is_https_with_the_syncers_certificate(tmp_path):
+    """With the syncer's credentials the status page speaks HTTPS only, verified against the
+    run's CA, and answers the operator's credential alone."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from diloco_jax.learners.status import StatusServer
+
+    folder, secret = _credentials(tmp_path, 1)
+    syncer = _syncer(tmp_path, _algorithm(), learners=1)
+    page = StatusServer(syncer, "127.0.0.1", 0, secret=secret,
+                        tls=certs.read(folder / "syncer")).start()  # fmt: skip
+    trust = ssl.create_default_context(cafile=str(folder / "operator" / "ca.pem"))
+
+    def get(scheme, credential):
+        request = urllib.request.Request(
+            f"{scheme}://localhost:{page.port}/status",
+            headers={"Authorization": f"Bearer {credential}"},
+        )
+        with urllib.request.urlopen(request, context=trust, timeout=10) as r:
+            return json.loads(r.read())
+
+    try:
+        assert get("https", identity.operator_credential(secret))["round"] == 0
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            get("https", identity.learner_credential(secret, 0))
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            get("http", identity.operator_credential(secret))  # no plain HTTP on the port
+    finally:
+        page.stop()
+        syncer.close()

@@ -139,7 +139,11 @@ class StatusServer:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_verify_locations(cadata=tls.ca.decode())
             _load_chain(context, tls)
-            self._httpd.socket = context.wrap_socket(self._httpd.socket, server_side=True)
+            # the handshake in each request's thread, on its first read: a client that never
+            # speaks holds up its own thread, not the accepting one
+            self._httpd.socket = context.wrap_socket(
+                self._httpd.socket, server_side=True, do_handshake_on_connect=False
+            )
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True,
                                         name="syncer-status")  # fmt: skip
