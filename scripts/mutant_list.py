@@ -364,7 +364,7 @@ MUTANTS = [
            "                    pass",
            ["tests/test_learners.py::test_a_learner_joining_while_a_round_is_open_joins_the_next_"
             "round"]),
-    Mutant("a restarted syncer forgets its members", "faults", "diloco_jax/learners/syncer.py",
+    Mutant("a restarted syncer forgets its members", "faults", "diloco_jax/learners/keeping.py",
            '        for i, generation in meta.get("members", {}).items():',
            "        for i, generation in {}.items():",
            ["tests/test_learners.py::test_four_learners_through_a_syncer_equal_four_replicas_of_"
@@ -397,7 +397,7 @@ MUTANTS = [
            "        self.round = int(f[\"round\"])",
            ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
             "trains"]),
-    Mutant("a thin round takes the whole outer step", "faults", "diloco_jax/learners/syncer.py",
+    Mutant("a thin round takes the whole outer step", "faults", "diloco_jax/learners/keeping.py",
            "                share = np.float32(total_w / full)",
            "                share = np.float32(1.0)",
            ["tests/test_learners.py::test_weighed_rounds_move_the_anchor_by_the_examples_"
@@ -410,7 +410,7 @@ MUTANTS = [
            ["tests/test_learners.py::test_a_learner_of_two_processes_trains_what_two_replicas_"
             "train"]),
     Mutant("a late push's merge weight ignores syncer.late_weight", "faults",
-           "diloco_jax/learners/syncer.py", "weight=p.weight * self.late_weight**p.late",
+           "diloco_jax/learners/keeping.py", "weight=p.weight * self.late_weight**p.late",
            "weight=p.weight",
            ["tests/test_learners.py::test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_"
             "its_weight"]),
@@ -486,7 +486,7 @@ MUTANTS = [
            "        if (False and self.quorum",
            [T_SEC + "test_a_partitioned_learner_is_admitted_again_under_a_quorum"]),
     Mutant("the round's checkpoint is written under the lock", "faults",
-           "diloco_jax/learners/syncer.py", "    background = True", "    background = False",
+           "diloco_jax/learners/keeping.py", "    background = True", "    background = False",
            [T_SEC + "test_heartbeats_and_status_are_answered_while_a_round_is_written"]),
     Mutant("failed authentications are answered at once, however many", "command line",
            "diloco_jax/learners/service.py",
