@@ -489,7 +489,7 @@ MUTANTS = [
            "diloco_jax/learners/keeping.py", "    background = True", "    background = False",
            [T_SEC + "test_heartbeats_and_status_are_answered_while_a_round_is_written"]),
     Mutant("failed authentications are answered at once, however many", "command line",
-           "diloco_jax/learners/service.py",
+           "diloco_jax/learners/identity.py",
            "        return 0.0 if n <= FREE_FAILURES else min(0.05 * 2 ** (n - FREE_FAILURES), "
            "2.0)",
            "        return 0.0",

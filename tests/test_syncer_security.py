@@ -385,14 +385,14 @@ def test_heartbeats_and_status_are_answered_while_a_round_is_written(tmp_path):
 
 def test_failed_authentication_is_logged_per_peer_and_slowed(tmp_path, caplog):
     """Five wrong credentials from one peer: one log line with the count (the next line about
-    that peer waits :data:`service.LOG_EVERY` seconds), an ``auth_failed`` event in the tape,
-    and answers delayed once :data:`service.FREE_FAILURES` are spent, up to 2 s."""
+    that peer waits :data:`identity.LOG_EVERY` seconds), an ``auth_failed`` event in the tape,
+    and answers delayed once :data:`identity.FREE_FAILURES` are spent, up to 2 s."""
     syncer = _syncer(tmp_path, _algorithm(), learners=1)
     server = service.Server(syncer, "127.0.0.1", 0, secret="s").start()
     wrong = service.Client(f"127.0.0.1:{server.port}", "learner.0.forged", timeout=10)
     try:
         with caplog.at_level(logging.WARNING, "diloco_jax"):
-            for _ in range(service.FREE_FAILURES):
+            for _ in range(identity.FREE_FAILURES):
                 with pytest.raises(service.RefusedBySyncer, match="wrong credential"):
                     wrong.call("Heartbeat", {"learner": 0, "generation": 1})
             start = time.monotonic()
@@ -406,12 +406,11 @@ def test_failed_authentication_is_logged_per_peer_and_slowed(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "failed authentication" in r.getMessage()]
     assert len(lines) == 1 and "1 failed authentication(s) from 127.0.0.1" in lines[0]
     assert [e["count"] for e in _tape(tmp_path) if e["event"] == "auth_failed"] == [1]
-    failures = service._Failures(_syncer(tmp_path / "other", _algorithm(), learners=1))
+    failures = identity.Failures(lambda *a, **k: None)
     delays = [failures.delay("10.9.9.9", "test") for _ in range(12)]
-    failures.syncer.close()
-    assert delays[: service.FREE_FAILURES] == [0.0] * service.FREE_FAILURES
-    assert delays[service.FREE_FAILURES :] == sorted(delays[service.FREE_FAILURES :])
-    assert 0 < delays[service.FREE_FAILURES] < delays[-1] == 2.0
+    assert delays[: identity.FREE_FAILURES] == [0.0] * identity.FREE_FAILURES
+    assert delays[identity.FREE_FAILURES :] == sorted(delays[identity.FREE_FAILURES :])
+    assert 0 < delays[identity.FREE_FAILURES] < delays[-1] == 2.0
 
 
 def test_the_syncer_refuses_to_listen_in_clear_off_loopback(tmp_path):

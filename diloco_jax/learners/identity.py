@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import NamedTuple
 
+log = logging.getLogger("diloco_jax")
 OPERATOR = "operator"
 LEARNER = "learner"
 
@@ -84,3 +89,36 @@ def for_learner(token: str, index: int) -> str:
         raise ValueError(f"the credential given is learner {named}'s, but this is learner "
                          f"{index} (syncer.learner)")  # fmt: skip
     return token
+
+
+FREE_FAILURES = 3  # failed authentications a peer gets before its answers slow down
+LOG_EVERY = 30.0  # seconds between two lines about one peer's failures
+
+
+class Failures:
+    """Failed authentications per peer address: counted, logged a line per peer at most every
+    :data:`LOG_EVERY` seconds (with the count, and through ``event`` into the syncer's tape),
+    answered later after :data:`FREE_FAILURES` (0.1 s, doubling, up to 2 s)."""
+
+    def __init__(self, event: Callable[..., None]):
+        self.event, self.lock = event, threading.Lock()
+        self.count: dict[str, int] = {}
+        self.logged: dict[str, float] = {}
+
+    def delay(self, peer: str, why: str) -> float:
+        """Counts one failure of ``peer``; returns the seconds to wait before answering."""
+        with self.lock:
+            n = self.count[peer] = self.count.get(peer, 0) + 1
+            say = time.monotonic() - self.logged.get(peer, -LOG_EVERY) >= LOG_EVERY
+            if say:
+                self.logged[peer] = time.monotonic()
+        if say:
+            log.warning("syncer: %d failed authentication(s) from %s so far (%s)", n, peer, why)
+            self.event("auth_failed", peer=peer, count=n, reason=why)
+        return 0.0 if n <= FREE_FAILURES else min(0.05 * 2 ** (n - FREE_FAILURES), 2.0)
+
+
+def address(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:1.2.3.4:5678``, ``ipv6:[::1]:5678``)."""
+    where = peer.partition(":")[2]
+    return where.rpartition(":")[0] or where

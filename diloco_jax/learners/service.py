@@ -12,7 +12,7 @@ gRPC (``grpcio``, the ``learners`` extra) with raw byte messages: every request 
   against the run's secret (:mod:`.identity`): a learner's lets it act as itself only (a call
   naming another learner is ``PERMISSION_DENIED`` and changes nothing). A wrong or missing one
   is ``UNAUTHENTICATED``; failures are counted per peer, logged a line per peer with the count,
-  and answered more slowly after :data:`FREE_FAILURES`.
+  and answered more slowly after :data:`.identity.FREE_FAILURES`.
 - **A push** is checked before its data is read: its header (leaf names, shapes, dtypes and
   so its size) against the joined anchor and codec, its id against the pushes already in
   (exactly once: a copy is answered with its round's result). Its data then streams to a file
@@ -50,8 +50,6 @@ from diloco_jax.learners.syncer import Refused, Syncer
 
 log = logging.getLogger("diloco_jax")
 SERVICE = "diloco_jax.Syncer"
-FREE_FAILURES = 3  # failed authentications a peer gets before its answers slow down
-LOG_EVERY = 30.0  # seconds between two lines about one peer's failures
 
 
 def _grpc():
@@ -67,34 +65,6 @@ def plaintext_refusal(host: str, what: str = "the syncer") -> str:
     return (f"{what} would listen on {host} without TLS: set syncer.credentials to the folder "
             "`diloco-syncer certs DIR` made for it (DIR/syncer), or syncer.insecure=true to send "
             "credentials and tensors in clear")  # fmt: skip
-
-
-class _Failures:
-    """Failed authentications per peer address: counted, logged a line per peer at most every
-    :data:`LOG_EVERY` seconds (with the count), answered later after :data:`FREE_FAILURES`."""
-
-    def __init__(self, syncer: Syncer):
-        self.syncer, self.lock = syncer, threading.Lock()
-        self.count: dict[str, int] = {}
-        self.logged: dict[str, float] = {}
-
-    def delay(self, peer: str, why: str) -> float:
-        """Counts one failure of ``peer``; returns the seconds to wait before answering."""
-        with self.lock:
-            n = self.count[peer] = self.count.get(peer, 0) + 1
-            say = time.monotonic() - self.logged.get(peer, -LOG_EVERY) >= LOG_EVERY
-            if say:
-                self.logged[peer] = time.monotonic()
-        if say:
-            log.warning("syncer: %d failed authentication(s) from %s so far (%s)", n, peer, why)
-            self.syncer.event("auth_failed", peer=peer, count=n, reason=why)
-        return 0.0 if n <= FREE_FAILURES else min(0.05 * 2 ** (n - FREE_FAILURES), 2.0)
-
-
-def _address(peer: str) -> str:
-    """The host of a gRPC peer string (``ipv4:1.2.3.4:5678``, ``ipv6:[::1]:5678``)."""
-    where = peer.partition(":")[2]
-    return where.rpartition(":")[0] or where
 
 
 class Server:
@@ -116,7 +86,7 @@ class Server:
             raise ValueError("syncer.mutual_tls needs TLS: set syncer.credentials")
         self.syncer, self.secret, self.max_bytes = syncer, secret, max_bytes
         self.wait_timeout, self.mutual = wait_timeout, mutual
-        self.failures = _Failures(syncer)
+        self.failures = identity.Failures(syncer.event)
         self._first_join = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
                                    options=_options(max_bytes))  # fmt: skip
@@ -161,7 +131,7 @@ class Server:
             if [n.decode() for n in names] != [want]:
                 who = None
         if who is None:
-            peer = _address(context.peer())
+            peer = identity.address(context.peer())
             time.sleep(self.failures.delay(peer, "missing or wrong credential"))
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong credential")
         assert who is not None
@@ -172,7 +142,7 @@ class Server:
         grpc = _grpc()
         if who != identity.Identity(identity.LEARNER, learner):
             self.syncer.event("impersonation", caller=str(who), claimed=learner,
-                              peer=_address(context.peer()))  # fmt: skip
+                              peer=identity.address(context.peer()))  # fmt: skip
             context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"this credential is {who}'s: it cannot act as learner {learner}",
