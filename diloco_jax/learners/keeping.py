@@ -92,7 +92,8 @@ class Keeper:
         self.store = Store(self.workdir)
         # the mean's and the outer state's buffers are given to the new anchor and outer state
         # (not the anchor's: an answer on its way may still be reading it)
-        self._step = jax.jit(self._outer_step, donate_argnums=(0, 2))
+        # (``anyone`` static: XLA drops the guard's select, and the copies it would hold)
+        self._step = jax.jit(self._outer_step, donate_argnums=(0, 2), static_argnames="anyone")
         self._restore()
 
     background = True  # a round is closed in a thread of its own (the replay's: inline)
@@ -216,7 +217,8 @@ class Keeper:
         kept = [np.array(m, np.float32) for m in mean] if self.answer_mean else None
         with warnings.catch_warnings():  # a bfloat16 anchor cannot take a float32 buffer
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            anchor, outer = self._step(mean, self.anchor, self.outer_state, total_w > 0)
+            anchor, outer = self._step(mean, self.anchor, self.outer_state,
+                                       anyone=bool(total_w > 0))  # fmt: skip
         del mean
         anchor = list(anchor)
         anchor_sha = sha256(anchor)
