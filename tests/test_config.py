@@ -144,3 +144,19 @@ def test_overrides_on_the_command_line_equal_apply_overrides(tmp_path):
     argv += ["--config.train.sample_prompt="]
     args = cli.parse(argv, prog="t")
     assert args.cfg == apply_overrides(load_preset("tiny"), pairs)
+
+
+def test_a_diloco_run_that_never_syncs_is_named_in_one_line():
+    """``outer.sync_every`` past ``train.total_steps``: one notice naming both keys (issue 54:
+    the task guide's sweep trained without a word); none for the presets as they are, or for a
+    baseline that has no syncs."""
+    from diloco_jax.config import validation
+
+    tiny = load_preset("tiny")
+    assert validation.notices(tiny) == [] and validation.notices(load_preset("default")) == []
+    never = config_lib.apply_overrides(tiny, [("outer.sync_every", "50")])
+    (line,) = validation.notices(never)
+    assert line.startswith(f"outer.sync_every = 50 > train.total_steps = "
+                           f"{tiny.train.total_steps}: this run never syncs")  # fmt: skip
+    ddp = config_lib.apply_overrides(never, [("algorithm", "ddp")])
+    assert validation.notices(ddp) == []

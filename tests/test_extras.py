@@ -229,3 +229,19 @@ def test_a_run_without_matplotlib_draws_no_figures(monkeypatch, tmp_path):
     assert figures.run_diagnostics(tmp_path) == [] and not list(tmp_path.glob("*.png"))
     monkeypatch.undo()
     assert figures.run_diagnostics(tmp_path) == ["drift.png", "cosine.png"]
+
+
+def test_a_run_without_matplotlib_says_once_that_its_figures_are_not_drawn(
+        monkeypatch, tmp_path, caplog):  # fmt: skip
+    """``log.figures`` on and no ``plots`` extra: drift.png and cosine.png are not drawn, and one
+    warning names the extra (issue 54: it used to be silent)."""
+    import logging
+
+    from diloco_jax.watch import figures
+
+    _missing(monkeypatch, "matplotlib")
+    with caplog.at_level(logging.WARNING, "diloco_jax"):
+        assert figures.run_diagnostics(tmp_path) == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "diloco-jax[plots]" in lines[0] and "not drawn" in lines[0]
+    assert not list(tmp_path.iterdir())

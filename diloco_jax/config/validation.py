@@ -52,6 +52,18 @@ def _json_object(text: str) -> bool:
         return False
 
 
+def notices(cfg: Config) -> list[str]:
+    """One line each about values that are allowed but seldom what was meant (the run says
+    them as it starts): a DiLoCo run that never syncs."""
+    t, o = cfg.train, cfg.outer
+    found = []
+    if cfg.algorithm == "diloco" and o.sync_every > t.total_steps:
+        found.append(f"outer.sync_every = {o.sync_every} > train.total_steps = {t.total_steps}: "
+                     "this run never syncs (each replica trains alone); lower outer.sync_every "
+                     "or raise train.total_steps")  # fmt: skip
+    return found
+
+
 def validate(cfg: Config) -> None:
     """Checks every value that does not depend on the devices (see the module's docstring)."""
     flat = keys(cfg)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax import config as config_lib
 from diloco_jax.algorithm import SyncPlan, init_replicas
 from diloco_jax.base.axes import REPLICA
-from diloco_jax.config import problems, recipe, user_optimizers
+from diloco_jax.config import problems, recipe, user_optimizers, validation
 from diloco_jax.data.stream import make_stream
 from diloco_jax.run import distributed, placement, resume
 from diloco_jax.runtime import evaluation, parallel
@@ -129,6 +129,8 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
     ``given``: the user's own optax transforms (from ``fit``), recorded in the Setup's config
     (:func:`diloco_jax.config.user_optimizers.recorded`)."""
     config_lib.validate(cfg)
+    for line in validation.notices(cfg):
+        log.warning("%s", line)
     problems.check_extras(cfg)
     d = cfg.data
     replicas = placement.effective_replicas(cfg)

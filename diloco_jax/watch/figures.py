@@ -45,6 +45,8 @@ def run_diagnostics(workdir: pathlib.Path) -> list[str]:
     matplotlib is installed and the run synced; the files written. Never raises: a figure that
     cannot be drawn is a warning, not a failed run."""
     if extras.missing("matplotlib"):
+        _not_drawn(f"matplotlib is not installed ({extras.install_hint('matplotlib')}; "
+                   "or log.figures=false to skip them)")  # fmt: skip
         return []
     try:
         return drawing.run_figures(workdir)
