@@ -29,6 +29,7 @@ from diloco_jax.base import extras
 from diloco_jax.base.axes import REPLICA
 from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, recipe
+from diloco_jax.learners import credentials as credentials_lib
 from diloco_jax.learners import learner as learner_lib
 from diloco_jax.learners import service
 from diloco_jax.learners.status import StatusServer
@@ -42,7 +43,7 @@ def syncer_token(token_file: str, workdir: pathlib.Path, environ=os.environ,
     """The run's secret, from which every credential is derived (:mod:`.identity`):
     ``token_file``'s, else ``$DILOCO_SERVE_TOKEN``, else the ``credentials`` folder's, else a
     new one written to ``workdir/syncer_token`` (readable by this user only)."""
-    text = learner_lib.configured_token(token_file, environ, credentials)
+    text = credentials_lib.configured_token(token_file, environ, credentials)
     if text:
         return text
     path = workdir / "syncer_token"
@@ -78,7 +79,7 @@ def serve(cfg: config_lib.Config, workdir: pathlib.Path):
     host, _, port = sy.address.rpartition(":")
     host = host.strip("[]")
     secret = syncer_token(sy.token_file, workdir, credentials=sy.credentials)
-    tls = learner_lib.tls_of(sy.credentials)
+    tls = credentials_lib.tls_of(sy.credentials)
     if tls is not None and (tls.cert is None or tls.key is None):
         raise ValueError(f"syncer.credentials = {sy.credentials} holds no cert.pem and key.pem: "
                          "give the syncer its own folder (DIR/syncer)")  # fmt: skip

@@ -28,8 +28,6 @@ restart from the syncer's current anchor: the work since its last sync is lost, 
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import pathlib
 import threading
 import time
 import uuid
@@ -40,12 +38,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.base import extras
-from diloco_jax.base.access import TOKEN_ENV
 from diloco_jax.base.axes import LOCAL_REPLICA, REPLICA
-from diloco_jax.base.errors import ConfigError
 from diloco_jax.config import recipe
-from diloco_jax.learners import identity, payload, service, wire
+from diloco_jax.learners import credentials, payload, service, wire
 from diloco_jax.runtime import fsdp, parallel
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
@@ -61,40 +56,6 @@ SHARED_KEYS = ("algorithm", "outer.optimizer", "outer.learning_rate", "outer.mom
 def shared_keys(flat: dict[str, Any]) -> dict[str, Any]:
     """The values of :data:`SHARED_KEYS` in a flat config (``config.keys(cfg)``)."""
     return {k: flat[k] for k in SHARED_KEYS if k in flat}
-
-
-def configured_token(token_file: str, environ=os.environ, credentials: str = "") -> str:
-    """The token the config names: the file's contents, else ``$DILOCO_SERVE_TOKEN``, else the
-    ``token`` of the ``credentials`` folder (``diloco-syncer certs``), else empty. The syncer's
-    is the run's secret; a learner's, its credential or the secret (:mod:`.identity`)."""
-    text = pathlib.Path(token_file).read_text().strip() if token_file else ""
-    text = text or environ.get(TOKEN_ENV, "")
-    token = pathlib.Path(credentials) / "token"
-    return text or (token.read_text().strip() if credentials and token.is_file() else "")
-
-
-def tls_of(credentials: str):
-    """The :class:`~diloco_jax.learners.certs.Tls` of a ``syncer.credentials`` folder (None:
-    no folder, no TLS)."""
-    if not credentials:
-        return None
-    extras.require("cryptography", "TLS between learners and a syncer")
-    from diloco_jax.learners import certs
-
-    return certs.read(pathlib.Path(credentials))
-
-
-def credential(sy, environ=os.environ) -> str:
-    """Learner ``sy.learner``'s credential (``sy``: the config's ``syncer`` section) from its
-    token (:func:`configured_token`, which must exist)."""
-    text = configured_token(sy.token_file, environ, sy.credentials)
-    if not text:
-        raise ConfigError("a learner needs its credential: syncer.credentials (a folder of "
-                          f"`diloco-syncer certs`), syncer.token_file or ${TOKEN_ENV}")  # fmt: skip
-    try:
-        return identity.for_learner(text, sy.learner)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 class Exchanged(NamedTuple):
@@ -362,8 +323,9 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
     ``mesh`` (None: the simulator's layout); ``fsdp_specs``: where its state's leaves live
     with FSDP (:func:`diloco_jax.runtime.parallel.state_specs`)."""
     sy = cfg.syncer
-    tls = tls_of(sy.credentials)
-    client = service.Client(sy.address, credential(sy), tls=tls, timeout=sy.timeout * 4 + 60)
+    tls = credentials.tls_of(sy.credentials)
+    client = service.Client(sy.address, credentials.credential(sy), tls=tls,
+                            timeout=sy.timeout * 4 + 60)  # fmt: skip
     rows = cfg.data.batch_size * cfg.outer.sync_every
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),
                    rows_per_round=rows, heartbeat=sy.heartbeat, log=log,
