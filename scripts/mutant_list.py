@@ -506,3 +506,80 @@ MUTANTS = [
            ["tests/test_learners.py::test_the_status_page_and_metrics_show_the_learners_and_"
             "rounds"]),
 ]  # fmt: skip
+
+# sampling by definition on every data path (issue 54, item 15: tests/test_sampling.py): (a)
+# replicas and steps draw independently, (b) only from their own shard, (c) no window past its
+# shard's end (and every start drawn), (d) one batch per (seed, replica, step) on every layout
+T_SAMPLING = "tests/test_sampling.py::"
+T_ARRAYS = T_SAMPLING + "test_arrays_rows_come_from_their_own_shard_independently"
+T_WINDOWS = T_SAMPLING + "test_corpus_windows_stay_in_their_shard_and_reach_its_end"
+T_LAYOUTS = T_SAMPLING + "test_the_step_trains_on_one_batch_per_seed_replica_step_on_every_layout"
+T_STREAMED = T_SAMPLING + "test_streamed_windows_stay_in_their_shard_and_reach_its_end"
+T_STREAMED_D = T_SAMPLING + "test_streamed_batches_are_the_steps_batches_whatever_reads_them"
+T_GRAIN = T_SAMPLING + "test_grain_replicas_read_their_own_shard_independently_each_epoch"
+T_GRAIN_D = T_SAMPLING + "test_grain_batches_are_the_same_on_every_layout_and_resume"
+ARRAYS = "diloco_jax/tasks/arrays.py"
+STREAM = "diloco_jax/data/stream.py"
+PIPELINE = "diloco_jax/tasks/pipeline.py"
+
+MUTANTS += [
+    # arrays (ArrayTask)
+    Mutant("an ArrayTask replica draws replica 0's rows of its shard (replica not in the key)",
+           "data", ARRAYS, "example_indices(seed=seed, replica=replica, step=step,",
+           "example_indices(seed=seed, replica=0, step=step,", [T_ARRAYS]),
+    Mutant("an ArrayTask replica draws the same rows at every step (step not in the key)",
+           "data", ARRAYS, "example_indices(seed=seed, replica=replica, step=step,",
+           "example_indices(seed=seed, replica=replica, step=0,", [T_ARRAYS]),
+    Mutant("ArrayTask shards interleaved, not contiguous", "data", ARRAYS,
+           "x[:keep].reshape(replicas, per_replica, *x.shape[1:])",
+           "x[:keep].reshape(per_replica, replicas, *x.shape[1:]).swapaxes(0, 1)",
+           [T_ARRAYS, T_LAYOUTS]),
+    # arrays and corpus windows in the compiled step
+    Mutant("the batch key folds in the device's index (layout-dependent batches)", "randomness",
+           STEP, "shard, seed=seed, replica=replica, step=state.step, batch_size=batch_size",
+           "shard, seed=seed, replica=replica + lax.axis_index('replica'), step=state.step, "
+           "batch_size=batch_size", [T_LAYOUTS]),
+    # corpus windows
+    Mutant("a replica's windows start where replica 0's do (replica not in the key)", "data",
+           CORPUS, "key = replica_key(seed, step, replica)", "key = replica_key(seed, step, 0)",
+           [T_WINDOWS]),
+    Mutant("corpus shards interleaved, not contiguous", "data", CORPUS,
+           "return train_N[: replicas * shard_len].reshape(replicas, shard_len)",
+           "return train_N[: replicas * shard_len].reshape(shard_len, replicas).T",
+           [T_WINDOWS]),
+    Mutant("a window may run past its shard's end (one start too many)", "data", CORPUS,
+           "0, shard_len - seq_len, dtype=jnp.int32)",
+           "0, shard_len - seq_len + 1, dtype=jnp.int32)", [T_WINDOWS]),
+    Mutant("windows never reach their shard's end (one start too few)", "data", CORPUS,
+           "0, shard_len - seq_len, dtype=jnp.int32)",
+           "0, shard_len - seq_len - 1, dtype=jnp.int32)", [T_WINDOWS]),
+    # the streamed corpus
+    Mutant("streamed windows drawn as the first replica's for every replica", "data", STREAM,
+           "np.asarray(replicas, np.int32) + np.int32(self.first_replica),",
+           "np.zeros(len(replicas), np.int32) + np.int32(self.first_replica),", [T_STREAMED]),
+    Mutant("a process's streamed windows read from shards 0.., not its replicas'", "data",
+           STREAM, "rows = np.asarray(replicas, dtype=np.int64)[None, :, None, None]",
+           "rows = np.arange(len(replicas))[None, :, None, None]", [T_STREAMED]),
+    Mutant("streamed windows drawn as if each shard were a token longer", "data", STREAM,
+           "shard_len=self.shards_RxS.shape[1],", "shard_len=self.shards_RxS.shape[1] + 1,",
+           [T_STREAMED]),
+    Mutant("every streamed call draws the first call's steps", "data", STREAM,
+           '``first_step``, computed on the host CPU (compiled once per shape)."""\n'
+           "        steps = np.arange(first_step, first_step + self.num_steps, dtype=np.int32)",
+           '``first_step``, computed on the host CPU (compiled once per shape)."""\n'
+           "        steps = np.arange(0, self.num_steps, dtype=np.int32)", [T_STREAMED_D]),
+    Mutant("each device reads the first replicas' batches, not its own", "data", STREAM,
+           "replicas = range(*index[1].indices(shape.shape[1]))",
+           "replicas = range(len(range(*index[1].indices(shape.shape[1]))))",
+           [T_STREAMED_D, T_GRAIN_D]),
+    # grain
+    Mutant("grain replicas shuffle alike (the same offsets of their shards every step)", "data",
+           PIPELINE, "own_seed = int(np.random.SeedSequence((seed, replica)).generate_state(1)[0])",
+           "own_seed = seed", [T_GRAIN]),
+    Mutant("a grain replica reads the dataset from its index on (shards overlap)", "data",
+           PIPELINE, "shard = dataset[replica::replicas]", "shard = dataset[replica:]",
+           [T_GRAIN]),
+    Mutant("a restored grain pipeline starts from its first batch", "data", PIPELINE,
+           "            if self.position and self._saved is not None:", "            if False:",
+           [T_GRAIN_D]),
+]  # fmt: skip

@@ -46,7 +46,9 @@ class ArrayTask:
 
     Train it with :func:`~diloco_jax.fit` (or compare settings with :func:`~diloco_jax.sweep`).
     The training data is cut into one contiguous shard per replica, and each replica draws its
-    batch with replacement from its shard as a pure function of ``(seed, replica, step)``.
+    batch with replacement from its shard as a pure function of ``(seed, replica, step)``: of
+    ``N`` examples and ``R`` replicas, replica ``r``'s shard is examples ``[r S, (r + 1) S)``
+    with ``S = N // R`` (the last ``N mod R`` are not trained on).
 
     Args:
       params: the initial parameters, a pytree of float arrays (Flax NNX: the ``params`` of

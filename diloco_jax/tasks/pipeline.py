@@ -53,7 +53,8 @@ def replica_batches(dataset, *, replica: int, replicas: int, batch_size: int, se
         example, from the ``replica``-th.
       replicas: how many replicas share the dataset.
       batch_size: examples per batch (a partial last batch is dropped).
-      seed: the seed of the shuffle, done again each epoch.
+      seed: the run's seed; the replica's shuffle, done again each epoch, takes a seed of its
+        own from ``(seed, replica)``, so the replicas' orders are independent.
 
     Returns:
       A :class:`grain.MapDataset` of batches that repeats without end.
@@ -65,7 +66,10 @@ def replica_batches(dataset, *, replica: int, replicas: int, batch_size: int, se
         raise TaskError(f"the dataset has {len(dataset)} examples, fewer than {replicas} "
                         f"replicas x data.batch_size {batch_size}")  # fmt: skip
     shard = dataset[replica::replicas]
-    return shard.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True)
+    # one seed for every replica would shuffle equal shards alike: each step, every replica
+    # would read the same offsets of its shard (neighbouring examples of an ordered dataset)
+    own_seed = int(np.random.SeedSequence((seed, replica)).generate_state(1)[0])
+    return shard.shuffle(seed=own_seed).repeat().batch(batch_size, drop_remainder=True)
 
 
 @dataclasses.dataclass(frozen=True)
