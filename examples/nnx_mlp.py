@@ -65,6 +65,7 @@ table = diloco_jax.sweep(
         "train.log_every": 10,
         "train.eval_every": max(10, steps // 100 * 10),
         "data.batch_size": 32,
+        "sim.plot_label": "validation MSE",  # what the figures call the loss
     },
 )
 print("sync_every | eval MSE (mean ± std over seeds)")

@@ -9,6 +9,7 @@ from diloco_jax import config as config_lib
 from diloco_jax.algorithm.compress import CODECS
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.simulated import comms, schedule
+from diloco_jax.watch.reporting import eval_metrics
 
 from . import clock
 
@@ -76,16 +77,6 @@ def _quorum_bytes(cfg: config_lib.Config, steps: int, payload: int, replicas: in
     return sync_bytes, max(each, default=0)
 
 
-EVAL_FIELDS = ("event", "step", "time_s", "eval_loss", "outer_steps", "tokens")
-
-
-def eval_values(event: dict) -> dict[str, float]:
-    """The values an eval event holds besides the loss and the bookkeeping: what a task's
-    evaluation returns (``accuracy``, ...)."""
-    return {k: v for k, v in event.items()
-            if k not in EVAL_FIELDS and isinstance(v, (int, float))}  # fmt: skip
-
-
 def account(done: dict, cfg: config_lib.Config, params) -> dict:
     """A results row: losses, exact bytes, and the network clock (``params``: the model's, whose
     size and dtypes give the bytes)."""
@@ -140,5 +131,6 @@ def account(done: dict, cfg: config_lib.Config, params) -> dict:
         "bytes_vs_ddp": sent / ddp_sent if ddp_sent else 0.0,
         "sim_wallclock_s": c.wallclock_s, "utilization": c.utilization,
         "comm_fraction": c.comm_s / c.wallclock_s, "step_time_s": step_time,
-        **{f"final_{k}": v for k, v in eval_values(done["evals"][-1]).items()},
+        "step_time_measured": not sim.step_time_s,  # this machine's, as loaded: see sim/sweep
+        **{f"final_{k}": v for k, v in eval_metrics(done["evals"][-1]).items()},
     }  # fmt: skip

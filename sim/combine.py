@@ -6,8 +6,8 @@ figure from several sweeps.
 
 Reads each sweep's ``summary.csv`` (written by ``python -m sim``), writes ``DIR/table.md`` (a
 markdown table sorted by bytes), ``DIR/rows.json`` (the rows and the title, plain JSON) and
-``DIR/tradeoff.png`` (final validation loss against total bytes each replica sent, and against the
-peak bytes of one sync zoomed on the runs within 0.2 nats of the best; log scales; a point per
+``DIR/tradeoff.png`` (final validation loss against total bytes each replica sent; below, for the
+runs within 0.2 nats of the best, against the peak bytes of one sync; log scales; a point per
 run, with an error bar where it has several seeds; runs that send nothing as horizontal lines). A
 run is named ``<sweep dir name>: <run>``.
 
@@ -27,10 +27,13 @@ from diloco_jax.base.commandline import ArgumentParser, check_output_dir
 from diloco_jax.config import ConfigError
 
 from . import plots
+from .sweep import wallclock_cell, wallclock_note
 
 NUMBERS = ("final_eval_loss", "final_eval_loss_std", "best_eval_loss", "bytes_per_replica",
            "bytes_vs_ddp", "sim_wallclock_s", "utilization", "seeds", "tokens",
            "peak_sync_bytes")  # fmt: skip
+# in summaries since the wall-clock's spread over seeds was: parsed where a summary holds them
+SPREAD = ("sim_wallclock_s_min", "sim_wallclock_s_max")
 DEFAULT_TITLE = "final loss against bytes sent"
 
 
@@ -46,6 +49,9 @@ def read(sweep_dirs: list[pathlib.Path]) -> list[dict]:
                 try:
                     for key in NUMBERS:
                         row[key] = float(row[key])
+                    for key in (k for k in SPREAD if row.get(k)):
+                        row[key] = float(row[key])
+                    row["step_time_measured"] = row.get("step_time_measured") == "True"
                     row["run"] = f"{directory.name}: {row['run']}"
                 except (KeyError, TypeError, ValueError):
                     raise ConfigError(f"{path} is not a summary.csv of `python -m sim`") from None
@@ -75,7 +81,8 @@ def read_rows_json(directory: pathlib.Path) -> tuple[list[dict], str]:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown, sorted by bytes sent (then loss)."""
+    """Markdown, sorted by bytes sent (then loss); a note under it where a wall-clock came from
+    a measured step time (:data:`sim.sweep.WALLCLOCK_NOTE`)."""
     head = ("run", "communication", "final val loss", "bytes sent per replica", "vs ddp",
             "peak bytes per sync", "sim wall-clock (s)", "utilization")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
@@ -84,9 +91,9 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['run']} | {r['codec']} | {r['final_eval_loss']:.3f}{spread} | "
             f"{r['bytes_per_replica']:.3g} | {r['bytes_vs_ddp']:.3g} | "
-            f"{r['peak_sync_bytes']:.3g} | {r['sim_wallclock_s']:.4g} | {r['utilization']:.2f} |"
+            f"{r['peak_sync_bytes']:.3g} | {wallclock_cell(r)} | {r['utilization']:.2f} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + wallclock_note(rows)
 
 
 def write(rows: list[dict], out: pathlib.Path, title: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 from collections import Counter
 
+from diloco_jax.watch.drawing import log_scale
 from diloco_jax.watch.figures import pyplot
 
 # The figures are drawn for a ~750 px documentation column: WIDTH inches at DPI (1.6x
@@ -31,19 +32,24 @@ def loss_label(unit: str, nats: bool) -> str:
     return f"validation loss (nats/{unit})" if nats else "validation loss"
 
 
-def metric_label(metric: str, unit: str, nats: bool) -> str:
-    """:func:`loss_label` for ``eval_loss``, else the metric's own name."""
-    return loss_label(unit, nats) if metric == "eval_loss" else metric
+def metric_label(metric: str, unit: str, nats: bool, label: str = "") -> str:
+    """``label`` (``sim.plot_label``: what the user calls it) if given; else :func:`loss_label`
+    for ``eval_loss``, the metric's own name otherwise."""
+    return label or (loss_label(unit, nats) if metric == "eval_loss" else metric)
 
 
 def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "", unit: str = "token",
-           nats: bool = True, metric: str = "eval_loss") -> None:  # fmt: skip
+           nats: bool = True, metric: str = "eval_loss", label: str = "") -> None:  # fmt: skip
     """The evaluation's ``metric`` (validation loss by default) of the outer parameters against
     tokens (or examples: ``unit``) and inner steps, a line per run. ``runs[name] = {"tokens":
     [...], "steps": [...], "loss": [...]}`` (means over seeds), with ``low`` / ``high`` (the
     seeds' min and max) drawn as a band where ``seeds`` > 1; ``nats``: the loss is in nats
-    (the built-in tasks')."""
+    (the built-in tasks'); ``label``: the axis's name (:func:`metric_label`). A log axis where
+    the values span more than a decade (:func:`~diloco_jax.watch.drawing.log_scale`)."""
     plt = pyplot()
+    drawn = [v for r in runs.values() for k in ("loss", "low", "high") for v in r.get(k, ())]
+    log = log_scale(drawn)
+    ylabel = metric_label(metric, unit, nats, label) + (" (log scale)" if log else "")
     with plt.rc_context(FONTS):
         fig, axes = plt.subplots(2, 1, figsize=(WIDTH, 8.5), dpi=DPI, sharey=True)
         for i, (name, run) in enumerate(runs.items()):
@@ -57,8 +63,12 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "", unit: 
         axes[0].set_xlabel(f"{unit}s seen (all replicas)")
         axes[1].set_xlabel("inner steps per replica (~ wall-clock)")
         for ax in axes:
-            ax.set_ylabel(metric_label(metric, unit, nats))
+            ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
+        if log:
+            axes[0].set_yscale("log")  # both: they share the axis
+            for ax in axes:
+                ax.grid(alpha=0.12, which="minor")
         handles, names = axes[0].get_legend_handles_labels()
         rows = -(-len(names) // 3)  # the legend above the panels, 3 runs a row: it hides no line
         fig.legend(handles, names, loc="upper center", ncol=3, fontsize=LABEL_PT, frameon=False,
@@ -68,7 +78,7 @@ def curves(runs: dict[str, dict], path: pathlib.Path, *, title: str = "", unit: 
             if any(r.get("seeds", 1) > 1 for r in runs.values())
             else ""
         )
-        what = "validation loss" if metric == "eval_loss" else metric
+        what = label or ("validation loss" if metric == "eval_loss" else metric)
         fig.suptitle(title or f"{what} of the outer parameters{band}")
         fig.tight_layout(rect=(0, 0, 1, 0.965 - 0.022 * rows))
         fig.savefig(path, dpi=DPI)
@@ -240,17 +250,18 @@ def _error_bar_note(rows: list[dict]) -> str:
 
 
 def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "", unit: str = "token",
-             nats: bool = True, metric: str = "eval_loss") -> None:  # fmt: skip
-    """The final ``metric`` (validation loss by default) against bytes each replica sent (log
-    scale), a labelled point per run (a bar of ± one standard deviation where it has several
-    seeds); runs that sent nothing are drawn as horizontal lines labelled at the right edge."""
+             nats: bool = True, metric: str = "eval_loss", label: str = "") -> None:  # fmt: skip
+    """The final ``metric`` (validation loss by default; ``label``: its name, as for
+    :func:`curves`) against bytes each replica sent (log scale), a labelled point per run (a
+    bar of ± one standard deviation where it has several seeds); runs that sent nothing are
+    drawn as horizontal lines labelled at the right edge."""
     plt = pyplot()
     with plt.rc_context(FONTS):
         fig, ax = plt.subplots(figsize=(WIDTH, 5.2), dpi=DPI)
         points, lines = _panel(ax, rows, "bytes_per_replica", _styles(rows), point_labels(rows),
                                y_key=f"final_{metric}")  # fmt: skip
         ax.set_xlabel("bytes sent per replica (log scale)")
-        ax.set_ylabel(f"final {metric_label(metric, unit, nats)}")
+        ax.set_ylabel(f"final {metric_label(metric, unit, nats, label)}")
         ax.set_title((title or "loss against communication") + _error_bar_note(rows))
         fig.tight_layout()
         _place_labels(fig, ax, points, lines)
@@ -259,11 +270,11 @@ def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "", unit: str
 
 
 def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = "") -> None:
-    """Top: final loss against total bytes per replica, every run. Bottom: against the peak
-    bytes of one sync, only the runs within 0.2 nats of the best (where codecs and streaming
-    differ). A point per run, labelled with its method (its sweep, and its run where the sweep
+    """Top: final loss against total bytes per replica, every run. Bottom: another quantity,
+    the peak bytes of one sync (where streaming differs), for the runs within 0.2 nats of the
+    best. A point per run, labelled with its method (its sweep, and its run where the sweep
     has several), a colour and marker per sweep, a bar of ± one standard deviation where it has
-    several seeds."""
+    several seeds; each panel's title names its x axis."""
     plt = pyplot()
     styles, labels = _styles(rows), point_labels(rows)
     best = min(r["final_eval_loss"] for r in rows)
@@ -278,8 +289,9 @@ def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = ""
         bottom.set_xlabel("peak bytes of one sync per replica (log scale)")
         for ax in (top, bottom):
             ax.set_ylabel("final validation loss (nats/token)")
-        top.set_title("every run" + _error_bar_note(rows))
-        bottom.set_title(f"zoom: runs within 0.2 nats of the best ({best:.3f})")
+        top.set_title("every run, against the bytes sent over the run" + _error_bar_note(rows))
+        bottom.set_title(f"the runs within 0.2 nats of the best ({best:.3f}), against the "
+                         "peak bytes of one sync")  # fmt: skip
         fig.suptitle(title or "loss against communication")
         fig.tight_layout()
         for ax, (points, lines) in zip((top, bottom), placed, strict=True):

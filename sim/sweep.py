@@ -21,7 +21,7 @@ import numpy as np
 from diloco_jax import config as config_lib
 from diloco_jax.base import extras
 from diloco_jax.watch import figures
-from diloco_jax.watch.reporting import log
+from diloco_jax.watch.reporting import BOOKKEEPING, log
 
 from . import plots
 from .accounting import account
@@ -31,7 +31,7 @@ COLUMNS = [
     "tokens", "steps", "final_eval_loss", "best_eval_loss", "syncs", "bytes_per_replica",
     "peak_sync_bytes",
     "bytes_per_token", "bytes_vs_ddp", "sim_wallclock_s", "utilization", "comm_fraction",
-    "step_time_s",
+    "step_time_s", "step_time_measured",
 ]  # fmt: skip
 
 
@@ -121,9 +121,10 @@ def plan(base: config_lib.Config, sweeps: list[str], baselines: list[str], seeds
     return runs
 
 
-# Keys that only change the accounting (bytes, clock), not what is trained: a finished run is
-# reused when they change, so one sweep can be re-accounted for another network.
-ACCOUNTING_KEYS = ("network", "bandwidth_gbps", "latency_ms", "topology", "step_time_s")
+# Keys that only change the accounting (bytes, clock) or the figures, not what is trained: a
+# finished run is reused when they change, so one sweep can be re-accounted for another network.
+ACCOUNTING_KEYS = ("network", "bandwidth_gbps", "latency_ms", "topology", "step_time_s",
+                   "plot_metric", "plot_label")  # fmt: skip
 
 
 def _training_part(cfg_dict: dict) -> dict:
@@ -174,13 +175,16 @@ def run_one(name: str, cfg: config_lib.Config, rundir: pathlib.Path, server=None
 
 def summarize(rows: list[dict], groups: dict[str, str]) -> list[dict]:
     """Mean and spread (std over seeds) per group, for the final eval loss and every other
-    value the evaluation returned (``final_accuracy``, ``final_accuracy_std``, ...)."""
+    value the evaluation returned (``final_accuracy``, ``final_accuracy_std``, ...); the
+    simulated wall-clock's mean and its min and max over seeds, and whether it came from a
+    measured step time (which the machine's load changes: :data:`WALLCLOCK_NOTE`)."""
     by_group = defaultdict(list)
     for row in rows:
         by_group[groups[row["run"]]].append(row)
     table = []
     for group, members in by_group.items():
         losses = np.array([m["final_eval_loss"] for m in members])
+        wallclock = np.array([m["sim_wallclock_s"] for m in members])
         first = members[0]
         table.append({
             "run": group, "seeds": len(members), "replicas": first["replicas"],
@@ -191,7 +195,10 @@ def summarize(rows: list[dict], groups: dict[str, str]) -> list[dict]:
             "best_eval_loss": float(np.mean([m["best_eval_loss"] for m in members])),
             "bytes_per_replica": first["bytes_per_replica"], "bytes_vs_ddp": first["bytes_vs_ddp"],
             "peak_sync_bytes": first["peak_sync_bytes"],
-            "sim_wallclock_s": float(np.mean([m["sim_wallclock_s"] for m in members])),
+            "sim_wallclock_s": float(wallclock.mean()),
+            "sim_wallclock_s_min": float(wallclock.min()),
+            "sim_wallclock_s_max": float(wallclock.max()),
+            "step_time_measured": any(m["step_time_measured"] for m in members),
             "utilization": float(np.mean([m["utilization"] for m in members])),
         })  # fmt: skip
         for key in [k for k in first if k.startswith("final_") and k != "final_eval_loss"]:
@@ -207,8 +214,29 @@ def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+WALLCLOCK_NOTE = (
+    "sim wall-clock (mean, min-max over seeds) from the step time measured on this machine "
+    "(sim.step_time_s = 0), which its load changes, seed to seed; model one replica's inner "
+    "step instead: --config.sim.step_time_s=SECONDS (then equal for every seed)"
+)
+
+
+def wallclock_cell(row: dict) -> str:
+    """The simulated wall-clock of a summary row in seconds: ``21.4`` or, where its seeds
+    differ, ``21.4 (18.2-25.1)`` (the mean, then the min and max over seeds)."""
+    low, high = row.get("sim_wallclock_s_min"), row.get("sim_wallclock_s_max")
+    spread = f" ({low:.3g}-{high:.3g})" if low is not None and high > low else ""
+    return f"{row['sim_wallclock_s']:.4g}{spread}"
+
+
+def wallclock_note(rows: list[dict]) -> str:
+    """:data:`WALLCLOCK_NOTE` as a line under a table, where a row's wall-clock came from a
+    measured step time; else nothing."""
+    return f"\nnote: {WALLCLOCK_NOTE}\n" if any(r.get("step_time_measured") for r in rows) else ""
+
+
 def format_table(table: list[dict]) -> str:
-    head = ("run", "final loss", "best", "tokens", "bytes/replica", "vs ddp", "sim wall-clock",
+    head = ("run", "final loss", "best", "tokens", "bytes/replica", "vs ddp", "sim wall-clock (s)",
             "util")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in table:
@@ -216,9 +244,9 @@ def format_table(table: list[dict]) -> str:
         lines.append(
             f"| {t['run']} | {t['final_eval_loss']:.3f}{spread} | {t['best_eval_loss']:.3f} | "
             f"{t['tokens']:,} | {t['bytes_per_replica']:.3g} | {t['bytes_vs_ddp']:.3g} | "
-            f"{t['sim_wallclock_s']:.4g}s | {t['utilization']:.2f} |"
+            f"{wallclock_cell(t)} | {t['utilization']:.2f} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines) + wallclock_note(table).rstrip("\n")
 
 
 def mean_curves(dones: list[dict], groups: dict[str, str],
@@ -249,7 +277,7 @@ def plotted_metric(base: config_lib.Config, dones: list[dict]) -> str:
     metric = base.sim.plot_metric
     if all(metric in e for d in dones for e in d["evals"]):
         return metric
-    held = sorted({k for d in dones for e in d["evals"] for k in e if k not in ("event", "step")})
+    held = sorted({k for d in dones for e in d["evals"] for k in e if k not in BOOKKEEPING})
     log.warning("sim.plot_metric = %r is not in every evaluation (%s): plotting eval_loss",
                 metric, ", ".join(held))  # fmt: skip
     return "eval_loss"
@@ -357,7 +385,8 @@ def sweep(base, workdir: pathlib.Path, *, sweeps, baselines, seeds, show_progres
     write_csv(workdir / "summary.csv", table)
     written = ["results.csv", "summary.csv"]
     if draw:
-        units = dict(unit=dones[0]["unit"], nats=dones[0]["unigram_entropy"] is not None)
+        units = dict(unit=dones[0]["unit"], nats=dones[0]["unigram_entropy"] is not None,
+                     label=base.sim.plot_label)  # fmt: skip
         metric = plotted_metric(base, dones)
         plots.curves(mean_curves(dones, groups, metric), workdir / "curves.png", metric=metric,
                      **units)  # fmt: skip

@@ -32,14 +32,15 @@ def headless(url: str, tmp_path, *flags: str) -> str:
 def _board(replicas=3, steps=30, syncs=5):
     board = serve.Board(config={"algorithm": "diloco"}, total_steps=100, replicas=replicas,
                         unit="token", tokens_per_step=64)  # fmt: skip
-    for i in range(1, steps + 1):
-        board.event({"event": "train", "step": i, "loss": 3.0 - 0.05 * i,
-                     "replica_loss": [3.0 - 0.05 * i + r / 10 for r in range(replicas)],
+    for i in range(1, steps + 1):  # a loss that spans decades
+        board.event({"event": "train", "step": i, "loss": 3.0 * 0.85**i,
+                     "replica_loss": [3.0 * 0.85**i + r / 10 for r in range(replicas)],
                      "tokens_per_s": 1000.0 + i, "outer_steps": i // 6,
                      "aux_mae": 0.01 * i})  # fmt: skip
-        if i % 10 == 0:
-            board.event({"event": "eval", "step": i, "eval_loss": 3.1 - 0.05 * i,
-                         "accuracy": 0.02 * i})  # fmt: skip
+        if i % 10 == 0:  # with the record's bookkeeping, which is no metric
+            board.event({"event": "eval", "step": i, "eval_loss": 3.1 * 0.85**i,
+                         "accuracy": 0.02 * i, "time": 1.8e9 + i, "time_s": 0.1 * i,
+                         "outer_steps": i // 6, "tokens": 64 * i})  # fmt: skip
     for k in range(1, syncs + 1):
         board.event({"event": "sync", "step": 6 * k, "outer_step": k,
                      "drift": [0.1 * k + r for r in range(replicas)],
@@ -67,6 +68,12 @@ def test_the_dashboard_draws_the_runs_points_and_rows(tmp_path):
     assert _points(dom, "loss") == {"train": 30, "eval": 3}
     assert _points(dom, "throughput") == {"tokens/s": 30}
     assert _points(dom, "metrics") == {"train mae": 30, "eval accuracy": 3}  # issue 39
+    assert "eval time" not in dom and "eval tokens" not in dom  # issue 54
+    # a log axis where the values span more than a decade: the loss (3 to 0.02), the metrics
+    # (0.01 to 0.6), the drift (0.1 to 2.5); not the throughput nor the cosines
+    scales = dict(re.findall(r'<svg id="chart-(\w+)"[^>]*data-scale="(\w+)"', dom))
+    assert scales == {"loss": "log", "throughput": "linear", "metrics": "log", "drift": "log",
+                      "cosine": "linear"}  # fmt: skip
     assert _points(dom, "drift") == {f"replica {r}": 5 for r in range(3)}
     assert _points(dom, "cosine") == {f"replica {r}": 5 for r in range(3)}
     rows = re.findall(r'<tr class="([^"]*)"><td>(\d+)</td>', dom)

@@ -95,3 +95,57 @@ def test_a_helper_that_answers_out_of_protocol_is_stopped_and_replaced(tmp_path)
     figures._helper = liar
     figures.draw_in_background(run).join()
     assert (run / "drift.png").exists() and figures.start_helper() is not liar
+
+
+# The docs column: sphinx_book_theme shows an image at most the content width, ~750 CSS px
+# (96 px an inch); a figure drawn WIDTH inches wide is shown at 750 / (96 * WIDTH) of its size.
+PAGE_PX = 750
+
+
+def drawn_figures(monkeypatch) -> list:
+    """The figures saved from now on (``Figure.savefig`` patched to keep them, laid out)."""
+    from matplotlib.figure import Figure
+
+    kept, real = [], Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        fig.canvas.draw()
+        kept.append(fig)
+        return real(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return kept
+
+
+def smallest_shown_pt(fig) -> float:
+    """The smallest of the figure's texts (ticks, labels, legends, titles, annotations) in
+    points as the docs page shows it, the figure scaled to :data:`PAGE_PX`."""
+    from matplotlib.text import Text
+
+    shown = min(PAGE_PX / (96 * fig.get_figwidth()), 1.0)  # a narrow figure is not enlarged
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
+    return min(sizes) * shown
+
+
+def test_a_log_axis_for_values_that_span_decades_only():
+    assert drawing.log_scale([2.3, 0.74, 0.003])  # a loss from step 0 to the end of training
+    assert drawing.log_scale([None, float("nan"), 1.0, 10.5])
+    assert not drawing.log_scale([3.0, 1.9, 1.5])  # within a decade
+    assert not drawing.log_scale([0.0, 0.1, 5.0])  # a zero (a left-out replica's drift)
+    assert not drawing.log_scale([-0.2, 0.5, 0.9])  # cosines
+    assert not drawing.log_scale([])
+
+
+def test_a_runs_figures_read_at_9_pt_with_a_log_axis_for_a_drift_spanning_decades(
+    tmp_path, monkeypatch
+):
+    figs = drawn_figures(monkeypatch)
+    events = [{"event": "sync", "step": 10 * k, "outer_step": k,
+               "drift": [10.0 ** -k, 2 * 10.0 ** -k], "cosine_to_mean": [0.9, -0.1]}
+              for k in range(1, 5)]  # fmt: skip
+    assert drawing.diagnostics({"run": events}, tmp_path, per_replica=True) == [
+        "drift.png", "cosine.png"]  # fmt: skip
+    drift, cosine = (fig.axes[0] for fig in figs)
+    assert (drift.get_yscale(), cosine.get_yscale()) == ("log", "linear")
+    assert drift.get_ylabel().endswith("(log scale)")
+    assert all(smallest_shown_pt(fig) >= 9 for fig in figs)

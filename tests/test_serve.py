@@ -33,8 +33,8 @@ def _board():
         board.event({"event": "sync", "step": step, "outer_step": outer, "drift": [0.1, 0.3],
                      "cosine_to_mean": [0.9, float("nan")], "weight": [1.0, 0.0],
                      "finite": [True, False], "contributors": 1.0})  # fmt: skip
-    board.event({"event": "eval", "step": 10, "time_s": 3.0, "eval_loss": 1.5, "outer_steps": 2,
-                 "tokens": 640, "accuracy": 0.75})  # fmt: skip
+    board.event({"event": "eval", "step": 10, "time_s": 3.0, "time": 1.8e9, "eval_loss": 1.5,
+                 "outer_steps": 2, "tokens": 640, "accuracy": 0.75})  # fmt: skip
     board.event({"event": "checkpoint", "step": 10})
     return board
 
@@ -48,7 +48,8 @@ def test_the_board_holds_what_the_run_reported():
     assert [r["status"] for r in status["replica_state"]] == ["contributed", "non-finite"]
     assert status["replica_loss"] == [2.1, 1.9] and status["pending_controls"] == ["stop"]
     assert status["config"]["outer"]["sync_every"] == 5
-    # a user loss's auxiliary metrics and the evaluation's other values (issue 27)
+    # a user loss's auxiliary metrics and the evaluation's other values (issue 27), not the
+    # record's bookkeeping (its Unix time, seconds, outer steps, tokens: issue 54)
     assert status["aux"] == {"mae": 0.25} and status["eval_metrics"] == {"accuracy": 0.75}
 
 
@@ -89,6 +90,7 @@ def test_metrics_parse_with_prometheus_clients_parser():
     assert samples[("diloco_replica_train_loss", "0")] == 2.1
     assert samples[("diloco_aux_metric", "mae")] == 0.25
     assert samples[("diloco_eval_metric", "accuracy")] == 0.75
+    assert {name for metric, name in samples if metric == "diloco_eval_metric"} == {"accuracy"}
 
 
 @pytest.fixture

@@ -219,6 +219,44 @@ def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys, monkeypatch):
     assert slow["final_eval_loss"] == fast["final_eval_loss"]
 
 
+def test_sweep_tables_hold_metrics_not_bookkeeping_and_a_measured_clocks_spread(tmp_path):
+    """An eval record's Unix time, seconds, outer steps and tokens are no ``final_*`` column
+    (issue 54); a wall-clock from measured step times (3.8x apart here, as a busy machine made
+    them) shows its min-max over seeds and a note on modelling it, in ``python -m sim``'s table
+    and in ``sim.combine``'s; with ``sim.step_time_s`` the seeds agree and there is no note."""
+    from sim import combine
+    from sim.accounting import account
+    from sim.sweep import format_table, summarize, write_csv
+
+    params = {"w": np.zeros((4, 3), np.float32)}
+    evals = [{"event": "eval", "step": 20, "time_s": 3.0, "time": 1.8e9, "eval_loss": 1.5,
+              "outer_steps": 2, "tokens": 640, "accuracy": 0.75}]  # fmt: skip
+
+    def summary(step_time_s, seconds):
+        cfg = apply_overrides(Config(), [("outer.sync_every", "10"),
+                                         ("sim.step_time_s", str(step_time_s))])  # fmt: skip
+        rows = [account({"name": f"a,seed={i}", "steps": 20, "tokens": 640, "evals": evals,
+                         "final_eval_loss": 1.5, "step_seconds": s}, cfg, params)
+                for i, s in enumerate(seconds)]  # fmt: skip
+        assert [k for k in rows[0] if k.startswith("final_")] == ["final_eval_loss",
+                                                                   "final_accuracy"]  # fmt: skip
+        return summarize(rows, {r["run"]: "a" for r in rows})
+
+    measured = summary(0, [0.01, 0.038])
+    assert "final_time" not in measured[0] and measured[0]["final_accuracy_std"] == 0.0
+    low, high = measured[0]["sim_wallclock_s_min"], measured[0]["sim_wallclock_s_max"]
+    assert high / low == pytest.approx(3.8, rel=0.01)
+    text = format_table(measured)
+    assert f"({low:.3g}-{high:.3g})" in text and "--config.sim.step_time_s=SECONDS" in text
+    (tmp_path / "sweep").mkdir()
+    write_csv(tmp_path / "sweep" / "summary.csv", measured)
+    rows = combine.read([tmp_path / "sweep"])
+    assert f"({low:.3g}-{high:.3g})" in combine.table(rows) and "note: " in combine.table(rows)
+    modelled = summary(0.047, [0.01, 0.038])
+    assert modelled[0]["sim_wallclock_s_min"] == modelled[0]["sim_wallclock_s_max"]
+    assert format_table(modelled).splitlines()[-1].endswith("| 0.9401 | 1.00 |")  # no note
+
+
 def test_sweep_list_valued_key_in_brackets():
     """``sim.speeds`` takes a comma-separated list: each swept value goes in brackets."""
     from sim import sweep
@@ -371,20 +409,24 @@ def test_combine_replots_from_rows_json_without_the_sweeps(tmp_path, capsys):
     assert "is not a rows.json" in capsys.readouterr().err
 
 
+# combined runs as sim.combine reads them: baselines, families of one run and of several
+_COMBINED = [{"run": f"{family}: {name}", "final_eval_loss": loss, "bytes_per_replica": b,
+              "peak_sync_bytes": b / 8, "seeds": 1.0, "final_eval_loss_std": 0.0}
+             for family, name, loss, b in [
+                 ("baselines", "single", 1.98, 0.0), ("baselines", "ddp", 1.79, 1e9),
+                 ("muloco", "diloco", 1.863, 2.29e7), ("diloco", "diloco", 1.872, 2.29e7),
+                 ("dylu", "diloco", 1.876, 2.29e7), ("wait", "diloco", 1.872, 2.29e7),
+                 ("adam", "learning_rate=0.01", 2.09, 2.29e7),
+                 ("adam", "learning_rate=0.03", 2.10, 2.29e7),
+                 ("codecs", "codec=int4", 1.866, 3e6)]]  # fmt: skip
+
+
 def test_tradeoff_labels_name_the_method_and_do_not_overlap(tmp_path, monkeypatch):
     from matplotlib.text import Text
 
     from sim import plots
 
-    rows = [{"run": f"{family}: {name}", "final_eval_loss": loss, "bytes_per_replica": b,
-             "peak_sync_bytes": b / 8, "seeds": 1.0, "final_eval_loss_std": 0.0}
-            for family, name, loss, b in [
-                ("baselines", "single", 1.98, 0.0), ("baselines", "ddp", 1.79, 1e9),
-                ("muloco", "diloco", 1.863, 2.29e7), ("diloco", "diloco", 1.872, 2.29e7),
-                ("dylu", "diloco", 1.876, 2.29e7), ("wait", "diloco", 1.872, 2.29e7),
-                ("adam", "learning_rate=0.01", 2.09, 2.29e7),
-                ("adam", "learning_rate=0.03", 2.10, 2.29e7),
-                ("codecs", "codec=int4", 1.866, 3e6)]]  # fmt: skip
+    rows = _COMBINED
     assert plots.point_labels(rows) == {
         "baselines: single": "single", "baselines: ddp": "ddp", "muloco: diloco": "muloco",
         "diloco: diloco": "diloco", "dylu: diloco": "dylu", "wait: diloco": "wait",
@@ -408,6 +450,34 @@ def test_tradeoff_labels_name_the_method_and_do_not_overlap(tmp_path, monkeypatc
     for panel in boxes:
         for i, a in enumerate(panel):
             assert not any(a.overlaps(b) for b in panel[i + 1 :]), [t.bounds for t in panel]
+
+
+def test_the_sweeps_figures_read_at_9_pt_with_a_log_axis_for_a_loss_spanning_decades(
+    tmp_path, monkeypatch
+):
+    """Drawn at the docs column's width, every text (ticks and legends too) shows at 9 pt or
+    more; a loss that spans decades is drawn on a log axis (its end is not a flat line), one
+    within a decade on a linear one; the axis says what the user calls the loss."""
+    from sim import plots
+    from tests.test_drawing import drawn_figures, smallest_shown_pt
+
+    figs = drawn_figures(monkeypatch)
+
+    def run(loss):
+        return {"tokens": [0, 640, 1280], "steps": [0, 10, 20], "loss": loss, "seeds": 3,
+                "low": [0.9 * v for v in loss], "high": [1.1 * v for v in loss]}  # fmt: skip
+
+    spanning = {"sync_every=10": run([0.75, 0.02, 0.003]), "single": run([0.75, 0.1, 0.05])}
+    plots.curves(spanning, tmp_path / "mse.png", unit="example", nats=False,
+                 label="validation MSE")  # fmt: skip
+    plots.curves({"diloco": run([3.1, 2.2, 1.9])}, tmp_path / "lm.png")
+    plots.tradeoff(_COMBINED, tmp_path / "tradeoff.png")
+    plots.tradeoff_two_panels(_COMBINED, tmp_path / "two.png")
+    assert [ax.get_yscale() for ax in figs[0].axes + figs[1].axes] == ["log"] * 2 + ["linear"] * 2
+    assert figs[0].axes[1].get_ylabel() == "validation MSE (log scale)"
+    assert figs[1].axes[0].get_ylabel() == "validation loss (nats/token)"
+    for fig in figs:
+        assert fig.get_figwidth() <= plots.WIDTH and smallest_shown_pt(fig) >= 9
 
 
 def test_the_sweeps_diagnostics_average_finite_replicas():

@@ -15,6 +15,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from diloco_jax.watch.reporting import eval_metrics
+
 MAX_POINTS = 4000  # per chart series; older points are thinned, never the newest
 
 
@@ -120,9 +122,7 @@ class Board:
         _thin(self.history["eval"])
         self.history["eval"].append([step, step * self.tokens_per_step, r["eval_loss"]])
         self._metrics["eval_loss"].set(r["eval_loss"])
-        others = {
-            k: v for k, v in r.items() if k not in _EVAL_FIELDS and isinstance(v, (int, float))
-        }  # accuracy, ...
+        others = eval_metrics(r)  # accuracy, ...
         self.status["eval_metrics"] = others
         for name, value in others.items():
             self._metrics["eval_metric"].labels(name=name).set(value)
@@ -196,9 +196,6 @@ class Board:
         """The chart series (a copy, JSON-ready)."""
         with self._lock:
             return _json_ready({name: list(points) for name, points in self.history.items()})
-
-
-_EVAL_FIELDS = ("event", "step", "eval_loss", "outer_steps", "tokens", "time_s")
 
 
 def _json_ready(value: Any) -> Any:

@@ -16,8 +16,18 @@ import sys
 
 import numpy as np
 
+MIN_PT = 9  # no text smaller: the figures are drawn at the width they are shown (7-8 in)
 DIAGNOSTICS = (("drift", "drift.png", "drift |anchor - params| at the sync"),
                ("cosine_to_mean", "cosine.png", "cosine to the mean pseudo-gradient"))  # fmt: skip
+
+
+def log_scale(values) -> bool:
+    """Whether ``values`` (numbers; NaN and None skipped) go on a log axis: all positive and
+    spanning more than a decade. On a linear axis a loss from step 0 on is its first points'
+    scale, and the end of training, the part a reader compares, a flat line."""
+    flat = np.array([np.nan if v is None else v for v in values], float)
+    finite = flat[np.isfinite(flat)]
+    return bool(finite.size) and bool(finite.min() > 0 and finite.max() > 10 * finite.min())
 
 
 def sync_events(metrics_path: pathlib.Path) -> list[dict]:
@@ -42,6 +52,7 @@ def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
     for key, file, ylabel in DIAGNOSTICS:
         fig = Figure(figsize=(7, 4.5))
         ax = fig.add_subplot()
+        drawn = []
         for name, events in runs.items():
             outer = [e["outer_step"] for e in events]
             values_SxR = _rows(e[key] for e in events)
@@ -50,10 +61,15 @@ def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
                     ax.plot(outer, values_SxR[:, r], marker=".", label=f"replica {r}")
             else:
                 ax.plot(outer, _nanmean_rows(values_SxR), marker=".", label=name)
-        ax.set_xlabel("outer step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+            drawn.append(values_SxR)
+        if log_scale(np.concatenate([v.ravel() for v in drawn])):
+            ax.set_yscale("log")
+            ylabel += " (log scale)"
+        ax.set_xlabel("outer step", fontsize=MIN_PT + 1)
+        ax.set_ylabel(ylabel, fontsize=MIN_PT + 1)
+        ax.tick_params(labelsize=MIN_PT)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=MIN_PT)
         fig.tight_layout()
         fig.savefig(directory / file, dpi=120)
     return [file for _, file, _ in DIAGNOSTICS]

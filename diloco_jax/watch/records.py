@@ -1,7 +1,9 @@
 """The run record: what ran, where and from which code, one line per start of a workdir.
 
 ``workdir/run_record.jsonl`` gets one JSON object each time ``train`` starts in the workdir (a
-fresh start or a resume): ``time``, ``step`` (where it starts), ``command`` (``sys.argv``),
+fresh start or a resume): ``time``, ``step`` (where it starts), ``command`` (the command line to
+paste to run it again: for ``python -m diloco_jax.train``, in the same workdir, so it continues
+from the newest checkpoint), ``argv`` (``sys.argv`` as it was),
 ``cwd``, ``hostname``, ``python``, ``git`` (the commit of the checkout diloco-jax runs from and
 whether it had uncommitted changes; null when it runs from an installed wheel or git is
 missing), ``packages`` (versions, null for one not installed) and ``devices`` (platform, kind,
@@ -25,7 +27,11 @@ from typing import Any
 import jax
 
 from diloco_jax import config as config_lib
+from diloco_jax.base import commandline
 from diloco_jax.watch import reporting
+
+# the programs whose command line, given a workdir, continues the run there
+TRAIN_COMMANDS = (["python", "-m", "diloco_jax.train"], ["diloco-train"])
 
 PACKAGES = ("diloco-jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy",
             "tensorboardx", "wandb")  # fmt: skip
@@ -75,12 +81,16 @@ def devices() -> dict[str, Any]:
     }
 
 
-def run_record(step: int) -> dict[str, Any]:
-    """This start's record (see the module docstring)."""
+def run_record(step: int, workdir: pathlib.Path | None = None) -> dict[str, Any]:
+    """This start's record (see the module docstring); ``workdir``: the run's, which
+    ``command`` names when this process is a training command."""
+    if commandline.program(sys.argv[0]) not in TRAIN_COMMANDS:  # a sweep, fit, a test
+        workdir = None
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "step": step,
-        "command": list(sys.argv),
+        "command": commandline.rerun(commandline.program(sys.argv[0]), sys.argv[1:], workdir),
+        "argv": list(sys.argv),
         "cwd": os.getcwd(),
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
@@ -93,7 +103,7 @@ def run_record(step: int) -> dict[str, Any]:
 def append(workdir: pathlib.Path, step: int) -> dict[str, Any]:
     """Appends this start's record to ``workdir/run_record.jsonl``; returns it."""
     workdir.mkdir(parents=True, exist_ok=True)
-    record = run_record(step)
+    record = run_record(step, workdir)
     with open(workdir / "run_record.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     return record

@@ -130,6 +130,19 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+# What every record holds besides measurements: what RunLog.write adds (the event, its step,
+# seconds since the run started, the Unix time) and where training stood (outer steps, tokens).
+# Never a metric: the sweep tables' final_* columns, the dashboard and /metrics leave them out.
+BOOKKEEPING = ("event", "step", "time_s", "time", "outer_steps", "tokens")
+
+
+def eval_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers an ``eval`` record holds besides its loss and the :data:`BOOKKEEPING`: what
+    the task's evaluation returned (``accuracy``, ...)."""
+    return {k: v for k, v in record.items()
+            if k not in (*BOOKKEEPING, "eval_loss") and isinstance(v, int | float)}  # fmt: skip
+
+
 def _summary(series: dict[str, float]):
     """A TensorBoard summary of the scalars ``series`` (``{tag: value}``), as ``add_scalar``
     writes each."""
@@ -282,8 +295,8 @@ def exit_quickly(code: int) -> None:
 class Phases:
     """Where a run's time went: ``start`` (to the training loop: imports, data, state; from the
     process's start for the command, from ``train()``'s call for ``fit``), ``compile``,
-    ``steps`` (the compiled calls), ``eval``, ``checkpoint`` (the saves' blocking part) and
-    ``finish`` (final checkpoint, exported parameters, figures, sample). ``with
+    ``steps`` (the compiled calls), ``eval``, ``checkpoint`` (the saves' blocking part, and the
+    wait for the last one's writing) and ``finish`` (exported parameters, figures, sample). ``with
     phases("eval"): ...`` adds that block's seconds."""
 
     NAMES = ("start", "compile", "steps", "eval", "checkpoint", "finish")
