@@ -64,7 +64,7 @@ def fit(task: UserTask, config: config_lib.Config | str | None = None, *,
       task: the task to train: an :class:`~diloco_jax.ArrayTask` or a
         :class:`~diloco_jax.GrainTask`.
       config: a :class:`~diloco_jax.config.Config`, or a preset's name or path (None:
-        ``tiny``, the command line's default).
+        ``tiny``, 20 steps; the command line's default preset is ``default``, 1000 steps).
       workdir: the run's directory: checkpoints, ``metrics.jsonl``, figures.
       overrides: config keys to change, ``{"outer.sync_every": 10}``, each value parsed as its
         key's type (the :doc:`configuration reference </_generated/configuration>` lists them).

@@ -11,12 +11,14 @@ if there is one (a config that changes the training is refused: see ``diloco_jax
 from __future__ import annotations
 
 import pathlib
+import shlex
 import sys
 import time
 
 import jax
 
 from diloco_jax import config as config_lib
+from diloco_jax.base import commandline
 from diloco_jax.base.commandline import ArgumentParser
 from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, user_optimizers
@@ -64,10 +66,8 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     with Preemption() as stop:
         calls = loop.run_calls(s, r, run, start.state, total, stop, phases,
                                show_progress=show_progress)  # fmt: skip
-        with phases("finish"):
-            summary = loop.finish(s, calls.state, calls.step, calls.eval_loss, calls.seconds,
-                                  r.mngr, workdir, preempted=stop.requested,
-                                  controls=r.live.changed)  # fmt: skip
+        summary = loop.finish(s, calls, r.mngr, workdir, preempted=stop.requested,
+                              controls=r.live.changed, phases=phases)  # fmt: skip
         summary["step_from_cache"] = loaded
     loop.close(s, r, summary, calls.step, calls.call_seconds, calls.host_seconds, phases)
     return {**summary, "state": calls.state}
@@ -80,7 +80,7 @@ def dry_run(cfg: config_lib.Config) -> int:
     args = (s.state, s.replicas_R, s.shards_RxS, chunk_control(cfg, s, 0))
     plan = placement.memory_plan(s, s.run_chunk.lower(*args).compile())
     print(f"{cfg.algorithm}: {s.layout}, {s.num_params:,} params\n{plan.table()}")
-    placement.check_fits(plan)
+    placement.check_fits(plan, s)
     return 0
 
 
@@ -97,11 +97,16 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
     if args is None:
         return 0
     cfg, workdir = args.cfg, args.workdir
+    given = sys.argv[1:] if argv is None else argv
+    again = commandline.rerun(shlex.split(prog), given, workdir)  # continues this run
     try:
         distributed.initialize(args.cluster)
         placement.split_cpu(cfg)  # before anything starts JAX
         if args.flags.dry_run:
             return dry_run(cfg)
+        if not args.workdir_given and jax.process_index() == 0:
+            print(f"workdir {workdir}; to continue this run after a stop:\n  {again}",
+                  file=sys.stderr)  # fmt: skip
         if jax.process_count() > 1 and not args.workdir_given:
             raise config_lib.ConfigError(
                 "a run of several processes needs --workdir (a directory every process can reach)"
@@ -113,16 +118,16 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.tra
         print(f"error: {e}", file=sys.stderr)
         return 2
     except SyncerUnreachable as e:
-        print(f"error: {e}; resume with the same command", file=sys.stderr)
+        print(f"error: {e}; to continue: {again}", file=sys.stderr)
         return 1
     except distributed.ConsistencyError as e:
-        print(f"error: {e}; stopped without saving (resume from the last checkpoint)",
-              file=sys.stderr)  # fmt: skip
+        print(f"error: {e}; stopped without saving (to continue from the last checkpoint: "
+              f"{again})", file=sys.stderr)  # fmt: skip
         return 1
     if jax.process_index() != 0:
         return 0
     if summary["preempted"]:
-        print("\n" + stopped(summary["preempted"], summary["steps"], workdir, cfg.train.checkpoint))
+        print("\n" + stopped(summary, workdir, cfg.train.checkpoint, again))
         return 0
     print(reporting.final_lines(summary, workdir))
     return 0

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -19,8 +20,9 @@ import pytest
 
 from diloco_jax import config as config_lib
 from diloco_jax import train as train_lib
+from diloco_jax.base import commandline
 from diloco_jax.config import apply_overrides, cli, load_preset
-from diloco_jax.run import resume
+from diloco_jax.run import loop, resume
 from diloco_jax.run.preemption import Preemption
 from diloco_jax.run.setup import build
 from diloco_jax.runtime import checkpoint
@@ -28,6 +30,8 @@ from diloco_jax.runtime.checkpoint import CheckpointError
 from diloco_jax.train import main, train
 from diloco_jax.watch import reporting
 from tests.helpers import events
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def tiny(**overrides):
@@ -223,8 +227,8 @@ def test_changed_training_key_stops_with_one_line_exit_2_and_changes_nothing(fin
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1] == (
         "error: config key inner.learning_rate = 0.001 differs from the checkpoint's 0.003 "
-        f"({finished.resolve()}/checkpoints/20); pass --allow_config_change to resume with the "
-        "new value"
+        f"({finished.resolve()}/checkpoints/20); pass --allow_config_change (from Python: "
+        "allow_config_change=True) to resume with the new value"
     )
     assert not [line for line in lines[:-1] if "error" in line or "Traceback" in line]
     assert files(finished) == before  # nothing lost, nothing written
@@ -354,3 +358,157 @@ def test_saving_a_replicated_array_compiles_nothing(tmp_path):
     assert ours == 0 and theirs > 0, (ours, theirs)
     read = checkpoint.load_params(tmp_path / "ours", params)
     np.testing.assert_array_equal(np.asarray(read["w"]), np.asarray(params["w"]))
+
+
+# --- saves by time, the command that continues a run, a stop's last lines (issue 54) ----------
+
+
+@pytest.mark.parametrize("sync_every,saved", [(5, [5, 10, 15, 20]), (10, [10, 20])])
+def test_a_run_saves_by_time_at_the_first_sync_after_its_minutes(sync_every, saved, tmp_path,
+                                                                 monkeypatch):  # fmt: skip
+    """train.checkpoint_minutes passed at every call: a save at every sync, and only there
+    (the stretch for slow saves is off here: the next test has it)."""
+    monkeypatch.setattr(loop.SaveClock, "MAX_SHARE", float("inf"))
+    cfg = tiny(**{"train.checkpoint_every": 0, "train.checkpoint_minutes": 1e-9,
+                  "train.keep_checkpoints": 5, "outer.sync_every": sync_every})  # fmt: skip
+    train(cfg, tmp_path, show_progress=False)
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == saved
+    assert [e["step"] for e in events(tmp_path) if e["event"] == "checkpoint"] == saved[:-1]
+
+
+def test_the_save_clock_waits_its_minutes_and_stretches_for_saves_that_block_long():
+    now = [100.0]
+    clock = loop.SaveClock(2.0, now=lambda: now[0])
+    now[0] += 119.9
+    assert not clock.due()
+    now[0] += 0.1
+    assert clock.due()
+    clock.saved(blocked_s=6.0)  # 6 s is 2% of 300 s: the next save waits 5 minutes
+    now[0] += 299.9
+    assert not clock.due()
+    now[0] += 0.1
+    assert clock.due()
+    clock.saved(blocked_s=0.1)  # a quick save: back to every 2 minutes
+    now[0] += 120.0
+    assert clock.due()
+    off = loop.SaveClock(0.0, now=lambda: now[0])
+    now[0] += 1e9
+    assert not off.due()
+
+
+def test_a_run_without_workdir_prints_the_command_that_continues_it(tmp_path, monkeypatch,
+                                                                   capsys):  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # the default workdir, runs/<preset>-<time>, lands here
+    flags = ["--config", str(ROOT / "configs" / "tiny.py"), "--config.parallel.runtime=sim",
+             "--config.train.sample_chars=0", "--config.train.total_steps=10"]  # fmt: skip
+    assert main(flags) == 0
+    err = capsys.readouterr().err
+    [workdir] = (tmp_path / "runs").iterdir()
+    command = err.split("to continue this run after a stop:\n  ")[1].splitlines()[0]
+    prog = ["python", "-m", "diloco_jax.train"]
+    assert shlex.split(command) == [*prog, *flags, "--workdir", str(workdir.relative_to(tmp_path))]
+    assert main(shlex.split(command)[len(prog) :]) == 0  # it continues there: nothing to train
+    starts = [json.loads(line) for line in (workdir / "run_record.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in starts] == [0, 10]
+
+
+def test_the_command_of_a_run_names_its_program_as_typed_and_replaces_the_workdir():
+    assert commandline.program(str(ROOT / "diloco_jax" / "train.py")) == [
+        "python", "-m", "diloco_jax.train"]  # fmt: skip
+    assert commandline.program(str(ROOT / "sim" / "__main__.py")) == ["python", "-m", "sim"]
+    assert commandline.program("/opt/venv/bin/diloco-train") == ["diloco-train"]
+    assert commandline.program("their_job.py") == ["python", "their_job.py"]
+    args = ["--workdir", "old", "--config.train.sample_prompt=TWO WORDS", "--workdir=older"]
+    assert commandline.rerun(["diloco-train"], args, "runs/x") == (
+        "diloco-train '--config.train.sample_prompt=TWO WORDS' --workdir runs/x"
+    )
+    assert commandline.rerun(["diloco-train"], args) == "diloco-train " + shlex.join(args)
+
+
+def test_a_stopped_run_names_the_step_of_its_last_evaluation_and_times_its_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    """A stop after step 15: the done event says the evaluation it reports is step 10's, and
+    the checkpoint written at the stop counts in the time line."""
+    asked = []
+
+    def agree_to_stop(stop):  # a SIGTERM that arrives during the call that ends at step 15
+        asked.append(1)
+        if len(asked) == 4:
+            stop.requested = "SIGTERM"
+        return stop.requested is not None
+
+    monkeypatch.setattr(loop, "agree_to_stop", agree_to_stop)
+    flags = ["--config", "configs/tiny.py", "--workdir", str(tmp_path), "--distributed", "off",
+             "--config.parallel.runtime=sim", "--config.train.checkpoint_every=0"]  # fmt: skip
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    [done] = events(tmp_path, "done")
+    evals = {e["step"]: e["eval_loss"] for e in events(tmp_path, "eval")}
+    assert (done["steps"], done["eval_step"]) == (15, 10)
+    assert done["final_eval_loss"] == evals[10]
+    assert done["phases"]["checkpoint"] > 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["15"]
+    assert f"stopped by SIGTERM at step 15; last evaluation {evals[10]:.4f} at step 10" in out
+    again = shlex.join(["python", "-m", "diloco_jax.train", *flags[:2], *flags[4:],
+                        "--workdir", str(tmp_path)])  # fmt: skip
+    assert out.rstrip().endswith(f"to continue:\n  {again}")
+
+
+def test_a_changed_outer_optimizer_is_refused_in_one_line_or_restarts_its_state(finished, capsys):
+    shutil.rmtree(finished / "checkpoints" / "20")  # resumed from step 10
+    adam = tiny(**{"outer.optimizer": "adam", "outer.learning_rate": 0.01})
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"^config key outer.optimizer = 'adam' differs from the checkpoint's "
+                       r"'sgd' .*allow_config_change=True"):  # fmt: skip
+        train(adam, finished, show_progress=False)
+    at_10 = checkpoint.restore(checkpoint.manager(finished), build(tiny()).state, 10)
+    s = build(adam)
+    start = resume.resume(checkpoint.manager(finished), s, finished, allow_config_change=True)
+    said = "with another outer optimizer (outer.optimizer 'sgd' -> 'adam'"
+    assert said in capsys.readouterr().err
+    assert start.step == 10
+    for name in ("step", "params", "inner_state", "anchor"):
+        assert_bitwise_equal(getattr(start.state, name), getattr(at_10, name))
+    assert_bitwise_equal(start.state.outer_state, s.state.outer_state)  # Adam's, as it starts
+    assert len(jax.tree.leaves(s.state.outer_state)) > len(jax.tree.leaves(at_10.outer_state))
+    summary = train(adam, finished, show_progress=False, allow_config_change=True)
+    assert summary["steps"] == 20 and np.isfinite(summary["final_eval_loss"])
+
+
+@pytest.mark.slow  # 40 s; stand-ins: the saves by time, the printed command, a middle resume
+def test_a_run_killed_outright_continues_from_its_last_save_by_time_with_the_printed_command(
+    tmp_path,
+):
+    """SIGKILL (nothing runs at the end: no save, no last line) of a run started without
+    --workdir; the command it printed as it started continues it from its last save by time, to
+    the bits of a run never killed."""
+    over = {"train.total_steps": 400, "train.eval_every": 400, "train.sample_chars": 0,
+            "train.checkpoint_minutes": 0.002, "parallel.runtime": "sim"}  # fmt: skip
+    cmd = [sys.executable, "-m", "diloco_jax.train", "--config", str(ROOT / "configs" / "tiny.py"),
+           *[f"--config.{k}={v}" for k, v in over.items()]]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.time() + 120
+
+    def saved():  # complete saves: orbax renames a finished one to its step
+        return [int(p.name) for p in tmp_path.glob("runs/*/checkpoints/*") if p.name.isdigit()]
+
+    while time.time() < deadline and not any(step >= 50 for step in saved()):
+        time.sleep(0.02)
+    proc.kill()
+    _, err = proc.communicate(timeout=60)
+    last = max(saved())
+    assert 50 <= last < 400, "the run ended before it was killed: give it more steps"
+    command = err.split("to continue this run after a stop:\n  ")[1].splitlines()[0]
+    again = shlex.split(command)
+    assert again[:3] == ["python", "-m", "diloco_jax.train"]
+    resumed = subprocess.run([sys.executable, *again[1:]], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    [workdir] = (tmp_path / "runs").iterdir()
+    assert history(workdir)[-1]["step"] >= last  # from the newest save
+    cfg = tiny(**over, **{"train.checkpoint_every": 0})
+    full = train(cfg, tmp_path / "full", show_progress=False)["state"]
+    restored = checkpoint.restore(checkpoint.manager(workdir), build(cfg).state, 400)
+    assert_bitwise_equal(restored, full)

@@ -104,3 +104,23 @@ def test_chunks_shrink_the_temporaries_and_offload_the_state():
     assert offload[temps] < whole[temps]
     assert whole["params"] == 4 * offload["params"] > 0
     assert offload["anchor"] == whole["anchor"] > 0  # shared: on the device whole
+
+
+def test_a_dry_run_builds_the_model_from_shapes_and_its_hint_names_what_is_not_set(
+    tmp_path, capsys
+):
+    """Nothing of the model is allocated (issue 54: lm_1b's dry run held its 4 GB of
+    parameters); the hint leaves out model.remat where the run sets it."""
+    from diloco_jax.config import problems
+
+    problem = problems.load(tiny(), 4, abstract=True)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(problem.params))
+    for remat in ("false", "true"):
+        flags = ["--config", "configs/tiny.py", "--workdir", str(tmp_path / remat),
+                 "--config.parallel.device_memory_gib=0.001", "--config.parallel.runtime=sim",
+                 f"--config.model.remat={remat}", "--dry_run"]  # fmt: skip
+        assert main(flags) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert "fewer replicas per device (parallel.replica_devices, 4 replicas a device" in line
+        assert "a smaller data.batch_size (now 4)" in line
+        assert ("model.remat=true" in line) == (remat == "false"), line

@@ -21,7 +21,8 @@ from tests.test_compile_cache import _train
 # another value for every key the traced step must not depend on (programs.PROGRAM_FREE)
 OTHER_VALUES = {
     "seed": 7, "train.eval_every": 5, "train.checkpoint": False, "train.checkpoint_every": 20,
-    "train.keep_checkpoints": 1, "train.sample_chars": 40, "train.sample_prompt": "KING.",
+    "train.checkpoint_minutes": 9.0, "train.keep_checkpoints": 1, "train.sample_chars": 40,
+    "train.sample_prompt": "KING.",
     "train.compile_cache": "/elsewhere",
     "train.check_replicated": True, "data.eval_windows": 3,
     "sim.network": "wan_1gbit", "sim.bandwidth_gbps": 3.0, "sim.latency_ms": 20.0,

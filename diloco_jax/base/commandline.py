@@ -1,5 +1,6 @@
-"""What every command's line shares: an argparse whose errors are one line and exit 2, and the
-check that an output directory can be written before anything starts."""
+"""What every command's line shares: an argparse whose errors are one line and exit 2, the
+check that an output directory can be written before anything starts, and the command line that
+runs a command again (to continue a run)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import difflib
 import os
 import pathlib
+import shlex
 import sys
 
 from diloco_jax.base.errors import ConfigError
@@ -45,6 +47,40 @@ class ArgumentParser(argparse.ArgumentParser):
             return f"unknown config key {name.removeprefix('--config.')!r}{hint}"
         hint = f"; did you mean {close[0]}?" if close else ""
         return f"unknown flag {name}{hint}"
+
+
+def program(argv0: str) -> list[str]:
+    """How the program of ``sys.argv[0]`` is typed: ``python -m diloco_jax.train`` for a module
+    of the package run with ``-m`` (argv[0] is then its file), ``python -m sim`` for the
+    simulator, the bare name of a console script on the PATH (``diloco-train``), else
+    ``python PATH``."""
+    path = pathlib.Path(argv0)
+    if path.suffix == ".py":
+        parts = path.resolve().with_suffix("").parts
+        for top in ("diloco_jax", "sim"):
+            if top in parts:
+                module = list(parts[len(parts) - parts[::-1].index(top) - 1 :])
+                if module[-1] == "__main__":
+                    module.pop()
+                return ["python", "-m", ".".join(module)]
+        return ["python", argv0]
+    return [path.name]
+
+
+def rerun(prog: list[str], args: list[str], workdir: str | os.PathLike | None = None) -> str:
+    """The command line, to paste into a shell, that runs ``prog`` with ``args`` again; with
+    ``workdir``, in that workdir (any ``--workdir`` of ``args`` replaced), which a training
+    command continues from its newest checkpoint."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif workdir is not None and arg == "--workdir":
+            skip = True
+        elif workdir is None or not arg.startswith("--workdir="):
+            kept.append(arg)
+    where = [] if workdir is None else ["--workdir", str(workdir)]
+    return shlex.join([*prog, *kept, *where])
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):

@@ -76,10 +76,12 @@ def user_task(factory: str, args: str, seed: int = 0) -> tasks.UserTask:
     return task
 
 
-def load(cfg: config_lib.Config, replicas: int, task: tasks.UserTask | None = None) -> Problem:
+def load(cfg: config_lib.Config, replicas: int, task: tasks.UserTask | None = None, *,
+         abstract: bool = False) -> Problem:  # fmt: skip
     """Loads the data ``cfg`` names and builds its model: text (or tokens) for the Transformer,
     images for the ResNet; or a user's ``task`` (else ``task.factory``'s), cut into
-    ``replicas`` shards. Raises DataError (TaskError) for missing or unusable data or code."""
+    ``replicas`` shards. Raises DataError (TaskError) for missing or unusable data or code.
+    ``abstract``: the built-in models' parameters as shapes only (a user's task builds its own)."""
     if task is None and cfg.task.factory:
         task = user_task(cfg.task.factory, cfg.task.args, cfg.seed)
     if task is not None:
@@ -100,7 +102,7 @@ def load(cfg: config_lib.Config, replicas: int, task: tasks.UserTask | None = No
         r = cfg.resnet
         graphdef, params = vision.init_model(
             cfg.seed, channels=imgs.train_images.shape[-1], num_classes=imgs.num_classes,
-            width=r.width, stages=r.stages, depth=r.depth,
+            width=r.width, stages=r.stages, depth=r.depth, abstract=abstract,
         )  # fmt: skip
         return Problem(image_shards(imgs.train_images, imgs.train_labels, replicas),
                        (imgs.val_images, imgs.val_labels), graphdef, params,
@@ -108,9 +110,9 @@ def load(cfg: config_lib.Config, replicas: int, task: tasks.UserTask | None = No
                        float(np.log(imgs.num_classes)), streamed=streamed)  # fmt: skip
     corpus = load_corpus(d.corpus, **where, text_feature=d.text_feature,
                          max_bytes=int(d.max_memory_mib * 2**20))  # fmt: skip
-    graphdef, params = model_lib.init_model(
-        cfg.seed, vocab_size=corpus.vocab_size, seq_len=d.seq_len, **dataclasses.asdict(m)
-    )
+    graphdef, params = model_lib.init_model(cfg.seed, vocab_size=corpus.vocab_size,
+                                            seq_len=d.seq_len, abstract=abstract,
+                                            **dataclasses.asdict(m))  # fmt: skip
     return Problem(
         replica_shards(corpus.train_N, replicas, d.seq_len),  # a view: nothing copied
         eval_windows(corpus.val_M, seq_len=d.seq_len, max_windows=d.eval_windows),

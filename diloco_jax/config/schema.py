@@ -163,7 +163,9 @@ class TrainConfig:
     compile_cache: str = _key("", "JAX's compilation cache dir; empty: $DILOCO_COMPILE_CACHE, "
                               "else ~/.cache/diloco_jax/xla; off: none")  # fmt: skip
     checkpoint_every: int = _key(0, "steps between saves, a multiple of train.log_every (and "
-                                 "outer.sync_every); 0: only at the end")  # fmt: skip
+                                 "outer.sync_every); 0: none by steps")  # fmt: skip
+    checkpoint_minutes: float = _key(2.0, "minutes between saves (at the next sync); 0: none "
+                                     "by time")  # fmt: skip
     keep_checkpoints: int = _key(3, "checkpoints kept")
     init_from: str = _key("", "start from the final outer params of this earlier workdir")
     check_replicated: bool = _key(False, "debug: check every shared field is identical on every "
@@ -196,6 +198,8 @@ class SimConfig:
                          "syncs run on the host")  # fmt: skip
     plot_metric: str = _key("eval_loss", "what a sweep's figures plot: eval_loss or another "
                             "value the evaluation returns (accuracy)")  # fmt: skip
+    plot_label: str = _key("", "what the figures' axis calls it (validation MSE); empty: "
+                           "validation loss, or sim.plot_metric's name")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "parallel.replica_devices", "parallel.data_devices", "parallel.cpu_devices",
     "parallel.device_memory_gib", "data.max_memory_mib", "inner.warmup_steps", "train.sample_chars",
-    "train.checkpoint_every", "data.image_size", "sim.chunk",
+    "train.checkpoint_every", "train.checkpoint_minutes", "data.image_size", "sim.chunk",
 )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pathlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,23 +32,30 @@ def outer_steps(cfg: config_lib.Config, step: int) -> int:
     return {"diloco": step // cfg.outer.sync_every, "ddp": step, "single": 0}[cfg.algorithm]
 
 
-def finish(s: Setup, state, step: int, eval_loss, seconds: float, mngr, workdir, preempted,
-            controls: dict):  # fmt: skip
+def finish(s: Setup, calls: Calls, mngr, workdir, preempted, controls: dict,
+           phases: reporting.Phases):  # fmt: skip
     """Final checkpoint, figures, outer params and text sample, the first two written in the
     background while the others are made; returns the run's summary (``preempted``: the name
     of the signal that stopped the run, or None; ``controls``: what was changed over HTTP,
-    saved with the checkpoint)."""
-    drawing = figures.draw_in_background(workdir) if draws(s) else None
+    saved with the checkpoint). The checkpoint's blocking part and the wait for its writing
+    count as ``checkpoint`` in ``phases``, the rest as ``finish``."""
+    state, step = calls.state, calls.step
+    with phases("finish"):
+        drawing = figures.draw_in_background(workdir) if draws(s) else None
     if mngr is not None and mngr.latest_step() != step:  # written while the rest is made
-        checkpoint.save(mngr, step, state, config_lib.to_dict(s.cfg), controls=controls,
-                        data=s.data_states(), wait=False)  # fmt: skip
+        with phases("checkpoint"):
+            checkpoint.save(mngr, step, state, config_lib.to_dict(s.cfg), controls=controls,
+                            data=s.data_states(), wait=False)  # fmt: skip
     try:
-        return _outputs(s, state, step, eval_loss, seconds, workdir, preempted)
+        with phases("finish"):
+            return _outputs(s, calls, workdir, preempted)
     finally:
-        if drawing is not None:
-            drawing.join()
+        with phases("finish"):
+            if drawing is not None:
+                drawing.join()
         if mngr is not None:
-            mngr.wait_until_finished()
+            with phases("checkpoint"):
+                mngr.wait_until_finished()
             log.info("checkpoint saved: %s", workdir / "checkpoints" / str(step))
 
 
@@ -56,16 +64,17 @@ def draws(s: Setup) -> bool:
     return jax.process_index() == 0 and s.cfg.log.figures
 
 
-def _outputs(s: Setup, state, step: int, eval_loss, seconds: float, workdir, preempted):
+def _outputs(s: Setup, calls: Calls, workdir, preempted):
     """The summary, the exported outer params and the text sample."""
-    cfg = s.cfg
+    cfg, state, step = s.cfg, calls.state, calls.step
     summary = {
-        "final_eval_loss": eval_loss,
+        "final_eval_loss": calls.eval_loss,
+        "eval_step": calls.eval_step,  # the step of that evaluation (before a stop, an earlier)
         "steps": step,
         "outer_steps": outer_steps(cfg, step),
         "tokens": step * s.layout.replicas * cfg.data.batch_size * s.tokens_per_row,
         "unit": s.unit,  # what "tokens" counts
-        "train_seconds": round(seconds, 2),
+        "train_seconds": round(calls.seconds, 2),
         "unigram_entropy": s.unigram_nats if s.unigram_nats > 0 else None,  # None: a user's
         "preempted": preempted,
     }
@@ -81,6 +90,12 @@ def _outputs(s: Setup, state, step: int, eval_loss, seconds: float, workdir, pre
             tokenizer=s.tokenizer,
         )  # fmt: skip
     return summary
+
+
+def _at_sync(cfg: config_lib.Config, step: int) -> bool:
+    """Whether ``step`` ends a DiLoCo round (every step of the baselines does): where a
+    checkpoint may be taken."""
+    return cfg.algorithm != "diloco" or step % cfg.outer.sync_every == 0
 
 
 def _crossed(step: int, chunk: int, every: int) -> bool:
@@ -137,6 +152,30 @@ def agree_to_stop(stop: Preemption) -> bool:
     return bool(signalled)
 
 
+class SaveClock:
+    """When a checkpoint is due by time (``train.checkpoint_minutes``): that long after the
+    last save (or the run's start), stretched where saving blocks the loop for long, so that
+    the blocking part of saving stays within :data:`MAX_SHARE` of the time between saves."""
+
+    MAX_SHARE = 0.02
+
+    def __init__(self, minutes: float, now: Callable[[], float] = time.monotonic):
+        self.every, self.now = 60.0 * minutes, now
+        self.interval, self.last = self.every, now()
+
+    def due(self) -> bool:
+        return self.every > 0 and self.now() - self.last >= self.interval
+
+    def saved(self, blocked_s: float) -> None:
+        """A save that held the loop ``blocked_s`` seconds has just been started."""
+        self.last = self.now()
+        stretched = max(self.every, blocked_s / self.MAX_SHARE)
+        if stretched > self.interval:
+            log.info("a save blocked the loop %.1fs: saving every %.1f min or less often",
+                     blocked_s, stretched / 60)  # fmt: skip
+        self.interval = stretched
+
+
 class Run(NamedTuple):
     """What a run writes to and is watched through."""
 
@@ -144,7 +183,8 @@ class Run(NamedTuple):
     mngr: Any  # the checkpoint manager, or None (train.checkpoint=false)
     runlog: reporting.RunLog
     live: Live
-    learner: Any = None  # syncer.address: this run's side of the syncer's rounds
+    learner: Any  # syncer.address: this run's side of the syncer's rounds, else None
+    clock: SaveClock  # when a save is due by time
 
 
 def open_run(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, server):
@@ -176,7 +216,7 @@ def open_run(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, serv
         learner = learners.connect(cfg, s.algorithm, config_lib.keys(cfg), log, mesh=s.mesh,
                                    replicas=s.layout.replicas, fsdp_specs=fsdp_specs)  # fmt: skip
         start = start._replace(state=learner.join(start.state))
-    return Run(lead, mngr, runlog, live, learner), start
+    return Run(lead, mngr, runlog, live, learner, SaveClock(t.checkpoint_minutes)), start
 
 
 def compile_step(s: Setup, state, phases: reporting.Phases, material: dict | None = None):
@@ -226,10 +266,14 @@ def _between_calls(s: Setup, r: Run, state, step: int, total: int, asked,
     final checkpoint is started before the last evaluation, which runs while it is written."""
     t, eval_loss = s.cfg.train, None
     due = _crossed(step, t.log_every, t.checkpoint_every) or "checkpoint" in asked
+    if r.mngr is not None and not due and step < total and _at_sync(s.cfg, step):
+        due = r.clock.every > 0 and bool(distributed.from_lead([int(r.clock.due())])[0])
     if r.mngr is not None and (due or step >= total):
         with phases("checkpoint"):  # written in the background
+            blocked = time.perf_counter()
             checkpoint.save(r.mngr, step, state, config_lib.to_dict(s.cfg), wait=False,
                             controls=r.live.changed, data=s.data_states())  # fmt: skip
+            r.clock.saved(time.perf_counter() - blocked)
     if _crossed(step, t.log_every, t.eval_every) or step >= total or "eval" in asked:
         with phases("eval"):
             eval_loss = evaluate(s, r.runlog, state, step, total)
@@ -267,6 +311,7 @@ class Calls(NamedTuple):
     state: object
     step: int
     eval_loss: float | None  # the last evaluation's, None where none ran
+    eval_step: int | None  # the step of the last evaluation
     seconds: float  # from the first call to the last's end
     call_seconds: list  # each call's time on the devices
     host_seconds: list  # the loop's own time after each call
@@ -287,7 +332,7 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
     show = show_progress and r.lead and cfg.log.progress_bar  # TQDM_DISABLE: progress_bar
     bar = progress_bar(total, initial=step, enabled=show)
     eval_loss, train_start, call_seconds, host_seconds = None, time.time(), [], []
-    evaluated_at = -1
+    evaluated_at = None
     while step < total and not _syncer_done(r) and not agree_to_stop(stop):
         control = chunk_control(cfg, s, step, r.live.outer_scale)
         tick = time.time()
@@ -308,9 +353,11 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
     if stop.requested:
         log.warning("%s: stopping at step %d %s", stop.requested, step,
                     saving(cfg.train.checkpoint))  # fmt: skip
-    elif eval_loss is None or (_syncer_done(r) and evaluated_at != step):  # resumed a finished run,
-        eval_loss = evaluate(s, r.runlog, state, step, total)  # or the syncer's last round
-    return Calls(state, step, eval_loss, time.time() - train_start, call_seconds, host_seconds)
+    elif eval_loss is None or (_syncer_done(r) and evaluated_at != step):
+        # a finished run resumed, or the syncer's last round closed between evaluations
+        eval_loss, evaluated_at = evaluate(s, r.runlog, state, step, total), step
+    return Calls(state, step, eval_loss, evaluated_at, time.time() - train_start, call_seconds,
+                 host_seconds)  # fmt: skip
 
 
 def total_steps(cfg: config_lib.Config) -> int:

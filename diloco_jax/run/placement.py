@@ -143,14 +143,36 @@ def memory_plan(s, compiled) -> memory.MemoryPlan:
                        resident={"evaluation data": s.eval_windows})  # fmt: skip
 
 
-def check_fits(plan: memory.MemoryPlan) -> None:
-    """Raises ConfigError (one line) if ``plan`` does not fit its device."""
+def check_fits(plan: memory.MemoryPlan, s) -> None:
+    """Raises ConfigError (one line) if ``plan`` does not fit its device, naming the settings
+    that would shrink it and are not taken yet (``s``: the run's ``Setup``)."""
     if not plan.fits:
+        transformer = s.unit == "token" and s.graphdef is not None
+        ways = ", ".join(shrinking(s.cfg, s.layout, transformer=transformer))
         raise config_lib.ConfigError(
             f"the run needs {memory.size(plan.total)} per device, more than the "
-            f"{memory.size(plan.limit or 0)} of one device ({plan.limit_source}): fewer replicas "
-            "per device, a smaller batch or model, or model.remat (the plan: --dry_run)"
+            f"{memory.size(plan.limit or 0)} of one device ({plan.limit_source}); to shrink it: "
+            f"{ways} (the plan: --dry_run)"
         )
+
+
+def shrinking(cfg: config_lib.Config, layout, *, transformer: bool) -> list[str]:
+    """What would make a run take less memory per device, in words naming the config keys,
+    leaving out what it does already (``transformer``: the built-in language model, which
+    ``model.remat`` applies to)."""
+    ways = []
+    per_device = layout.replicas // max(layout.replica_devices, 1)
+    if per_device > 1:
+        ways.append(f"fewer replicas per device (parallel.replica_devices, {per_device} "
+                    "replicas a device now)")  # fmt: skip
+    if cfg.data.batch_size > 1:
+        ways.append(f"a smaller data.batch_size (now {cfg.data.batch_size})")
+    if transformer and not cfg.model.remat:
+        ways.append("model.remat=true")
+    if not layout.fsdp:
+        ways.append("parallel.fsdp=true with parallel.data_devices > 1 (a replica's state split "
+                    "over its devices)")  # fmt: skip
+    return [*ways, "a smaller model"]
 
 
 def check_memory(s, compiled) -> None:
@@ -161,4 +183,4 @@ def check_memory(s, compiled) -> None:
         log.info("%s", plan.summary())
         return
     log.error("%s", plan.table())
-    check_fits(plan)
+    check_fits(plan, s)

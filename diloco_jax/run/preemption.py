@@ -59,13 +59,17 @@ def saving(checkpoint: bool) -> str:
     return "with a checkpoint" if checkpoint else "without a checkpoint (train.checkpoint=false)"
 
 
-def stopped(preempted: str, step: int, workdir: pathlib.Path, checkpoint: bool) -> str:
-    """The last line of a run that a signal stopped at ``step``: where it is and how to go on."""
+def stopped(summary: dict, workdir: pathlib.Path, checkpoint: bool, command: str) -> str:
+    """The last lines of a run that a signal stopped (``summary``: :func:`train`'s): the step,
+    the last evaluation and its step, where the checkpoint is and the ``command`` that
+    continues from it."""
+    step, loss, at = summary["steps"], summary["final_eval_loss"], summary["eval_step"]
+    evaluated = f"; last evaluation {loss:.4f} at step {at}" if loss is not None else ""
     if checkpoint:
-        then = f"checkpoint in {workdir}/checkpoints; run the same command to continue"
+        then = f"checkpoint in {workdir}/checkpoints; to continue:\n  {command}"
     else:
         then = "nothing saved (train.checkpoint=false): the same command starts from step 0"
-    return f"stopped by {preempted} at step {step}; {then}"
+    return f"stopped by {summary['preempted']} at step {step}{evaluated}; {then}"
 
 
 def _prctl() -> Callable | None:

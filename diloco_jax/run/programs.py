@@ -20,7 +20,8 @@ from diloco_jax.watch.reporting import log
 # traced program. See free_keys for the configs where the set differs.
 PROGRAM_FREE = (
     "seed",  # an input of the step (StepControl.seed)
-    "train.eval_every", "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.eval_every", "train.checkpoint", "train.checkpoint_every",
+    "train.checkpoint_minutes", "train.keep_checkpoints",
     "train.sample_chars", "train.sample_prompt", "train.compile_cache",
     "train.check_replicated", "data.eval_windows",
     "sim.network", "sim.bandwidth_gbps", "sim.latency_ms", "sim.topology", "sim.step_time_s",

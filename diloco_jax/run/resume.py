@@ -20,6 +20,7 @@ import jax
 from diloco_jax import config as config_lib
 from diloco_jax.algorithm import PER_REPLICA, init_replicas
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import recipe, user_optimizers
 from diloco_jax.runtime import checkpoint, parallel
 from diloco_jax.watch.reporting import log
 
@@ -37,7 +38,8 @@ MAY_CHANGE = (
     # call boundary, counted from the resumed step, at or past train.total_steps rounded up to
     # whole calls)
     "train.log_every",
-    "train.eval_every", "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.eval_every", "train.checkpoint", "train.checkpoint_every",
+    "train.checkpoint_minutes", "train.keep_checkpoints",
     "train.sample_chars", "train.sample_prompt",
     "train.init_from",  # read by a fresh start only
     "train.compile_cache",  # where compiled steps are kept: the same executables
@@ -123,7 +125,8 @@ def check_config(cfg: config_lib.Config, saved: dict, path: pathlib.Path, *,
         also = f"; {', '.join(others)} also differ" if others else ""
         raise config_lib.ConfigError(
             f"config key {locked[0]} = {new!r} differs from the checkpoint's {old!r} ({path}"
-            f"{also}); pass --allow_config_change to resume with the new value"
+            f"{also}); pass --allow_config_change (from Python: allow_config_change=True) to "
+            "resume with the new value"
         )
     if locked:
         listed = ", ".join(f"{k} {changes[k][0]!r} -> {changes[k][1]!r}" for k in locked)
@@ -141,6 +144,10 @@ def resume(mngr, s, workdir: pathlib.Path, *, allow_config_change: bool = False)
     try:
         restored = checkpoint.restore_latest(mngr, s.state, warn=log.warning)
     except checkpoint.MismatchError as e:
+        if s.cfg.algorithm == "diloco" and all(
+            p.startswith("outer_state/") for p in checkpoint.differing(mngr, e.step, s.state)
+        ):  # another outer optimizer
+            return new_outer(mngr, s, e.step, allow_config_change)
         saved = checkpoint.saved_replicas(mngr, e.step)
         if s.cfg.algorithm != "diloco" or saved in (None, s.layout.replicas):
             raise
@@ -181,6 +188,44 @@ def record(workdir: pathlib.Path, cfg: config_lib.Config, start: Start) -> None:
     }
     with open(workdir / "config_history.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def new_outer(mngr, s, step: int, allow_config_change: bool) -> Start:
+    """Resumes the checkpoint at ``step``, saved with another outer optimizer (its state of
+    other shapes), where ``allow_config_change``: everything is kept but the outer optimizer's
+    state, which starts afresh (its momentum lost). Otherwise, or when the outer optimizers were
+    given from Python (no config says what the saved one was), raises one line naming it."""
+    path, meta = mngr.directory / str(step), checkpoint.saved_meta(mngr, step)
+    changes = check_config(s.cfg, meta["config"], path, allow_change=allow_config_change)
+    outer = {k: v for k, v in changes.items() if k.startswith("outer.")}
+    given = [v for pair in outer.values() for v in pair if str(v).startswith(user_optimizers.GIVEN)]
+    if not outer or given:
+        raise checkpoint.MismatchError(
+            f"checkpoint {path} holds the state of another outer optimizer than this run's "
+            f"(outer.optimizer {meta['config']['outer']['optimizer']!r}); resume with that one, "
+            "or start a new --workdir", step)  # fmt: skip
+    saved_cfg = s.cfg
+    for key, (old, _) in outer.items():
+        if old is not ABSENT:
+            saved_cfg = config_lib.replace(saved_cfg, key, old)
+    saved_algorithm = recipe.algorithm_from_config(saved_cfg, s.layout.replica_axis_names,
+                                                   outer_lr_as_input=True)  # fmt: skip
+    like = jax.eval_shape(lambda p: init_replicas(saved_algorithm, p, s.layout.replicas),
+                          s.state.anchor)  # fmt: skip
+    like = s.state._replace(outer_state=parallel.place(
+        like, saved_algorithm.kinds, s.mesh, abstract=True, fsdp_split=s.layout.fsdp
+    ).outer_state)  # fmt: skip
+    old = checkpoint.restore(mngr, like, step)
+
+    def init(anchor):  # only the outer state is kept: XLA drops the replicas' part
+        return init_replicas(s.algorithm, anchor, s.layout.replicas).outer_state
+
+    shardings = jax.tree.map(lambda x: x.sharding, s.state.outer_state)
+    state = old._replace(outer_state=jax.jit(init, out_shardings=shardings)(old.anchor))
+    listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in outer.items())
+    log.warning("resuming %s with another outer optimizer (%s): its state starts afresh at step "
+                "%d (momentum lost)", path, listed, step)  # fmt: skip
+    return Start(state, step, path, changes, meta.get("controls", {}), meta.get("data"))
 
 
 def elastic(mngr, s, saved_replicas: int, step: int):

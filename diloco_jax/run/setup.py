@@ -137,7 +137,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
     layout = placement.layout(cfg, replicas)
     # a learner's replicas are its part of every learner's: their data shards and indices
     first, everyone = cfg.syncer.learner * replicas, cfg.syncer.learners * replicas
-    problem = problems.load(cfg, everyone, task)
+    problem = problems.load(cfg, everyone, task, abstract=abstract)
     graphdef, params, shards_RxS = problem.graphdef, problem.params, problem.shards
     if everyone != replicas:
         shards_RxS = jax.tree.map(lambda x: x[first : first + replicas], shards_RxS)
@@ -146,7 +146,7 @@ def build(cfg: config_lib.Config, *, abstract: bool = False, task=None,
     diagnostics = cfg.sim.diagnostics and (layout.runtime == "sim" or placement.cpu_simulation())
     algorithm = recipe.algorithm_from_config(cfg, layout.replica_axis_names, diagnostics,
                                              outer_lr_as_input=True, given=given)  # fmt: skip
-    if cfg.train.init_from:
+    if cfg.train.init_from and not abstract:  # a dry run plans with shapes
         params = resume.warm_start(cfg.train.init_from, params)
     mesh = parallel.make_mesh(layout) if layout.runtime == "mesh" else None
     state = _initial_state(algorithm, params, layout, mesh, abstract)

@@ -230,6 +230,13 @@ def saved_replicas(mngr: ocp.CheckpointManager, step: int) -> int | None:
     return leading.pop() if len(leading) == 1 else None
 
 
+def differing(mngr: ocp.CheckpointManager, step: int, like) -> set[str]:
+    """The paths (``outer_state/0/0/count``) whose shapes, or presence, differ between the
+    checkpoint at ``step`` and ``like``."""
+    saved, wanted = _read(mngr, step)[0], _shapes(like)
+    return {p for p in saved.keys() | wanted.keys() if saved.get(p) != wanted.get(p)}
+
+
 def _fits(path: pathlib.Path, step: int, saved: dict[str, tuple], like) -> None:
     problem = mismatch(saved, _shapes(like))
     if problem:

@@ -124,9 +124,9 @@ class Transformer(nnx.Module):
         return self.embed.attend(x_BxLxD) if self.tied else self.head(x_BxLxD)
 
 
-def split_built(
-    make: Callable[[nnx.Rngs], nnx.Module], seed: int, *, same_as: Hashable | None = None
-) -> tuple[nnx.GraphDef, Any]:
+def split_built(make: Callable[[nnx.Rngs], nnx.Module], seed: int, *,
+                same_as: Hashable | None = None,
+                abstract: bool = False) -> tuple[nnx.GraphDef, Any]:  # fmt: skip
     """``(graphdef, params)`` of the module that ``make(rngs)`` builds from ``nnx.Rngs(params=
     seed)``, its parameters (a pure pytree) from one compiled call, which the persistent
     compilation cache keeps, rather than from one small compile per initialiser (about 1 s of
@@ -137,25 +137,29 @@ def split_built(
     ``same_as``: a hashable description of what ``make`` builds (its class and arguments); calls
     with equal ones share one traced and compiled call in this process, so the runs of a sweep
     (or of a test session) after the first skip the model's trace, lowering and executable load
-    (about 0.5 s of a warm tiny run on a 2-core CPU). Each call returns new arrays."""
+    (about 0.5 s of a warm tiny run on a 2-core CPU). Each call returns new arrays; with
+    ``abstract``, their shapes and dtypes only (nothing allocated: a dry run's)."""
     if same_as is None:
-        return _builder(make)(seed)
+        return _builder(make)(seed, abstract)
     try:
         hash(same_as)
     except TypeError:
-        return _builder(make)(seed)
+        return _builder(make)(seed, abstract)
     if same_as not in _builders:
         if len(_builders) >= _MAX_BUILDERS:
             _builders.pop(next(iter(_builders)))
         _builders[same_as] = _builder(make)
-    return _builders[same_as](seed)
+    return _builders[same_as](seed, abstract)
 
 
 _MAX_BUILDERS = 16
-_builders: dict[Hashable, Callable[[int], tuple[nnx.GraphDef, Any]]] = {}
+_builders: dict[Hashable, _Build] = {}
 
 
-def _builder(make: Callable[[nnx.Rngs], nnx.Module]) -> Callable[[int], tuple[nnx.GraphDef, Any]]:
+_Build = Callable[[int, bool], tuple[nnx.GraphDef, Any]]  # (seed, abstract) -> (graphdef, params)
+
+
+def _builder(make: Callable[[nnx.Rngs], nnx.Module]) -> _Build:
     """``seed -> (graphdef, params)`` through one jitted call (see :func:`split_built`)."""
     graphdefs = []
 
@@ -166,8 +170,9 @@ def _builder(make: Callable[[nnx.Rngs], nnx.Module]) -> Callable[[int], tuple[nn
 
     jitted = jax.jit(build)
 
-    def call(seed: int) -> tuple[nnx.GraphDef, Any]:
-        params = jitted(np.int32(seed))
+    def call(seed: int, abstract: bool = False) -> tuple[nnx.GraphDef, Any]:
+        seed_ = np.int32(seed)
+        params = jax.eval_shape(build, seed_) if abstract else jitted(seed_)
         return graphdefs[0], params
 
     return call
@@ -179,10 +184,12 @@ def described(kwargs: dict[str, Any]) -> tuple:
     return tuple((k, type(v).__name__, v) for k, v in sorted(kwargs.items()))
 
 
-def init_model(seed: int, **model_kwargs) -> tuple[nnx.GraphDef, Any]:
-    """Builds the model and splits it once into a graph definition and a pure params pytree."""
+def init_model(seed: int, *, abstract: bool = False, **model_kwargs) -> tuple[nnx.GraphDef, Any]:
+    """Builds the model and splits it once into a graph definition and a pure params pytree
+    (of shapes only with ``abstract``)."""
     same_as = ("Transformer", described(model_kwargs))
-    return split_built(lambda rngs: Transformer(**model_kwargs, rngs=rngs), seed, same_as=same_as)
+    return split_built(lambda rngs: Transformer(**model_kwargs, rngs=rngs), seed, same_as=same_as,
+                       abstract=abstract)  # fmt: skip
 
 
 def apply(

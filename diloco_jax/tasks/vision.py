@@ -61,10 +61,12 @@ class ResNet(nnx.Module):
         return self.head(jax.nn.relu(self.norm(x)).mean(axis=(1, 2)))
 
 
-def init_model(seed: int, **kwargs) -> tuple[nnx.GraphDef, Any]:
-    """``(graphdef, params)`` of a :class:`ResNet` built from ``kwargs``."""
+def init_model(seed: int, *, abstract: bool = False, **kwargs) -> tuple[nnx.GraphDef, Any]:
+    """``(graphdef, params)`` of a :class:`ResNet` built from ``kwargs`` (``params`` of shapes
+    only with ``abstract``)."""
     same_as = ("ResNet", described(kwargs))
-    return split_built(lambda rngs: ResNet(**kwargs, rngs=rngs), seed, same_as=same_as)
+    return split_built(lambda rngs: ResNet(**kwargs, rngs=rngs), seed, same_as=same_as,
+                       abstract=abstract)  # fmt: skip
 
 
 def apply(graphdef: nnx.GraphDef, params: Any, images_BxHxWxC: jax.Array) -> jax.Array:
