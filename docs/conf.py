@@ -33,6 +33,7 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.intersphinx",
     "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",  # [source] links from the API reference (no network needed)
 ]
 html_theme = "sphinx_book_theme"
 html_title = "diloco-jax"
