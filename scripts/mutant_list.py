@@ -583,3 +583,40 @@ MUTANTS += [
            "            if self.position and self._saved is not None:", "            if False:",
            [T_GRAIN_D]),
 ]  # fmt: skip
+
+# the emulated link of the bench (issue 55, item 1: tests/test_link.py), checked against its own
+# definition: B bytes take B / bandwidth + latency, each direction on its own
+LINK = "sim/link.py"
+T_LINK = "tests/test_link.py::"
+T_TRANSFER = (T_LINK + "test_bytes_take_their_size_over_the_bandwidth_plus_the_latency_each_way_"
+              "on_its_own")  # fmt: skip
+T_SMALL = (T_LINK + "test_a_small_message_takes_the_latency_each_way_and_a_new_connection_a_"
+           "round_trip_more")  # fmt: skip
+T_JITTER = T_LINK + "test_jitter_is_a_function_of_its_seed_and_never_reorders"
+T_OUTAGE = (T_LINK + "test_an_outage_resets_open_connections_refuses_new_ones_then_the_link_"
+            "works_again")  # fmt: skip
+
+MUTANTS += [
+    Mutant("a link sends each chunk as it comes, not queued behind the bytes before it",
+           "runtime", LINK, "self.free_at = max(now, self.free_at) + send_s",
+           "self.free_at = now + send_s", [T_TRANSFER]),
+    Mutant("both directions of a link share one queue and the up direction's profile",
+           "runtime", LINK, "self.up, self.down = Shaper(up, seed, UP), Shaper(down, seed, DOWN)",
+           "self.up = self.down = Shaper(up, seed, UP)", [T_TRANSFER]),
+    Mutant("a new connection's first bytes leave at once (no handshake's round trip)", "runtime",
+           LINK, "now = max(time.monotonic(), self.conn.ready_at)", "now = time.monotonic()",
+           [T_SMALL]),
+    Mutant("a link's jitter drawn from an unseeded generator", "randomness", LINK,
+           'self._rng = random.Random(f"{seed}:{direction}")', "self._rng = random.Random()",
+           [T_JITTER]),
+    Mutant("jitter lets a delivery come before the one before it", "randomness", LINK,
+           "self.last = max(self.free_at + latency + u, self.last)",
+           "self.last = self.free_at + latency + u", [T_JITTER]),
+    Mutant("an outage leaves open connections up", "faults", LINK,
+           "self.resets += self._cut_all()", "self.resets += 0", [T_OUTAGE]),
+    Mutant("a link takes new connections during an outage", "faults", LINK,
+           "return any(a <= t < b for a, b in self.outages)", "return False", [T_OUTAGE]),
+    Mutant("a link's 100mbit read as 100 MB/s", "command line", LINK, '"mbit": 1e6 / 8',
+           '"mbit": 1e6', [T_LINK + "test_the_command_line_reads_units_and_refuses_a_bad_value_"
+                                   "in_one_line"]),
+]  # fmt: skip
