@@ -91,26 +91,28 @@ def _train_flags(parser: ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.train") -> int:
-    watch_launcher()  # started by diloco_jax.launch: stop when it dies
+    launched = watch_launcher() is not None  # started by diloco_jax.launch: stop when it dies
     args = cli.parse(sys.argv[1:] if argv is None else argv, prog=prog, distributed=True,
                      resume=True, description=__doc__, extend=_train_flags)  # fmt: skip
     if args is None:
         return 0
     cfg, workdir = args.cfg, args.workdir
     given = sys.argv[1:] if argv is None else argv
-    again = commandline.rerun(shlex.split(prog), given, workdir)  # continues this run
+    # what continues this run: the launcher's own command for a process it started
+    again = ("the launcher's command again" if launched else
+             commandline.rerun(shlex.split(prog), given, workdir))  # fmt: skip
     try:
         distributed.initialize(args.cluster)
         placement.split_cpu(cfg)  # before anything starts JAX
         if args.flags.dry_run:
             return dry_run(cfg)
-        if not args.workdir_given and jax.process_index() == 0:
-            print(f"workdir {workdir}; to continue this run after a stop:\n  {again}",
-                  file=sys.stderr)  # fmt: skip
         if jax.process_count() > 1 and not args.workdir_given:
             raise config_lib.ConfigError(
                 "a run of several processes needs --workdir (a directory every process can reach)"
             )
+        if not args.workdir_given and cfg.train.checkpoint and jax.process_index() == 0:
+            print(f"workdir {workdir}; to continue this run after a stop:\n  {again}",
+                  file=sys.stderr)  # fmt: skip
         summary = train(cfg, workdir, allow_config_change=args.allow_config_change,
                         since_start=reporting.process_seconds() or 0.0)  # fmt: skip
     except (config_lib.ConfigError, DataError, checkpoint.CheckpointError, MissingExtra,

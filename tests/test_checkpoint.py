@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -413,11 +414,20 @@ def test_a_run_without_workdir_prints_the_command_that_continues_it(tmp_path, mo
 
 
 def test_the_command_of_a_run_names_its_program_as_typed_and_replaces_the_workdir():
-    assert commandline.program(str(ROOT / "diloco_jax" / "train.py")) == [
+    def started(module):  # a __main__ module, as `python -m module` leaves it (None: a script)
+        return types.SimpleNamespace(__spec__=module and types.SimpleNamespace(name=module))
+
+    train_py = str(ROOT / "diloco_jax" / "train.py")
+    assert commandline.program(train_py, started("diloco_jax.train")) == [
         "python", "-m", "diloco_jax.train"]  # fmt: skip
-    assert commandline.program(str(ROOT / "sim" / "__main__.py")) == ["python", "-m", "sim"]
-    assert commandline.program("/opt/venv/bin/diloco-train") == ["diloco-train"]
-    assert commandline.program("their_job.py") == ["python", "their_job.py"]
+    sim_main = str(ROOT / "sim" / "__main__.py")
+    assert commandline.program(sim_main, started("sim.__main__")) == ["python", "-m", "sim"]
+    assert commandline.program("/opt/venv/bin/diloco-train", started(None)) == ["diloco-train"]
+    assert commandline.program("/home/u/sim/job.py", started(None)) == [
+        "python",
+        "/home/u/sim/job.py",
+    ]
+    assert commandline.program("-c", started(None)) == ["python", "-c"]
     args = ["--workdir", "old", "--config.train.sample_prompt=TWO WORDS", "--workdir=older"]
     assert commandline.rerun(["diloco-train"], args, "runs/x") == (
         "diloco-train '--config.train.sample_prompt=TWO WORDS' --workdir runs/x"
@@ -512,3 +522,18 @@ def test_a_run_killed_outright_continues_from_its_last_save_by_time_with_the_pri
     full = train(cfg, tmp_path / "full", show_progress=False)["state"]
     restored = checkpoint.restore(checkpoint.manager(workdir), build(cfg).state, 400)
     assert_bitwise_equal(restored, full)
+
+
+def test_an_outer_state_that_cannot_be_rebuilt_is_one_clear_line(tmp_path):
+    """Eager outer steps keep one outer state per replica: another optimizer is refused in one
+    line. An outer state of other shapes with no outer.* key changed (streaming fragments) is
+    the mismatch it is, naming the shapes."""
+    eager = {"outer.mode": "eager", "train.checkpoint_every": 20}
+    train(tiny(**eager), tmp_path / "e", show_progress=False)
+    adam = tiny(**eager, **{"outer.optimizer": "adam", "outer.learning_rate": 0.01})
+    with pytest.raises(CheckpointError, match="outer.mode=eager every replica has its own state"):
+        train(adam, tmp_path / "e", show_progress=False, allow_config_change=True)
+    ten = {"outer.sync_every": 10, "train.checkpoint_every": 20, "model.num_layers": 2}
+    train(tiny(**ten, **{"streaming.fragments": 2}), tmp_path / "f", show_progress=False)
+    with pytest.raises(CheckpointError, match=r"does not match this run: .*outer_state/"):
+        train(tiny(**ten), tmp_path / "f", show_progress=False, allow_config_change=True)

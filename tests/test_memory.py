@@ -115,12 +115,21 @@ def test_a_dry_run_builds_the_model_from_shapes_and_its_hint_names_what_is_not_s
 
     problem = problems.load(tiny(), 4, abstract=True)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(problem.params))
-    for remat in ("false", "true"):
+    layouts = {
+        "sim": ["--config.parallel.runtime=sim"],
+        "mesh": ["--config.parallel.runtime=mesh", "--config.parallel.replica_devices=2"],
+    }
+    for runtime, remat in (("sim", "false"), ("mesh", "true")):
         flags = ["--config", "configs/tiny.py", "--workdir", str(tmp_path / remat),
-                 "--config.parallel.device_memory_gib=0.001", "--config.parallel.runtime=sim",
+                 "--config.parallel.device_memory_gib=0.001", *layouts[runtime],
                  f"--config.model.remat={remat}", "--dry_run"]  # fmt: skip
         assert main(flags) == 2
         [line] = capsys.readouterr().err.strip().splitlines()
-        assert "fewer replicas per device (parallel.replica_devices, 4 replicas a device" in line
         assert "a smaller data.batch_size (now 4)" in line
         assert ("model.remat=true" in line) == (remat == "false"), line
+        if runtime == "sim":  # what the simulator takes, not a mesh's keys
+            assert "sim.chunk=K" in line and "parallel.replica_devices" not in line
+        else:
+            assert (
+                "fewer replicas per device (parallel.replica_devices, 2 replicas a device" in line
+            )

@@ -49,22 +49,18 @@ class ArgumentParser(argparse.ArgumentParser):
         return f"unknown flag {name}{hint}"
 
 
-def program(argv0: str) -> list[str]:
-    """How the program of ``sys.argv[0]`` is typed: ``python -m diloco_jax.train`` for a module
-    of the package run with ``-m`` (argv[0] is then its file), ``python -m sim`` for the
-    simulator, the bare name of a console script on the PATH (``diloco-train``), else
-    ``python PATH``."""
-    path = pathlib.Path(argv0)
-    if path.suffix == ".py":
-        parts = path.resolve().with_suffix("").parts
-        for top in ("diloco_jax", "sim"):
-            if top in parts:
-                module = list(parts[len(parts) - parts[::-1].index(top) - 1 :])
-                if module[-1] == "__main__":
-                    module.pop()
-                return ["python", "-m", ".".join(module)]
-        return ["python", argv0]
-    return [path.name]
+def program(argv0: str, main: object = None) -> list[str]:
+    """How the program of this process is typed: ``python -m NAME`` when it was started with
+    ``-m`` (the ``main`` module's spec names the module; default: ``__main__``), the bare name
+    of a console script on the PATH (``diloco-train``), else ``python ARGV0`` (a script;
+    ``-c`` code: ``python -c``)."""
+    main = sys.modules.get("__main__") if main is None else main
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return ["python", "-m", spec.name.removesuffix(".__main__")]
+    if argv0.endswith(".py") or argv0 in ("-c", ""):
+        return ["python", argv0 or "-c"]
+    return [pathlib.Path(argv0).name]
 
 
 def rerun(prog: list[str], args: list[str], workdir: str | os.PathLike | None = None) -> str:

@@ -161,17 +161,25 @@ def shrinking(cfg: config_lib.Config, layout, *, transformer: bool) -> list[str]
     leaving out what it does already (``transformer``: the built-in language model, which
     ``model.remat`` applies to)."""
     ways = []
-    per_device = layout.replicas // max(layout.replica_devices, 1)
-    if per_device > 1:
-        ways.append(f"fewer replicas per device (parallel.replica_devices, {per_device} "
-                    "replicas a device now)")  # fmt: skip
+    if layout.runtime == "sim":  # every replica on one device, vmapped
+        if not cfg.sim.chunk:
+            ways.append("sim.chunk=K (K replicas at a time; with sim.offload=true the others' "
+                        "state waits in host memory)")  # fmt: skip
+        elif not cfg.sim.offload:
+            ways.append("sim.offload=true (the replicas' state waits in host memory)")
+        ways.append("parallel.runtime=mesh (replicas on several devices)")
+    else:
+        per_device = layout.replicas // max(layout.replica_devices, 1)
+        if per_device > 1:
+            ways.append(f"fewer replicas per device (parallel.replica_devices, {per_device} "
+                        "replicas a device now)")  # fmt: skip
+        if not layout.fsdp:
+            ways.append("parallel.fsdp=true with parallel.data_devices > 1 (a replica's state "
+                        "split over its devices)")  # fmt: skip
     if cfg.data.batch_size > 1:
         ways.append(f"a smaller data.batch_size (now {cfg.data.batch_size})")
     if transformer and not cfg.model.remat:
         ways.append("model.remat=true")
-    if not layout.fsdp:
-        ways.append("parallel.fsdp=true with parallel.data_devices > 1 (a replica's state split "
-                    "over its devices)")  # fmt: skip
     return [*ways, "a smaller model"]
 
 

@@ -146,8 +146,10 @@ def resume(mngr, s, workdir: pathlib.Path, *, allow_config_change: bool = False)
     except checkpoint.MismatchError as e:
         if s.cfg.algorithm == "diloco" and all(
             p.startswith("outer_state/") for p in checkpoint.differing(mngr, e.step, s.state)
-        ):  # another outer optimizer
-            return new_outer(mngr, s, e.step, allow_config_change)
+        ):  # another outer optimizer, if an outer.* key changed
+            started = new_outer(mngr, s, e.step, allow_config_change)
+            if started is not None:
+                return started
         saved = checkpoint.saved_replicas(mngr, e.step)
         if s.cfg.algorithm != "diloco" or saved in (None, s.layout.replicas):
             raise
@@ -194,20 +196,28 @@ def new_outer(mngr, s, step: int, allow_config_change: bool) -> Start:
     """Resumes the checkpoint at ``step``, saved with another outer optimizer (its state of
     other shapes), where ``allow_config_change``: everything is kept but the outer optimizer's
     state, which starts afresh (its momentum lost). Otherwise, or when the outer optimizers were
-    given from Python (no config says what the saved one was), raises one line naming it."""
+    given from Python (no config says what the saved one was), or under ``outer.mode=eager``,
+    raises one line naming it. None where no ``outer.*`` key changed (the mismatch is another)."""
     path, meta = mngr.directory / str(step), checkpoint.saved_meta(mngr, step)
+    outer = {k for k in config_changes(meta["config"], s.cfg) if k.startswith("outer.")}
+    if not outer:
+        return None
     changes = check_config(s.cfg, meta["config"], path, allow_change=allow_config_change)
-    outer = {k: v for k, v in changes.items() if k.startswith("outer.")}
-    given = [v for pair in outer.values() for v in pair if str(v).startswith(user_optimizers.GIVEN)]
-    if not outer or given:
-        raise checkpoint.MismatchError(
-            f"checkpoint {path} holds the state of another outer optimizer than this run's "
-            f"(outer.optimizer {meta['config']['outer']['optimizer']!r}); resume with that one, "
-            "or start a new --workdir", step)  # fmt: skip
-    saved_cfg = s.cfg
-    for key, (old, _) in outer.items():
+    given = [v for k in outer for v in changes[k] if str(v).startswith(user_optimizers.GIVEN)]
+    if given or s.algorithm.kinds.anchor == PER_REPLICA:
+        why = ("with outer.mode=eager every replica has its own" if not given else
+               "an optimizer given from Python has no config to rebuild its")  # fmt: skip
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} holds the state of another outer optimizer (outer.optimizer "
+            f"{meta['config']['outer']['optimizer']!r}) and {why} state: resume with that one, "
+            "or start a new --workdir")  # fmt: skip
+    saved_cfg = s.cfg  # the saved run's config, as far as its outer state's shapes go
+    for key, (old, _) in changes.items():
         if old is not ABSENT:
             saved_cfg = config_lib.replace(saved_cfg, key, old)
+    if saved_cfg.inner.optimizer.startswith(user_optimizers.GIVEN):  # shapes the inner state only
+        saved_cfg = config_lib.replace(saved_cfg, "inner.optimizer",
+                                       config_lib.Config().inner.optimizer)  # fmt: skip
     saved_algorithm = recipe.algorithm_from_config(saved_cfg, s.layout.replica_axis_names,
                                                    outer_lr_as_input=True)  # fmt: skip
     like = jax.eval_shape(lambda p: init_replicas(saved_algorithm, p, s.layout.replicas),
@@ -222,7 +232,7 @@ def new_outer(mngr, s, step: int, allow_config_change: bool) -> Start:
 
     shardings = jax.tree.map(lambda x: x.sharding, s.state.outer_state)
     state = old._replace(outer_state=jax.jit(init, out_shardings=shardings)(old.anchor))
-    listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in outer.items())
+    listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items() if k in outer)
     log.warning("resuming %s with another outer optimizer (%s): its state starts afresh at step "
                 "%d (momentum lost)", path, listed, step)  # fmt: skip
     return Start(state, step, path, changes, meta.get("controls", {}), meta.get("data"))

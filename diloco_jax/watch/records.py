@@ -84,12 +84,13 @@ def devices() -> dict[str, Any]:
 def run_record(step: int, workdir: pathlib.Path | None = None) -> dict[str, Any]:
     """This start's record (see the module docstring); ``workdir``: the run's, which
     ``command`` names when this process is a training command."""
-    if commandline.program(sys.argv[0]) not in TRAIN_COMMANDS:  # a sweep, fit, a test
+    prog = commandline.program(sys.argv[0] if sys.argv else "")
+    if prog not in TRAIN_COMMANDS:  # a sweep, fit, a test
         workdir = None
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "step": step,
-        "command": commandline.rerun(commandline.program(sys.argv[0]), sys.argv[1:], workdir),
+        "command": commandline.rerun(prog, sys.argv[1:], workdir),
         "argv": list(sys.argv),
         "cwd": os.getcwd(),
         "hostname": socket.gethostname(),
