@@ -192,7 +192,7 @@ def record(workdir: pathlib.Path, cfg: config_lib.Config, start: Start) -> None:
         f.write(json.dumps(entry) + "\n")
 
 
-def new_outer(mngr, s, step: int, allow_config_change: bool) -> Start:
+def new_outer(mngr, s, step: int, allow_config_change: bool) -> Start | None:
     """Resumes the checkpoint at ``step``, saved with another outer optimizer (its state of
     other shapes), where ``allow_config_change``: everything is kept but the outer optimizer's
     state, which starts afresh (its momentum lost). Otherwise, or when the outer optimizers were
