@@ -20,22 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from bench_command import cpu_name  # scripts/ is sys.path[0] when a script runs
 
 
 def _child(cmd: list[str], cwd: str) -> tuple[float, int, str, int]:
