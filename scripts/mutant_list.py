@@ -376,9 +376,24 @@ MUTANTS = [
             "round"]),
     Mutant("a learner's push ignores the codec and travels in float32", "faults",
            "diloco_jax/learners/learner.py",
-           "payload.encode(wire.leaf_names(state.anchor), mean, self.codec, replicas)",
-           "payload.encode(wire.leaf_names(state.anchor), mean, None, replicas)",
+           "payload.encode(names, mean, self.codec, replicas)",
+           "payload.encode(names, mean, None, replicas)",
            ["tests/test_learners.py::test_a_learners_push_travels_through_its_codec"]),
+    Mutant("streaming learners sync their fragments in another order than the simulator",
+           "variants", PLAN, "return self.starting((rnd + 1) * self.period)[1]",
+           "return self.starting(rnd * self.period)[1]",
+           ["tests/test_learners.py::test_streaming_learners_through_a_syncer_equal_the_cores_"
+            "streaming_replicas"]),
+    Mutant("the syncer leaves a streaming fragment's outer state where it was (no momentum)",
+           "variants", "diloco_jax/learners/keeping.py",
+           "outer = tuple(outer if f == fragment else s for f, s in enumerate(self.outer_state))",
+           "outer = self.outer_state",
+           ["tests/test_learners.py::test_streaming_learners_through_a_syncer_equal_the_cores_"
+            "streaming_replicas"]),
+    Mutant("a streaming learner lands every fragment from the anchor at each sync", "variants",
+           CORE, "landing = range(fragment, fragment + 1)", "landing = range(len(groups))",
+           ["tests/test_learners.py::test_streaming_learners_through_a_syncer_equal_the_cores_"
+            "streaming_replicas"]),
     Mutant("the syncer accepts a top-k push with a position sent twice", "faults",
            "diloco_jax/learners/payload.py",
            "        if np.unique(positions).size != positions.size:",
@@ -619,4 +634,31 @@ MUTANTS += [
     Mutant("a link's 100mbit read as 100 MB/s", "command line", LINK, '"mbit": 1e6 / 8',
            '"mbit": 1e6', [T_LINK + "test_the_command_line_reads_units_and_refuses_a_bad_value_"
                                    "in_one_line"]),
+]  # fmt: skip
+
+# compressed answers (issue 55, item 3: tests/test_answers.py): the anchor's change through the
+# codec, the error kept on the syncer, the learners' anchor the same everywhere and restored
+ANSWERS = "diloco_jax/learners/answers.py"
+T_ANSWERS = "tests/test_answers.py::"
+T_BOUND = (T_ANSWERS + "test_an_answer_decodes_to_the_anchor_within_the_codecs_bound_and_keeps_"
+           "what_it_lost")  # fmt: skip
+T_COPY = (T_ANSWERS + "test_a_copy_gets_the_same_bytes_a_joiner_the_learners_anchor_and_a_"
+          "restart_keeps_it")  # fmt: skip
+T_REBUILT = T_ANSWERS + "test_a_learner_restarts_from_the_rebuilt_anchor_and_receives_a_quarter"
+
+MUTANTS += [
+    Mutant("the syncer takes the true anchor for the learners' (the error is not kept)",
+           "algorithm", ANSWERS,
+           "    leaves = [plus(s, d) for s, d in zip(sent.leaves, decoded, strict=True)]",
+           "    leaves = host", [T_BOUND, T_REBUILT]),
+    Mutant("every answer is the learners' anchor whole, never the change", "variants", ANSWERS,
+           "    if sent.delta is not None and holds == sent.round - 1:", "    if False:",
+           [T_COPY, T_REBUILT]),
+    Mutant("a learner does not say which round's anchor it holds", "faults", ANSWERS,
+           '        return {} if self.codec is None or self.round is None else {"holds": '
+           "self.round}", "        return {}", [T_REBUILT]),
+    Mutant("a restarted syncer takes its anchor for the learners' (sent not restored)",
+           "checkpoint", "diloco_jax/learners/keeping.py",
+           '        if self.compress_answers and "sent" in saved:', "        if False:",
+           [T_COPY]),
 ]  # fmt: skip

@@ -198,6 +198,84 @@ def test_four_learners_through_a_syncer_equal_four_replicas_of_the_core(tmp_path
         again.close()
 
 
+def _fragment_of(params, count: int) -> list[int]:  # leaf i in fragment i mod F
+    return [i % count for i in range(len(jax.tree.leaves(params)))]
+
+
+@pytest.mark.parametrize("fragments", [2, 4])
+def test_streaming_learners_through_a_syncer_equal_the_cores_streaming_replicas(
+        tmp_path, fragments):  # fmt: skip
+    """Streaming DiLoCo between learners: each of four learners (one replica each) syncs every
+    ``sync_every / F`` steps, pushing the fragment the core's plan starts there (its leaves
+    alone: over F rounds every leaf is pushed, and answered, once); the syncer takes that
+    fragment's outer step with its own outer state, and each learner lands the answer mixed
+    (``mix`` 0.25). After three rounds of every fragment, the anchor, every replica's
+    parameters, inner and exchange states and the syncer's outer state (one per fragment, also
+    as a restarted syncer reads it back) equal the core's streaming vmap over four replicas,
+    bitwise: the same float32 operations on the same values (the syncer's merge of four equal
+    weights is the core's mean, as in the plain rounds)."""
+    from diloco_jax.learners.learner import _sync_parts
+
+    algorithm = diloco(optax.adamw(0.05), optax.sgd(0.7, momentum=0.9, nesterov=True),
+                       sync_every=4, streaming=(fragments, 0, 0.25),
+                       fragment_of=_fragment_of)  # fmt: skip
+    x0 = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2)), "c": jnp.zeros(4), "d": jnp.zeros(5)}
+    rng = np.random.default_rng(0)
+    targets_R = jax.tree.map(lambda x: np.asarray(rng.normal(size=(4, *x.shape)), np.float32), x0)
+    period, syncs = 4 // fragments, 3 * fragments
+    _, want, _ = helpers.run_vmapped(algorithm, x0, targets_R, syncs * period)
+    _, _, local = _learner_fns(algorithm)
+    parts = [_sync_parts(algorithm, None, 1, None, f)[:2] for f in range(fragments)]
+    names, assignment = wire.leaf_names(x0), _fragment_of(x0, fragments)
+    syncer = _syncer(tmp_path, algorithm)
+    states = [init_replicas(algorithm, x0, 1) for _ in range(4)]
+    sent, model = [], sum(x.nbytes for x in jax.tree.leaves(x0))
+    try:
+        for i in range(4):
+            syncer.join(i, wire.describe(x0), {"outer.sync_every": 3}, wire.named(x0),
+                        assignment)  # fmt: skip
+        with pytest.raises(Refused, match=r"\['a'\] is in streaming fragment 1, the syncer's 0"):
+            syncer.join(0, wire.describe(x0), {"outer.sync_every": 3}, wire.named(x0),
+                        [1] * 4)  # fmt: skip
+        other = {n: np.zeros(np.shape(x0[n[2]]), np.float32)  # round 0's is fragment 1
+                 for n, g in zip(names, assignment, strict=True) if g == 0}  # fmt: skip
+        with pytest.raises(Refused, match="the push lacks"):
+            syncer.push(0, 1, 0, 1.0, other)
+        for rnd in range(syncs):
+            f = algorithm.plan.round_fragment(rnd)
+            assert f == (rnd + 1) % fragments  # the plan's first sync is fragment 1's
+            mine = [n for n, g in zip(names, assignment, strict=True) if g == f]
+            for i in range(4):
+                for _ in range(period):
+                    target = jax.tree.map(lambda t, i=i: t[i : i + 1], targets_R)
+                    states[i], _ = local(states[i], jax.tree.map(jnp.subtract, states[i].params,
+                                                                 target))  # fmt: skip
+                states[i], mean, total_w = parts[f][0](states[i])
+                pushed = dict(zip(mine, (np.asarray(m) for m in mean), strict=True))
+                syncer.push(i, 1, rnd, float(total_w), pushed)
+            sent.append(sum(a.nbytes for a in pushed.values()))
+            assert syncer.round == rnd + 1
+            _, answer = syncer.wait(rnd, 1.0)
+            assert list(answer) == mine  # the fragment's anchor alone
+            states = [parts[f][1](s, [answer[n] for n in mine]) for s in states]
+        for i, state in enumerate(states):
+            chex.assert_trees_all_equal(state.anchor, want.anchor)
+            for field in ("params", "inner_state", "exchange_state"):
+                chex.assert_trees_all_equal(
+                    jax.tree.map(lambda x: x[0], getattr(state, field)),
+                    jax.tree.map(lambda x, i=i: x[i], getattr(want, field)))  # fmt: skip
+        chex.assert_trees_all_equal(syncer.outer_state, want.outer_state)
+    finally:
+        syncer.close()
+    assert sum(sent[:fragments]) == model and max(sent) < model / fragments * 1.5
+    again = _syncer(tmp_path, algorithm)  # a restarted syncer: its fragments' outer states
+    try:
+        assert again.round == syncs and again.assignment == assignment
+        chex.assert_trees_all_equal(again.outer_state, syncer.outer_state)
+    finally:
+        again.close()
+
+
 def test_weighed_rounds_move_the_anchor_by_the_examples_merged(tmp_path):
     """``syncer.weigh_rounds``: after a round of both learners (whole weights 4 and 4), a round
     where only learner 0 pushed (half a full round's examples) takes the outer step on half its
@@ -715,6 +793,45 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     assert not helpers.events(tmp_path / "learner", "sync")
 
 
+STREAMING = {"streaming.fragments": 2, "streaming.mix": 0.5, "model.num_layers": 2,
+             "outer.sync_every": 10, "train.total_steps": 20, "parallel.replicas": 1,
+             "parallel.runtime": "sim"}  # fmt: skip
+
+
+@pytest.mark.slow  # ~18 s; the default suite's stand-in: streaming learners through a syncer
+# against the core's streaming replicas (the learner's own sync parts, F = 2 and 4)
+def test_a_streaming_learner_in_this_process_trains_what_one_streaming_replica_trains(
+        tmp_path, monkeypatch):  # fmt: skip
+    """``train()`` as the only learner of a syncer with two streaming fragments (one sync every
+    5 steps, fragment 1 then 0, mixed in at 0.5) equals the simulator's Streaming DiLoCo with
+    one replica, bitwise: the same anchor, parameters and evaluation. Each round's push and
+    answer carry one fragment: the two rounds of a period together carry the model once."""
+    from diloco_jax.learners.command import make_syncer
+    from diloco_jax.simulated import comms
+    from diloco_jax.train import train
+
+    want = train(_tiny(**STREAMING), tmp_path / "one", show_progress=False)
+    syncer = make_syncer(_tiny(**STREAMING), tmp_path / "syncer")
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
+    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
+    try:
+        got = train(_tiny(**STREAMING, **{"syncer.address": f"127.0.0.1:{server.port}"}),
+                    tmp_path / "learner", show_progress=False)  # fmt: skip
+    finally:
+        server.stop()
+        syncer.close()
+    assert syncer.round == 4
+    chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
+    chex.assert_trees_all_equal(got["state"].params, want["state"].params)
+    assert got["final_eval_loss"] == want["final_eval_loss"]
+    rounds = helpers.events(tmp_path / "learner", "round")
+    assert [(e["step"], e["base_round"]) for e in rounds] == [(5, 0), (10, 1), (15, 2), (20, 3)]
+    model = comms.payload_bytes(want["state"].anchor)
+    sent = [e["bytes_sent"] for e in rounds]
+    assert sent[0] + sent[1] == pytest.approx(model, abs=4096)  # the framing aside
+    assert max(sent) < 0.75 * model and sent[:2] == sent[2:]
+
+
 @pytest.mark.parametrize("mode", ["sync", "delayed", "eager"])
 def test_a_learner_reads_its_anchor_to_the_host_once_a_round(tmp_path, monkeypatch, mode):
     """The anchor goes from the devices to the host (with FSDP gathered whole first) once at
@@ -1031,6 +1148,25 @@ def test_an_accumulator_is_not_a_learners_codec():
     with pytest.raises(config_lib.ConfigError, match="compress.codec = 'dct' is invalid: dct and "
                        "sparseloco are exchanges, not codecs"):  # fmt: skip
         config_lib.validate(_tiny(**learner, **{"compress.codec": "dct"}))
+
+
+def test_a_streaming_learner_is_refused_what_it_does_not_support_in_one_line():
+    """Streaming fragments between learners: the period (``outer.sync_every / F``) a multiple
+    of ``train.log_every`` (a sync happens between calls), no overlap, synchronous rounds (a
+    quorum's late push would hold another round's fragment); each refused naming its key."""
+    from diloco_jax import config as config_lib
+
+    learner = {"syncer.address": "127.0.0.1:9", **STREAMING}
+    config_lib.validate(_tiny(**learner))
+    for change, refused in [
+        ({"streaming.overlap": 1}, "streaming.overlap = 1 is invalid: must be 0 for a learner"),
+        ({"train.log_every": 10}, "outer.sync_every = 10 is invalid: divided by "
+         r"streaming.fragments = 2 \(5\) must be a multiple of train.log_every = 10"),
+        ({"syncer.quorum": 1}, "syncer.quorum = 1 is invalid: must be 0 with "
+         "streaming.fragments = 2"),
+    ]:  # fmt: skip
+        with pytest.raises(config_lib.ConfigError, match=refused):
+            config_lib.validate(_tiny(**learner, **change))
 
 
 def test_the_status_page_and_metrics_show_the_learners_and_rounds(tmp_path):

@@ -250,30 +250,47 @@ class Diloco(NamedTuple):
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
         return delta, w, finite, mean, ex_f, total_w
 
-    def contribution(self, state: DilocoState, weight=1.0):
+    def contribution(self, state: DilocoState, weight=1.0, fragment: int = 0):
         """One replica's part of a sync whose outer step is taken elsewhere (a syncer of
         independent learners, :mod:`diloco_jax.learners`): ``(state, mean, total_w)``, where
         ``mean`` is the weighted mean pseudo-gradient of the replicas on the replica axis (as
-        a list of leaves, the same on every replica), ``total_w`` their mean weight (0: nobody's
-        was finite) and ``state`` has the exchange's new state and ``healthy``. For plain
-        DiLoCo: one fragment, ``sync`` timing, a shared anchor."""
-        anchor = jax.tree.leaves(state.anchor)
-        start = jax.tree.leaves(state.base) if self.late_merge else anchor
-        _, _, finite, mean, ex, total_w = self._contribute(
-            start, jax.tree.leaves(state.params), anchor, weight, state.exchange_state[0]
-        )
-        return state._replace(exchange_state=(ex,), healthy=finite), mean, total_w
+        a list of the leaves of ``fragment``, the same on every replica), ``total_w`` their mean
+        weight (0: nobody's was finite) and ``state`` has the exchange's new state of that
+        fragment and ``healthy``: a sync's start (``_start``) without its outer step. ``sync``
+        timing, a shared anchor; Streaming DiLoCo's fragment ``f`` (plain DiLoCo: the one
+        fragment, every leaf)."""
+        idx = self._groups(state.params)[fragment]
 
-    def restart(self, state: DilocoState, anchor) -> DilocoState:
+        def pick(tree) -> list:
+            leaves = jax.tree.leaves(tree)
+            return [leaves[i] for i in idx]
+
+        anchor = pick(state.anchor)
+        start = pick(state.base) if self.late_merge else anchor
+        _, _, finite, mean, ex, total_w = self._contribute(
+            start, pick(state.params), anchor, weight, state.exchange_state[fragment]
+        )
+        exchange_state = _set(state.exchange_state, [fragment], [ex])
+        return state._replace(exchange_state=exchange_state, healthy=finite), mean, total_w
+
+    def restart(self, state: DilocoState, anchor, fragment: int | None = None) -> DilocoState:
         """One replica after an outer step taken elsewhere (:meth:`contribution`): the new
-        ``anchor`` lands as a sync lands here (every replica restarts from it; one whose
-        pseudo-gradient was not finite with a fresh inner state)."""
+        ``anchor`` lands as a sync lands here (every replica restarts from it, or with ``mix``
+        mixes it in; one whose pseudo-gradient was not finite with a fresh inner state).
+        ``fragment``: only that fragment's anchor is new, ``anchor`` the list of its leaves
+        (Streaming DiLoCo); None: ``anchor`` is the whole tree and every fragment lands."""
         leaves, treedef = jax.tree.flatten(state.params)
-        rnd = _Round(leaves, state.inner_state, jax.tree.leaves(anchor), state.outer_state,
-                     state.exchange_state, state.timing_state, state.healthy, zero_stats(),
+        groups = self._groups(state.params)
+        if fragment is None:
+            new, landing = jax.tree.leaves(anchor), range(len(groups))
+        else:
+            new = _set(jax.tree.leaves(state.anchor), groups[fragment], list(anchor))
+            landing = range(fragment, fragment + 1)
+        rnd = _Round(leaves, state.inner_state, new, state.outer_state, state.exchange_state,
+                     state.timing_state, state.healthy, zero_stats(),
                      jax.tree.leaves(state.base))  # fmt: skip
-        rnd = self._land(0, rnd, groups=self._groups(state.params), take_anchor=True,
-                         treedef=treedef)  # fmt: skip
+        for f in landing:
+            rnd = self._land(f, rnd, groups=groups, take_anchor=True, treedef=treedef)
         return state._replace(
             params=jax.tree.unflatten(treedef, rnd.params), inner_state=rnd.inner_state,
             anchor=jax.tree.unflatten(treedef, rnd.anchor), healthy=rnd.healthy,

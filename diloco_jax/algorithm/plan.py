@@ -70,6 +70,11 @@ class SyncPlan(NamedTuple):
         start = max(self.period, -(-first // self.period) * self.period)
         return [(s, self.starting(s)[1]) for s in range(start, last + 1, self.period)]
 
+    def round_fragment(self, rnd: int) -> int:
+        """The fragment of sync ``rnd`` (counted from 0) of a run started at step 0: the one
+        starting after step ``(rnd + 1) * period`` (a syncer's round of streaming learners)."""
+        return self.starting((rnd + 1) * self.period)[1]
+
     def rounds(self, step: int) -> int:
         """Outer steps completed after ``step`` inner steps (whole rounds of ``sync_every``)."""
         return step // self.sync_every

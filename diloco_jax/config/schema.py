@@ -276,6 +276,8 @@ class CompressConfig:
     min_size: int = _key(_CODEC.min_size, "leaves with fewer values travel in float32")
     error_feedback: bool = _key(_CODEC.error_feedback,
                                 "keep what encoding lost; add it to the next")  # fmt: skip
+    answers: bool = _key(False, "learners: the syncer answers with the anchor's change "
+                         "through the codec, keeping the error")  # fmt: skip
     dct_chunk: int = _key(_DCT.chunk, "dct: values per DCT chunk")
     dct_topk: int = _key(_DCT.topk, "dct: coefficients each replica sends per chunk")
     dct_beta: float = _key(_DCT.beta, "dct: decay of the local momentum of pseudo-gradients")

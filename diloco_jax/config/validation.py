@@ -120,10 +120,9 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_syncer(cfg: Config) -> None:
-    """The syncer's keys; a learner (``syncer.address`` set) runs plain DiLoCo on the
-    simulator's layout or a mesh without FSDP for now, its push through a codec (not an
-    accumulator's exchange)."""
-    sy, t, o = cfg.syncer, cfg.train, cfg.outer
+    """The syncer's keys; a learner (``syncer.address`` set) runs DiLoCo (or Streaming DiLoCo
+    with no overlap), its push through a codec (not an accumulator's exchange)."""
+    sy, t, o, st = cfg.syncer, cfg.train, cfg.outer, cfg.streaming
     host, _, port = sy.address.rpartition(":")
     rules = [
         ("syncer.learners", sy.learners >= 1, "must be an integer >= 1"),
@@ -143,6 +142,9 @@ def _validate_syncer(cfg: Config) -> None:
         ("syncer.grace", sy.grace > 0 and sy.grace <= sy.timeout,
          f"must be > 0 seconds and at most syncer.timeout = {sy.timeout} (the deadline closes "
          "a round first)"),
+        ("syncer.quorum", sy.quorum == 0 or st.fragments == 1,
+         f"must be 0 with streaming.fragments = {st.fragments} (a late push would hold another "
+         "round's fragment)"),
         ("syncer.max_late", sy.max_late >= 1, "must be an integer >= 1 (rounds)"),
         ("syncer.late_weight", 0 <= sy.late_weight <= 1, "must be in [0, 1]"),
         ("syncer.rounds", sy.rounds >= 0, "must be an integer >= 0 (0: train.total_steps)"),
@@ -162,7 +164,6 @@ def _validate_syncer(cfg: Config) -> None:
     ]  # fmt: skip
     if sy.address:
         plain = {"algorithm": cfg.algorithm == "diloco",
-                 "streaming.fragments": cfg.streaming.fragments == 1,
                  "noloco.enabled": not cfg.noloco.enabled,
                  "desloc.first_moment_every": not (cfg.desloc.first_moment_every
                                                    or cfg.desloc.second_moment_every),
@@ -172,10 +173,32 @@ def _validate_syncer(cfg: Config) -> None:
         rules.append(("compress.codec", cfg.compress.codec not in ("dct", "sparseloco"),
                       "dct and sparseloco are exchanges, not codecs: a learner's push goes "
                       "through none, bf16, int8, fp8, int4 or topk"))  # fmt: skip
-        rules.append(("outer.sync_every", o.sync_every % t.log_every == 0,
-                      f"must be a multiple of train.log_every = {t.log_every} for a learner "
-                      "(its syncs happen between calls)"))  # fmt: skip
+        rules.append(("streaming.overlap", st.overlap == 0,
+                      "must be 0 for a learner (syncer.address): a fragment lands in the sync "
+                      "that pushed it (an overlap is not supported by a learner yet)"))  # fmt: skip
+        period = o.sync_every // max(st.fragments, 1)  # a sync of one fragment each
+        per = f"divided by streaming.fragments = {st.fragments} ({period}) " * (st.fragments > 1)
+        rules.append(("outer.sync_every", period % t.log_every == 0,
+                      f"{per}must be a multiple of train.log_every = {t.log_every} for a "
+                      "learner (its syncs happen between calls)"))  # fmt: skip
+    rules += _answers_rules(cfg)
     _enforce(rules, keys(cfg))
+
+
+def _answers_rules(cfg: Config) -> list:
+    """compress.answers: a syncer's answers, through a codec, of the anchor (not a mean, nor a
+    streaming fragment)."""
+    c, on = cfg.compress, cfg.compress.answers
+    return [
+        ("compress.answers", not on or cfg.syncer.address,
+         "compresses a syncer's answers: it needs syncer.address (learners and a syncer)"),
+        ("compress.answers", not on or c.codec in ("bf16", "int8", "fp8", "int4", "topk"),
+         "needs compress.codec bf16, int8, fp8, int4 or topk (the answers go through it)"),
+        ("compress.answers", not on or cfg.outer.mode != "eager",
+         "does not combine with outer.mode=eager (the answers are the rounds' means)"),
+        ("compress.answers", not on or cfg.streaming.fragments == 1,
+         "does not combine with streaming.fragments > 1 yet"),
+    ]  # fmt: skip
 
 
 def _validate_serve(cfg: Config) -> None:

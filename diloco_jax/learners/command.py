@@ -69,7 +69,8 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path, cls=Syncer, **ext
                   max_late=sy.max_late, rounds=sy.rounds, examples=sy.examples,
                   outer_scale=recipe.outer_lr_input(cfg), codec=recipe.codec_of(cfg),
                   weigh_rounds=sy.weigh_rounds, late_weight=sy.late_weight,
-                  answer_mean=cfg.outer.mode == "eager")  # fmt: skip
+                  answer_mean=cfg.outer.mode == "eager",
+                  compress_answers=cfg.compress.answers)  # fmt: skip
 
 
 def serve(cfg: config_lib.Config, workdir: pathlib.Path):

@@ -2,7 +2,14 @@
 anchor and outer state (JAX arrays), and a round's close: the pushes merged in learner order,
 the core's outer step, the checkpoint written, off the lock in a writer thread of its own,
 and only then the round advanced and the new anchor answered. The rules that decide who may
-push and when a round closes are :class:`diloco_jax.learners.syncer.Syncer`'s."""
+push and when a round closes are :class:`diloco_jax.learners.syncer.Syncer`'s.
+
+Streaming DiLoCo (``streaming.fragments`` F > 1): round ``r`` is the sync of one fragment, the
+one the core's plan starts at the learners' ``r``-th sync
+(:meth:`~diloco_jax.algorithm.plan.SyncPlan.round_fragment`); its pushes, merge, outer step
+(with that fragment's own outer state: the outer state is the tuple of the fragments') and
+answer hold that fragment's leaves. Which leaf is in which fragment the first learner's join
+says (the learners' ``fragment_of``), and every later join must agree."""
 
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.learners import answers
 from diloco_jax.learners.ledger import Ledger
 from diloco_jax.learners.rounds import Member, Push, merge, sha256
 from diloco_jax.learners.store import Store
@@ -37,8 +46,10 @@ class Keeper:
     config; ``outer_scale``: what multiplies its outer update (the outer learning rate where
     the optimizer is built with rate 1, as in a run); ``keys``: the training keys every learner
     must share (its config's, compared at join); ``learners``: the declared learner count;
-    the rest as the ``syncer.*`` keys of the same names (see
-    :mod:`diloco_jax.learners.syncer`)."""
+    ``compress_answers``: ``compress.answers``, the answers through ``codec``
+    (:mod:`diloco_jax.learners.answers`: the syncer's outer step goes on from its true anchor,
+    the learners' replicas restart from ``sent``, their reconstruction of it); the rest as the
+    ``syncer.*`` keys of the same names (see :mod:`diloco_jax.learners.syncer`)."""
 
     HISTORY = 8  # rounds the adaptive grace window remembers
 
@@ -47,18 +58,29 @@ class Keeper:
                  adaptive_grace: bool = True, max_late: int = 4, rounds: int = 0,
                  examples: float = 0.0, outer_scale: float = 1.0, codec=None,
                  weigh_rounds: bool = False, late_weight: float = 1.0,
-                 answer_mean: bool = False, clock=time.monotonic):  # fmt: skip
+                 answer_mean: bool = False, compress_answers: bool = False,
+                 clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
+        self.fragments = algorithm.plan.fragments  # Streaming DiLoCo's F (1: plain DiLoCo)
         self.codec = codec  # how pushes travel (:mod:`.payload`; None: float32)
         self.weigh_rounds = weigh_rounds
         # outer.mode = eager: a push is answered with its round's merged mean (the learners take
         # their own outer steps); the syncer's anchor moves as in a synchronous run, for joins
         self.answer_mean = answer_mean
+        # compress.answers: the anchor's change through the codec, error feedback kept here
+        # (:mod:`.answers`); ``sent``: what the learners hold of the anchor
+        if compress_answers:
+            answers.check(codec, answer_mean, algorithm.plan.fragments)
+        self.compress_answers = compress_answers
+        self.sent: answers.Sent | None = None
         self.means: dict[int, list] = {}  # the merged mean of each recent round
         self.late_weight = late_weight  # a push's merge weight times this per round it is late
         self.full_push: dict[int, float] = {}  # each learner's largest push: its whole weight
         self.timeout, self.dead_after, self.outer_scale = timeout, dead_after, outer_scale
         self.quorum, self.grace, self.adaptive_grace = quorum, grace, adaptive_grace
+        if quorum and self.fragments > 1:
+            raise ValueError("syncer.quorum > 0 does not combine with streaming fragments (a "
+                             "late push holds another round's fragment)")  # fmt: skip
         self.max_late, self.rounds, self.examples = max_late, rounds, examples
         self.merged = 0.0  # examples whose pseudo-gradients reached the anchor, in all rounds
         self.clock = clock
@@ -69,6 +91,7 @@ class Keeper:
         self.pending: dict[int, Push] = {}
         self.round = 0
         self.names: list[str] = []  # the anchor's leaves, by name (empty: no anchor yet)
+        self.assignment: list[int] = []  # the fragment of each leaf (set with the anchor)
         # the anchor and outer state live as JAX arrays (the outer step's inputs as they are;
         # a learner's answer reads the anchor in place)
         self.anchor: list[jax.Array] | None = None
@@ -111,9 +134,12 @@ class Keeper:
         self.names = [n for n, _, _ in meta["leaves"]]
         self.anchor = list(saved["anchor"])
         self.anchor_sha = sha256(self.anchor)
-        outer = jax.eval_shape(self.algorithm.outer.init, self._like(meta)["anchor"])
+        self.assignment = self._assigned(meta)
+        outer = self._outer_shape(self._like(meta)["anchor"], self.assignment)
         self.outer_state = jax.tree.unflatten(jax.tree.structure(outer), saved["outer"])
         self.round, self.merged = step, float(meta.get("merged", 0.0))
+        if self.compress_answers and "sent" in saved:  # else the anchor: :meth:`_sent`
+            self.sent = answers.first(list(saved["sent"]), step)
         self.ledger = Ledger.from_meta(meta.get("pushes", {}))
         # the members of the last round, present again: their pushes need no new join
         for i, generation in meta.get("members", {}).items():
@@ -123,22 +149,77 @@ class Keeper:
     def _like(self, meta: dict) -> dict:
         """The structure of a checkpoint's state, from its ``meta``."""
         anchor = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for _, s, d in meta["leaves"]]
-        outer = jax.eval_shape(self.algorithm.outer.init, anchor)
-        return {"anchor": anchor, "outer": jax.tree.leaves(outer)}
+        outer = self._outer_shape(anchor, self._assigned(meta))
+        like = {"anchor": anchor, "outer": jax.tree.leaves(outer)}
+        return {**like, "sent": anchor} if meta.get("sent") else like
 
-    def _save(self, rnd: int, anchor: list, outer_state, meta: dict) -> None:
-        self.store.save(rnd, anchor, outer_state, meta)
+    def _outer_shape(self, anchor: list, assignment: list[int]):
+        return jax.eval_shape(lambda leaves: self.outer_init(leaves, assignment), anchor)
+
+    def _assigned(self, meta: dict) -> list[int]:
+        return list(meta.get("fragments") or [0] * len(meta["leaves"]))
+
+    def outer_init(self, anchor: list, assignment: list[int]):
+        """A fresh outer state of ``anchor`` (a list of leaves): the outer optimizer's state of
+        the whole list, or with streaming fragments (``assignment``: each leaf's) the tuple of
+        each fragment's, over the list of its leaves, as the core keeps them."""
+        if self.fragments == 1:
+            return self.algorithm.outer.init(anchor)
+        groups = fragments_lib.groups(assignment, self.fragments)
+        return tuple(self.algorithm.outer.init([anchor[i] for i in idx]) for idx in groups)
+
+    def carried(self, rnd: int) -> list[int]:
+        """The indices of the anchor's leaves that round ``rnd``'s pushes and answer hold: every
+        leaf, or with streaming fragments those of the round's fragment."""
+        if self.fragments == 1:
+            return list(range(len(self.names)))
+        fragment = self.algorithm.plan.round_fragment(rnd)
+        return [i for i, f in enumerate(self.assignment) if f == fragment]
+
+    def _save(self, rnd: int, anchor: list, outer_state, meta: dict,
+              sent: list | None = None) -> None:  # fmt: skip
+        if sent is not None:  # compress.answers: the learners' anchor, restored with the rest
+            meta = {**meta, "sent": True}
+        self.store.save(rnd, anchor, outer_state, meta, sent)
+
+    def _sent(self) -> answers.Sent | None:
+        """``sent`` (compress.answers; None: off): what the learners hold of the anchor, the
+        anchor itself until a round's change went out."""
+        if self.compress_answers and self.sent is None and self.anchor is not None:
+            self.sent = answers.first(self.anchor, self.round)
+        return self.sent
+
+    def held(self) -> dict[str, Any]:
+        """The anchor a join is given, by name: with compress.answers the learners'
+        reconstruction (``sent``, so that every learner holds the same), else the anchor."""
+        sent = self._sent()
+        leaves = (self.anchor or []) if sent is None else sent.leaves
+        return dict(zip(self.names, leaves, strict=True))
 
     def _meta(self, rnd: int, anchor: list) -> dict:
         described = [[n, list(a.shape), str(a.dtype)]
                      for n, a in zip(self.names, anchor, strict=True)]  # fmt: skip
         members = {str(i): self.members[i].generation for i in self.present()}
-        return {"leaves": described, "keys": self.keys, "round": rnd, "members": members,
+        meta = {"leaves": described, "keys": self.keys, "round": rnd, "members": members,
                 "merged": self.merged, "pushes": self.ledger.to_meta()}  # fmt: skip
+        if self.fragments > 1:
+            meta["fragments"] = self.assignment
+        return meta
 
-    def _described(self) -> list[list]:
-        return [[n, list(a.shape), str(a.dtype)]
-                for n, a in zip(self.names, self.anchor or [], strict=True)]  # fmt: skip
+    def _described(self, rnd: int | None = None) -> list[list]:
+        """The ``[name, shape, dtype]`` of the anchor's leaves, or of those a push of round
+        ``rnd`` holds (:meth:`carried`)."""
+        described = [[n, list(a.shape), str(a.dtype)]
+                     for n, a in zip(self.names, self.anchor or [], strict=True)]  # fmt: skip
+        return described if rnd is None else [described[i] for i in self.carried(rnd)]
+
+    def answered(self, rnd: int) -> tuple[dict[str, Any], str | None]:
+        """The anchor a push of round ``rnd`` is answered with, by name, and its SHA-256 where
+        it is the whole anchor's (None: a fragment's, hashed as it is sent)."""
+        leaves: list = self.anchor or []
+        if self.fragments == 1:
+            return dict(zip(self.names, leaves, strict=True)), self.anchor_sha
+        return {self.names[i]: leaves[i] for i in self.carried(rnd)}, None
 
     @property
     def finished(self) -> bool:
@@ -215,23 +296,26 @@ class Keeper:
         merged_s = time.perf_counter() - timer
         # eager: the mean is kept for the answers (a copy: the step takes the mean's buffers)
         kept = [np.array(m, np.float32) for m in mean] if self.answer_mean else None
-        with warnings.catch_warnings():  # a bfloat16 anchor cannot take a float32 buffer
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            anchor, outer = self._step(mean, self.anchor, self.outer_state,
-                                       anyone=bool(total_w > 0))  # fmt: skip
+        anchor, outer = self._fragment_step(self.round, mean, anyone=bool(total_w > 0))
         del mean
-        anchor = list(anchor)
         anchor_sha = sha256(anchor)
+        # compress.answers: the change the learners will add; the outer step goes on from the
+        # true anchor, and what the codec lost goes out with the next round's change
+        sent = self._sent()
+        if sent is not None:
+            sent = answers.following(sent, anchor, self.names, self.codec)
         step_s = time.perf_counter() - timer - merged_s
         closed = self.round
         with contextlib.nullcontext() if locked else self.lock:
             self.anchor, self.outer_state, self.anchor_sha = anchor, outer, anchor_sha
+            self.sent = sent
             self.ledger.merged(dict(zip(order, pushes, strict=True)), closed,
                                closed - self.max_late - 1)  # fmt: skip
             self.merged += examples
             meta = self._meta(closed + 1, anchor)
         try:
-            self._save(closed + 1, anchor, outer, meta)  # before anyone sees the new anchor
+            self._save(closed + 1, anchor, outer, meta,  # before anyone sees the new anchor
+                       None if sent is None else sent.leaves)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the round goes on; a restart would lose it
             log.exception("syncer: the checkpoint of round %d was not written", closed + 1)
             self.event("checkpoint_failed", error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -254,6 +338,24 @@ class Keeper:
                        step_s=round(step_s, 4), checkpoint_s=round(saved_s, 4))  # fmt: skip
             self._closing = None
             self.lock.notify_all()
+
+    def _fragment_step(self, rnd: int, mean: list, anyone: bool) -> tuple[list, Any]:
+        """``(anchor, outer state)`` after round ``rnd``'s outer step on its merged ``mean``:
+        of the whole anchor, or with streaming fragments of the round's fragment alone (its
+        leaves and its own outer state), the others' kept."""
+        idx = self.carried(rnd)
+        assert self.anchor is not None
+        fragment = self.algorithm.plan.round_fragment(rnd)
+        outer = self.outer_state if self.fragments == 1 else self.outer_state[fragment]
+        with warnings.catch_warnings():  # a bfloat16 anchor cannot take a float32 buffer
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            part, outer = self._step(mean, [self.anchor[i] for i in idx], outer, anyone=anyone)
+        anchor = list(self.anchor)
+        for i, leaf in zip(idx, part, strict=True):
+            anchor[i] = leaf
+        if self.fragments > 1:
+            outer = tuple(outer if f == fragment else s for f, s in enumerate(self.outer_state))
+        return anchor, outer
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)

@@ -21,6 +21,18 @@ the replicas restart from the anchor they had). This is the simulator's delayed 
 where each sync applies the previous sync's mean, with the communication really behind the
 computation: a sync waits only when the round of the push before has not closed yet.
 
+Streaming DiLoCo (``streaming.fragments`` F > 1, :class:`~diloco_jax.algorithm.plan.SyncPlan`):
+a sync every ``outer.sync_every / F`` steps, each of one fragment, the one the core's plan
+starts at that sync (:meth:`~diloco_jax.algorithm.plan.SyncPlan.round_fragment` of the round):
+step 1 takes that fragment's leaves alone (with its own exchange state), the push and the
+answer hold them alone, and step 3 lands them (with ``streaming.mix``: ``params_f = mix *
+params_f + (1 - mix) * anchor_f``) as the simulator's streaming sync does with
+``streaming.overlap = 0``. Which leaf is in which fragment the join tells the syncer.
+
+With ``compress.answers`` the answer is the anchor's change through the codec: the sending
+thread adds it to the anchor the learner holds (:class:`~diloco_jax.learners.answers.Held`),
+and the replicas restart from that rebuilt anchor, every learner's the same.
+
 A refused push (the learner missed a round, or was dropped) makes the learner join again and
 restart from the syncer's current anchor: the work since its last sync is lost, and said so.
 """
@@ -37,10 +49,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.base.axes import LOCAL_REPLICA, REPLICA
 from diloco_jax.config import recipe
-from diloco_jax.learners import credentials, payload, service, wire
+from diloco_jax.learners import answers, credentials, payload, service, wire
 from diloco_jax.runtime import fsdp, parallel
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
@@ -49,6 +62,7 @@ SHARED_KEYS = ("algorithm", "outer.optimizer", "outer.learning_rate", "outer.mom
                "outer.b1", "outer.b2", "outer.eps", "outer.weight_decay", "outer.mode",
                "outer.final_lr_fraction", "compress.codec", "compress.block",
                "compress.topk_fraction", "compress.min_size", "compress.error_feedback",
+               "compress.answers",
                "streaming.fragments",
                "syncer.learners", "seed", "train.total_steps")  # fmt: skip
 
@@ -76,9 +90,12 @@ class Learner:
     def __init__(self, client: service.Client, algorithm, *, learner: int, keys: dict,
                  rows_per_round: int, heartbeat: float, log, codec=None,
                  overlap: bool = False, mesh=None, replicas: int = 1, learners: int = 1,
-                 outer_scale: float = 1.0, fsdp_specs=None):  # fmt: skip
+                 outer_scale: float = 1.0, fsdp_specs=None,
+                 compress_answers: bool = False):  # fmt: skip
         self.client, self.algorithm, self.learner, self.keys = client, algorithm, learner, keys
         self.codec = codec  # how the push travels (:mod:`.payload`); None: float32
+        # compress.answers: the anchor held (host copy) and rebuilt from each answer's change
+        self.held = answers.Held(codec if compress_answers else None)
         # outer.mode = delayed or eager: train on while the push is on its way; eager: the
         # answer is the round's mean, and the learner takes the outer step (its own anchors)
         self.eager = algorithm.kinds.anchor == state_lib.PER_REPLICA
@@ -96,6 +113,11 @@ class Learner:
         self.lead = jax.process_index() == 0  # the one process of the learner that calls
         self._contribute, self._restart_placed, self._land_mean = _sync_parts(
             algorithm, mesh, learners, fsdp_specs)  # fmt: skip
+        self.plan = algorithm.plan  # streaming: which fragment each round holds
+        count = self.plan.fragments if self.streaming else 0
+        self._fragment_parts = [_sync_parts(algorithm, mesh, learners, fsdp_specs, f)[:2]
+                                for f in range(count)]  # fmt: skip
+        self.assignment: list[int] = []  # streaming: each leaf's fragment (set at the join)
         # FSDP: the anchor is split over DATA; gathered whole before it is read on the host
         self._whole = None if fsdp_specs is None else jax.jit(
             lambda tree: tree, out_shardings=parallel.replicated_sharding(mesh))  # fmt: skip
@@ -103,13 +125,30 @@ class Learner:
         self._beats = threading.Thread(target=self._heartbeats, args=(heartbeat,), daemon=True,
                                        name="learner-heartbeat")  # fmt: skip
 
+    @property
+    def streaming(self) -> bool:
+        return self.algorithm.plan.fragments > 1
+
+    def due(self, step: int) -> bool:
+        """Whether a sync (:meth:`sync`) follows inner step ``step``: every ``outer.sync_every``
+        steps, or with streaming fragments every ``outer.sync_every / F``."""
+        return self.plan.starting(step)[0]
+
+    def fragment(self, rnd: int) -> int | None:
+        """The streaming fragment round ``rnd`` pushes and lands (None: every leaf)."""
+        return self.plan.round_fragment(rnd) if self.streaming else None
+
     # ---- joining ----------------------------------------------------------------------------
 
     def join(self, state):
         """Joins the syncer with this run's anchor; returns ``state`` restarted from the
         syncer's anchor (its own where it is the first learner). Process 0 joins; the others
         of a learner of several processes receive what it got."""
-        anchor = wire.named(self._anchor(state))
+        tree = self._anchor(state)
+        anchor = wire.named(tree)
+        if self.streaming:  # the core's own assignment, as its sync splits the anchor
+            self.assignment = list(self.algorithm.fragment_of(tree, self.plan.fragments))
+            fragments_lib.groups(self.assignment, self.plan.fragments)  # none empty
         reply, arrays, error = {}, {}, None
         if self.lead:
             try:
@@ -135,22 +174,37 @@ class Learner:
         cut = 1 if self.eager else 0
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[cut:], x.dtype), state.anchor)
 
-    def _restart(self, state, arrays: dict):
+    def _restart(self, state, arrays: dict, fragment: int | None = None):
         """``state`` restarted from the anchor ``arrays`` (by name; host arrays, the same on
-        every process)."""
-        anchor = wire.unnamed(self._like(state), arrays)
-        return self._restart_placed(state, parallel.replicated(anchor, self.mesh))
+        every process); ``fragment``: only that streaming fragment's leaves land (``arrays``
+        holds them, and may hold more)."""
+        like = self._like(state)
+        if fragment is None:
+            anchor = wire.unnamed(like, arrays)
+            return self._restart_placed(state, parallel.replicated(anchor, self.mesh))
+        wanted = [d for d, f in zip(wire.describe(like), self.assignment, strict=True)
+                  if f == fragment]  # fmt: skip
+        got = [[n, list(arrays[n].shape), str(arrays[n].dtype)] for n, _, _ in wanted
+               if n in arrays]  # fmt: skip
+        problem = wire.first_mismatch(wanted, got)
+        if problem:
+            raise wire.WireError(f"the answer of streaming fragment {fragment}: {problem}")
+        part = [np.asarray(arrays[n]) for n, _, _ in wanted]
+        restart = self._fragment_parts[fragment][1]
+        return restart(state, parallel.replicated(part, self.mesh))
 
-    def _take(self, state, arrays: dict | None, own: dict | None = None):
+    def _take(self, state, arrays: dict | None, own: dict | None = None,
+              fragment: int | None = None):  # fmt: skip
         """``state`` after a round's answer: restarted from its anchor, or with eager timing the
         outer step taken here on its mean (:meth:`~diloco_jax.algorithm.Diloco.land_mean`).
         ``None``: the first overlapped sync's, no answer yet (the anchor moves by zero, the
         replicas restart from ``own``, their anchor by name as the sync read it; eager: by
-        this replica's own share)."""
+        this replica's own share). ``fragment``: a streaming round's, whose leaves alone
+        land."""
         if not self.eager:
             anchor = own if arrays is None else arrays
             assert anchor is not None  # the first overlapped sync passes its own
-            return self._restart(state, anchor)
+            return self._restart(state, anchor, fragment)
         like = self._like(state)
         mean = (jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), like) if arrays is None
                 else wire.unnamed(like, arrays))  # fmt: skip
@@ -183,6 +237,8 @@ class Learner:
     def _join(self, anchor: dict[str, np.ndarray], counts: list | None = None) -> dict:
         described = [[n, list(a.shape), str(a.dtype)] for n, a in anchor.items()]
         fields = {"learner": self.learner, "describe": described, "keys": self.keys}
+        if self.streaming:
+            fields["fragments"] = self.assignment
         f, arrays = self.client.call("Join", fields, anchor, counts=counts)
         self.generation, self.round = int(f["generation"]), int(f["round"])
         self.finished = bool(f.get("finished"))
@@ -190,7 +246,7 @@ class Learner:
                       self.client.address, self.learner, self.generation, self.round)  # fmt: skip
         if not self._beats.is_alive():  # process 0 alone calls (and heartbeats)
             self._beats.start()
-        return arrays
+        return self.held.joined(self.round, arrays)
 
     def _heartbeats(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -209,14 +265,19 @@ class Learner:
         push before. The ``last`` sync of a run waits for its push's answer (not restarting from
         it, as the simulator's delayed step does not), so the syncer has it before the run's
         final checkpoint."""
-        state, mean, total_w = self._contribute(state)
+        fragment = self.fragment(self.round)
+        contribute = self._contribute if fragment is None else self._fragment_parts[fragment][0]
+        state, mean, total_w = contribute(state)
         mean, total_w = parallel.host_copy(mean), float(parallel.host_copy(total_w))
         replicas = self.replicas
         # the push's id: every retry of it carries the same, and the syncer merges it once
         fields = {"learner": self.learner, "generation": self.generation, "round": self.round,
                   "weight": total_w * replicas * self.rows_per_round,
                   "push": uuid.uuid4().hex}  # fmt: skip
-        pushed = payload.encode(wire.leaf_names(state.anchor), mean, self.codec, replicas)
+        names = wire.leaf_names(state.anchor)
+        if fragment is not None:  # its leaves alone
+            names = [n for n, f in zip(names, self.assignment, strict=True) if f == fragment]
+        pushed = payload.encode(names, mean, self.codec, replicas)
         anchor = wire.named(self._anchor(state))  # the join's, should it be needed; read once
         start = time.monotonic()
         if not self.overlap:
@@ -263,7 +324,7 @@ class Learner:
         """``(reply fields, anchor by name, fields as last sent)`` of a push (see
         :meth:`_exchange`)."""
         try:
-            f, arrays = self.client.call("Push", fields, pushed, counts=counts)
+            f, arrays = self._pushed(fields, pushed, counts)
         except service.RefusedBySyncer as e:
             base = fields["round"]
             self.log.warning("the syncer refused this learner's push (%s): joining again", e)
@@ -276,13 +337,24 @@ class Learner:
                 return {"round": self.round, "restarted": True}, arrays, fields
             # the same round (a restarted syncer that does not know this learner): push again
             fields = {**fields, "generation": self.generation}
-            f, arrays = self.client.call("Push", fields, pushed, counts=counts)
+            f, arrays = self._pushed(fields, pushed, counts)
         return f, arrays, fields
+
+    def _pushed(self, fields: dict, pushed: dict, counts: list) -> tuple[dict, dict]:
+        """One push call and its answer's anchor, whole (with compress.answers: the round of
+        the anchor held sent along, and an answer's change added to it, :mod:`.answers`)."""
+        f, arrays = self.client.call("Push", {**fields, **self.held.asks()}, pushed,
+                                     counts=counts)  # fmt: skip
+        return f, self.held.took(f, arrays)
 
     def _land(self, state, got: Exchanged, start: float):
         """``state`` restarted from the answer's anchor (process 0's, on every process); the
         round's report in ``last``."""
-        f, arrays = self._from_lead(got.reply, got.arrays, got.anchor, got.error)
+        fragment = self.fragment(got.fields["round"])
+        arrays = got.arrays
+        if fragment is not None and not got.reply.get("restarted"):
+            arrays = {**got.anchor, **arrays}  # the whole anchor's names: what the others expect
+        f, arrays = self._from_lead(got.reply, arrays, got.anchor, got.error)
         if f.get("late"):
             self.log.info("this learner's push was %d round(s) late: merged into round %d",
                           f["late"], f["round"] - 1)  # fmt: skip
@@ -300,7 +372,7 @@ class Learner:
                      "restarted": bool(f.get("restarted"))}  # fmt: skip
         if f.get("restarted"):  # joined again: the answer is the syncer's anchor
             return self._restart(state, arrays)
-        return self._take(state, arrays)
+        return self._take(state, arrays, fragment=fragment)
 
     def close(self) -> None:
         self.drain()
@@ -326,27 +398,30 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
     tls = credentials.tls_of(sy.credentials)
     client = service.Client(sy.address, credentials.credential(sy), tls=tls,
                             timeout=sy.timeout * 4 + 60)  # fmt: skip
-    rows = cfg.data.batch_size * cfg.outer.sync_every
+    rows = cfg.data.batch_size * algorithm.plan.period  # a round's (streaming: a fragment's)
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),
                    rows_per_round=rows, heartbeat=sy.heartbeat, log=log,
                    codec=recipe.codec_of(cfg), overlap=cfg.outer.mode == "delayed", mesh=mesh,
                    replicas=replicas, learners=sy.learners,
-                   outer_scale=recipe.outer_lr_input(cfg), fsdp_specs=fsdp_specs)  # fmt: skip
+                   outer_scale=recipe.outer_lr_input(cfg), fsdp_specs=fsdp_specs,
+                   compress_answers=cfg.compress.answers)  # fmt: skip
 
 
-def _sync_parts(algorithm, mesh, learners: int, fsdp_specs=None):
+def _sync_parts(algorithm, mesh, learners: int, fsdp_specs=None, fragment: int | None = None):
     """``(contribute, restart, land_mean)``: the core's parts of a sync taken between calls,
     for the replicas of a run's layout. ``contribute(state) -> (state, mean, total_w)``, the
     mean and the weight once (every replica has them); ``restart(state, anchor) -> state``, the
-    anchor placed on every device; ``land_mean(state, mean, outer_scale) -> state``, the mean
-    of ``learners`` learners. ``vmap`` over the replicas (the simulator) or, on ``mesh``, over
-    each device's virtual replicas under ``shard_map`` over the devices, as the run's step;
-    with ``fsdp_specs`` each replica's state stays split over its ``DATA`` devices."""
+    anchor placed on every device (``fragment``: a streaming fragment's alone, its leaves'
+    mean, its anchor a list of its leaves); ``land_mean(state, mean, outer_scale) -> state``,
+    the mean of ``learners`` learners. ``vmap`` over the replicas (the simulator) or, on
+    ``mesh``, over each device's virtual replicas under ``shard_map`` over the devices, as the
+    run's step; with ``fsdp_specs`` each replica's state stays split over its ``DATA`` devices."""
     axes = state_lib.vmap_axes(algorithm.kinds)
     inner = REPLICA if mesh is None else LOCAL_REPLICA
-    contribute_R = jax.vmap(algorithm.contribution, in_axes=(axes,), out_axes=(axes, 0, 0),
-                            axis_name=inner)  # fmt: skip
-    restart_R = jax.vmap(algorithm.restart, in_axes=(axes, None), out_axes=axes)
+    contribute_R = jax.vmap(lambda s: algorithm.contribution(s, fragment=fragment or 0),
+                            in_axes=(axes,), out_axes=(axes, 0, 0), axis_name=inner)  # fmt: skip
+    restart_R = jax.vmap(lambda s, a: algorithm.restart(s, a, fragment=fragment),
+                         in_axes=(axes, None), out_axes=axes)  # fmt: skip
     land_R = jax.vmap(lambda s, mean, scale: algorithm.land_mean(s, mean, learners, scale),
                       in_axes=(axes, None, None), out_axes=axes, axis_name=inner)  # fmt: skip
 

@@ -25,7 +25,9 @@ Methods of the service ``diloco_jax.Syncer``:
 - ``Push`` (stream -> stream): learner, generation, base round, weight, push id, its mean
   pseudo-gradient -> the anchor after the round it is merged into (its own round, or for a
   late push in quorum rounds the open one), once that round has closed, and how many rounds
-  late the push was.
+  late the push was; with ``compress.answers`` (the push's ``holds``: the round whose anchor
+  its learner holds) the anchor's change since, encoded, or the learners' anchor whole
+  (:mod:`.answers`).
 - ``Heartbeat``, ``Leave`` (one message each way).
 
 A refusal is ``FAILED_PRECONDITION`` with the syncer's one-line reason.
@@ -205,9 +207,9 @@ class Server:
             with self._first_join:  # not read (many joins at once would each hold a model)
                 if self.syncer.anchor is None:
                     arrays = self._data(it, header, context)
-        generation, rnd, anchor = self._refusing(
-            context, lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"], arrays)
-        )
+        join = lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"],  # noqa: E731
+                                        arrays, f.get("fragments"))  # fmt: skip
+        generation, rnd, anchor = self._refusing(context, join)
         return self._answer({"generation": generation, "round": rnd,
                              "finished": self.syncer.finished}, anchor)  # fmt: skip
 
@@ -220,6 +222,7 @@ class Server:
         try:
             generation, base, weight = int(f["generation"]), int(f["round"]), float(f["weight"])
             push_id = str(f["push"])[:64]
+            holds = None if f.get("holds") is None else int(f["holds"])  # compress.answers
         except (KeyError, TypeError, ValueError):
             context.abort(_grpc().StatusCode.INVALID_ARGUMENT, "refused: a push without its "
                           "generation, round, weight and push id")  # fmt: skip
@@ -241,12 +244,13 @@ class Server:
         else:
             late = 0 if ticket.joined is None else ticket.joined - ticket.base
         joined = base + late  # the round this push is merged into: the answer follows it
-        rnd, anchor, sha = sy.answer(joined, 0.0 if sy.finished else self.wait_timeout)
+        rnd, anchor, sha, how = sy.reply(joined, 0.0 if sy.finished else self.wait_timeout,
+                                         holds)  # fmt: skip
         if rnd <= joined and not sy.finished:
             context.abort(_grpc().StatusCode.DEADLINE_EXCEEDED,
                           f"round {joined} did not close in {self.wait_timeout:.0f}s")  # fmt: skip
         return self._answer({"round": rnd, "late": late, "finished": sy.finished,
-                             "again": ticket.kind == "again"}, anchor, sha)  # fmt: skip
+                             "again": ticket.kind == "again", **how}, anchor, sha)  # fmt: skip
 
     def _receive(self, it, header: wire.Header, ticket, weight: float, context) -> int:
         """A new push's data, streamed to a file and entered into the open round; its lateness."""
@@ -254,7 +258,7 @@ class Server:
         path = sy.incoming / f"{ticket.learner}-{ticket.id}"
         try:
             intake.receive(it, header, path)
-            spilled = intake.spilled(sy._described(), header, path, sy.codec)
+            spilled = intake.spilled(sy._described(ticket.base), header, path, sy.codec)
         except wire.WireError as e:
             sy.release(ticket)
             context.abort(_grpc().StatusCode.INVALID_ARGUMENT, f"refused: {e}")

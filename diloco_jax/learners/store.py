@@ -34,9 +34,13 @@ class Store:
         self.tape.flush()
         log.info("syncer: %s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
 
-    def save(self, rnd: int, anchor: list, outer_state, meta: dict) -> None:
-        """Round ``rnd``'s anchor and outer state, with ``meta`` (JSON-able)."""
+    def save(self, rnd: int, anchor: list, outer_state, meta: dict,
+             sent: list | None = None) -> None:  # fmt: skip
+        """Round ``rnd``'s anchor and outer state, with ``meta`` (JSON-able) and, with
+        compressed answers, ``sent`` (the anchor the learners hold: :mod:`.answers`)."""
         state = {"anchor": anchor, "outer": jax.tree.leaves(outer_state)}
+        if sent is not None:
+            state["sent"] = sent
         checkpoint.save(self.mngr, rnd, state, meta, wait=True)
 
     def restore(self, like_of: Callable[[dict], Any]) -> tuple[int, dict, Any] | None:

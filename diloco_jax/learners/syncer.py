@@ -56,6 +56,9 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
 - a learner dropped for silence in quorum rounds (a partition) that comes back with a push of
   its generation at most ``syncer.max_late`` rounds late is admitted again and its push merged
   late; in synchronous rounds it joins again, as before.
+- with ``compress.answers`` the answer is the anchor's change through the codec, the error kept
+  here: the learners restart from the anchor they rebuild (``sent``, in every checkpoint), the
+  outer step goes on from the true one (:mod:`diloco_jax.learners.answers`).
 
 The round's merge, outer step and checkpoint run off the lock (heartbeats, joins and status
 are answered meanwhile); the new anchor is answered only once its checkpoint is written.
@@ -71,7 +74,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax.learners import payload, wire
+from diloco_jax.learners import answers, payload, wire
 from diloco_jax.learners.keeping import Keeper
 from diloco_jax.learners.ledger import Ticket
 from diloco_jax.learners.rounds import Member, Push, sha256
@@ -88,9 +91,11 @@ class Syncer(Keeper):
     (:class:`~diloco_jax.learners.keeping.Keeper`, whose arguments it takes), without the
     network (the gRPC service wraps it)."""
 
-    def join(self, learner: int, describe: list, keys: dict, anchor: dict[str, np.ndarray]):
+    def join(self, learner: int, describe: list, keys: dict, anchor: dict[str, np.ndarray],
+             fragments: list[int] | None = None):  # fmt: skip
         """Admits ``learner`` (its parameters described by :func:`wire.describe`, its training
-        ``keys``; ``anchor``: its own, used only when the syncer has none yet); returns
+        ``keys``; ``anchor``: its own, used only when the syncer has none yet; ``fragments``:
+        with streaming fragments, the fragment of each of its leaves); returns
         ``(generation, round, anchor by name)``. A learner the open round does not wait for
         joins the next round: this returns when the open one has closed. Raises
         :class:`Refused`."""
@@ -106,13 +111,14 @@ class Syncer(Keeper):
                 self.names = [n for n, _, _ in describe]
                 self.anchor = [jnp.asarray(anchor[n]) for n in self.names]
                 self.anchor_sha = sha256(self.anchor)
-                self.outer_state = self.algorithm.outer.init(self.anchor)
+                self.assignment = list(fragments or [0] * len(self.names))
+                self.outer_state = self.outer_init(self.anchor, self.assignment)
                 # round 0: a restarted syncer starts where its learners did
                 self._save(0, self.anchor, self.outer_state, self._meta(0, self.anchor))
                 self.event("initial_anchor", learner=learner, anchor=self.anchor_sha[:16])
             mine = [[n, list(a.shape), str(a.dtype)]
                     for n, a in zip(self.names, self.anchor, strict=True)]  # fmt: skip
-            problem = wire.first_mismatch(mine, describe)
+            problem = wire.first_mismatch(mine, describe) or self._other_fragments(fragments)
             if problem:
                 raise Refused(f"learner {learner}'s model differs from the syncer's: {problem}")
             old = self.members.get(learner)
@@ -125,7 +131,18 @@ class Syncer(Keeper):
                 self._wait_past(self.round, self.timeout + self.grace)
             self._advance()
             self._settle()
-            return generation, self.round, dict(zip(self.names, self.anchor, strict=True))
+            return generation, self.round, self.held()
+
+    def _other_fragments(self, fragments: list[int] | None) -> str:
+        """The first leaf ``fragments`` puts in another streaming fragment than the syncer
+        does ('' where they agree)."""
+        theirs = list(fragments or [0] * len(self.names))
+        if len(theirs) != len(self.names):
+            return f"fragments of {len(theirs)} leaves, the syncer's of {len(self.names)}"
+        for name, mine, other in zip(self.names, self.assignment, theirs, strict=True):
+            if mine != other:
+                return f"{name} is in streaming fragment {other}, the syncer's {mine}"
+        return ""
 
     def heartbeat(self, learner: int, generation: int) -> int:
         """Marks ``learner`` alive; returns the current round. Raises :class:`Refused` for an
@@ -157,7 +174,7 @@ class Syncer(Keeper):
         if ticket.kind != "new":
             return 0 if ticket.joined is None else ticket.joined - ticket.base
         try:
-            leaves = payload.decode(self._described(), mean, self.codec)
+            leaves = payload.decode(self._described(base_round), mean, self.codec)
         except wire.WireError as e:
             self.release(ticket)
             raise Refused(str(e)) from None
@@ -190,7 +207,7 @@ class Syncer(Keeper):
                               f"({push_id[:12]}) for the same slot is refused")  # fmt: skip
             if leaves is not None:
                 try:
-                    payload.check_leaves(self._described(), leaves, self.codec)
+                    payload.check_leaves(self._described(base_round), leaves, self.codec)
                 except wire.WireError as e:
                     self.event("refused", learner=learner, reason=str(e)[:200])
                     raise Refused(str(e)) from None
@@ -283,8 +300,24 @@ class Syncer(Keeper):
         round's deadline meanwhile); returns ``(round, anchor by name)``, or with
         ``answer_mean`` ``(round, round after_round's merged mean by name)`` (zeros if it did
         not close, or is older than the syncer remembers)."""
-        rnd, named, _ = self.answer(after_round, timeout)
+        rnd, named, _, _ = self.reply(after_round, timeout)
         return rnd, named
+
+    def reply(self, after_round: int, timeout: float, holds: int | None = None,
+              ) -> tuple[int, dict[str, Any], str | None, dict]:  # fmt: skip
+        """:meth:`answer`, and the fields that say how to read it. With compress.answers
+        (:mod:`.answers`): the anchor's change since round ``holds``, for a learner that holds
+        that round's reconstruction, else the reconstruction whole (never the true anchor,
+        which only the syncer's outer step goes on from)."""
+        if not self.compress_answers:
+            return (*self.answer(after_round, timeout), {})
+        with self.lock:
+            self._wait_past(after_round, timeout)
+            self._settle()
+            sent = self._sent()
+            if sent is None:
+                return self.round, {}, None, {}
+            return (self.round, *answers.reply(sent, self.names, holds))
 
     def answer(self, after_round: int, timeout: float) -> tuple[int, dict[str, Any], str | None]:
         """:meth:`wait`'s answer and its SHA-256 where it is the anchor's (None: a mean)."""
@@ -293,7 +326,7 @@ class Syncer(Keeper):
             self._settle()
             leaves: list = self.anchor or []
             if not self.answer_mean:
-                return self.round, dict(zip(self.names, leaves, strict=True)), self.anchor_sha
+                return self.round, *self.answered(after_round)  # streaming: a fragment's
             mean = self.means.get(after_round) or [np.zeros(a.shape, a.dtype) for a in leaves]
             leaves = [m.astype(a.dtype) for m, a in zip(mean, leaves, strict=True)]
             return self.round, dict(zip(self.names, leaves, strict=True)), None

@@ -107,7 +107,7 @@ def _report_chunk(s: Setup, runlog, bar, step: int, metrics_NxR, seconds: float,
                   learner=None) -> None:  # fmt: skip
     cfg, n = s.cfg, s.cfg.train.log_every
     if learner is not None:  # its syncs are the syncer's rounds
-        if learner.last and step % cfg.outer.sync_every == 0:
+        if learner.last and learner.due(step):
             runlog.write("round", step, **learner.last)
     elif cfg.algorithm == "diloco":
         reporting.log_syncs(runlog, s.algorithm.plan, step - n, metrics_NxR)
@@ -340,7 +340,7 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
         metrics_NxR = jax.device_get(metrics_NxR)
         call_seconds.append(time.time() - tick)
         step += cfg.train.log_every
-        if r.learner is not None and step % cfg.outer.sync_every == 0:
+        if r.learner is not None and r.learner.due(step):
             state = r.learner.sync(state, last=step >= total)  # push, wait, restart
         _report_chunk(s, r.runlog, bar, step, metrics_NxR, call_seconds[-1], r.learner)
         distributed.check_replicated(s, state, step)
