@@ -179,12 +179,28 @@ def _outer_of(cfg: Config, outer_lr_as_input: bool,
         optim.outer_optimizer(o.optimizer, learning_rate=lr)  # the rate checked, then divided
         lr /= outer_lr_input(cfg)
     outer = optim.outer_optimizer(
-        o.optimizer, learning_rate=lr, momentum=o.momentum, nesterov=o.nesterov,
+        o.optimizer, learning_rate=lr, momentum=outer_momentum(cfg), nesterov=o.nesterov,
         b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, schedule=o.schedule,
         warmup=o.warmup, total=max(cfg.train.total_steps // max(o.sync_every, 1), 1),
         final_lr_fraction=o.final_lr_fraction,
     )  # fmt: skip
     return outer
+
+
+# sgd's outer momentum where the outer step is stale by a round (outer.overlap_momentum < 0):
+# the momentum of a synchronous step (the paper's 0.9) makes a delayed step unstable wherever the
+# inner steps converge within a round, and costs an eager one (docs/guides/learners.md, "Choosing
+# a mode for your link"; scripts/overlap_study.sh)
+OVERLAP_MOMENTUM = {"eager": 0.5, "delayed": 0.0}
+
+
+def outer_momentum(cfg: Config) -> float:
+    """sgd's outer momentum: ``outer.overlap_momentum`` where ``outer.mode`` is delayed or
+    eager (< 0: :data:`OVERLAP_MOMENTUM`'s for the mode), else ``outer.momentum``."""
+    o = cfg.outer
+    if o.mode not in OVERLAP_MOMENTUM:
+        return o.momentum
+    return o.overlap_momentum if o.overlap_momentum >= 0 else OVERLAP_MOMENTUM[o.mode]
 
 
 def check(cfg: Config) -> None:

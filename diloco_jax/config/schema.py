@@ -114,6 +114,8 @@ class OuterConfig:
     learning_rate: float = _key(_OUTER["learning_rate"].default,
                                 "outer learning rate (the paper: 0.7)")  # fmt: skip
     momentum: float = _key(_OUTER["momentum"].default, "sgd's outer momentum (the paper: 0.9)")
+    overlap_momentum: float = _key(-1.0, "outer.momentum's stand-in where outer.mode is delayed "
+                                   "or eager; < 0: 0.5 eager, 0 delayed")  # fmt: skip
     nesterov: bool = _key(_OUTER["nesterov"].default, "Nesterov outer momentum (sgd)")
     b1: float = _key(_OUTER["b1"].default, "adam(w): first-moment decay")
     b2: float = _key(_OUTER["b2"].default, "adam(w): second-moment decay")

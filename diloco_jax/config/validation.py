@@ -246,6 +246,8 @@ def _validate_variants(cfg: Config) -> None:
          f"compresses DiLoCo's pseudo-gradients; algorithm is {cfg.algorithm!r}"),
         ("outer.mode", o.mode == "sync" or diloco,
          f"overlaps DiLoCo's outer step; algorithm is {cfg.algorithm!r}"),
+        ("outer.overlap_momentum", o.overlap_momentum < 1 and math.isfinite(o.overlap_momentum),
+         "must be < 1 (< 0: the mode's own, 0.5 eager and 0 delayed)"),
         ("streaming.fragments", st.fragments == 1 or diloco,
          f"streams DiLoCo's syncs; algorithm is {cfg.algorithm!r}"),
         ("noloco.enabled", diloco or not cfg.noloco.enabled,

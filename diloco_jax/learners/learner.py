@@ -58,6 +58,7 @@ from diloco_jax.runtime import fsdp, parallel
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
 SHARED_KEYS = ("algorithm", "outer.optimizer", "outer.learning_rate", "outer.momentum",
+               "outer.overlap_momentum",
                "outer.nesterov", "outer.sync_every", "outer.schedule", "outer.warmup",
                "outer.b1", "outer.b2", "outer.eps", "outer.weight_decay", "outer.mode",
                "outer.final_lr_fraction", "compress.codec", "compress.block",
