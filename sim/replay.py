@@ -9,10 +9,15 @@ clock and holding a one-number anchor; it writes no checkpoint and never blocks
 * a learner's process starts ``launch_s`` after the launch (the syncer's start-up), and
   ``startup_s`` later it joins (waiting for the open round to
   close when the syncer says so); ``compile_s`` after its join it takes its first step;
-* it takes ``sync_every`` steps of ``step_s / speed`` each, pushes them (weight: the steps'
-  examples) and waits; the answer reaches it ``transfer_s`` after its round closes (the push's
-  way up, the merge, outer step and checkpoint, the anchor's way down), and it goes on from
-  the new round; a refused push makes it join again, its round's work lost;
+* it takes ``sync_every`` steps of ``step_s / speed`` each and pushes them (weight: the
+  steps' examples); the push is in at the syncer ``up_s`` later (its way up the link), and the
+  answer reaches the learner ``transfer_s`` after its round closes (the merge, outer step and
+  checkpoint, the anchor's way down); a refused push makes it join again, its round's work
+  lost;
+* synchronous rounds: it waits for the answer and goes on from the new round. Overlapped rounds
+  (``outer.mode`` delayed or eager, as :class:`~diloco_jax.learners.learner.Learner` does): it
+  goes on at once; at its next sync it waits for the answer of the push before, if that has
+  not come yet, and only then sends the next push (one push in flight at a time);
 * a killed learner is down: a new process starts at once (as the launcher starts it again),
   joins, compiles and takes its round's steps again (the work since its last sync is lost);
 * it heartbeats every ``heartbeat_s`` while its process lives, so a dead one is dropped by the
@@ -54,6 +59,7 @@ class Pace(NamedTuple):
     restart_startup_s: float | None = None  # the same for a process started again (None: as
     restart_compile_s: float | None = None  # the first; its compile may be from the cache)
     heartbeat_s: float = 0.5
+    up_s: float = 0.0  # a push's way up: from its sending to its data in at the syncer
 
     def startup(self, again: bool) -> float:
         return self.restart_startup_s if again and self.restart_startup_s is not None else (
@@ -62,6 +68,21 @@ class Pace(NamedTuple):
     def compile(self, again: bool) -> float:
         return self.restart_compile_s if again and self.restart_compile_s is not None else (
             self.compile_s)  # fmt: skip
+
+
+def through_link(pace: Pace, *, bandwidth: float | None, latency: float, up_bytes: int,
+                 down_bytes: int) -> Pace:  # fmt: skip
+    """``pace`` (measured without a link: on loopback) for learners each behind a link of
+    ``bandwidth`` bytes/s (None: no limit) and one-way ``latency`` seconds
+    (:class:`sim.link.Link`'s model: ``B`` bytes sent at once arrive ``B / bandwidth +
+    latency`` later), pushing ``up_bytes`` and answered with ``down_bytes`` (their values; the
+    framing is under 1%): the push's way up and the answer's way down added."""
+
+    def way(n: int) -> float:
+        return n / bandwidth + latency if bandwidth else latency
+
+    return pace._replace(up_s=pace.up_s + way(up_bytes), transfer_s=pace.transfer_s + way(
+        down_bytes))  # fmt: skip
 
 
 class Replayed(NamedTuple):
@@ -101,6 +122,8 @@ class _Learner:
         self.pushed_at = 0.0  # when it last pushed
         self.waits_for: int | None = None  # answered when the syncer is past this round
         self.joining = False  # its answer is a join's: it compiles before it steps
+        self.in_flight = False  # overlapped: a push sent whose answer has not come
+        self.blocked_at: float | None = None  # overlapped: at a sync, waiting for that answer
 
 
 class _Replay:
@@ -109,6 +132,7 @@ class _Replay:
         self.now = 0.0
         self.syncer = command.make_syncer(cfg, workdir, cls=_Virtual, clock=lambda: self.now)
         self.pace, self.kill = pace, kill
+        self.overlap = cfg.outer.mode in ("delayed", "eager")
         self.H, self.rows = cfg.outer.sync_every, cfg.data.batch_size * cfg.parallel.replicas
         self.learners = [_Learner(float(s)) for s in speeds]
         self.queue: list = []
@@ -143,12 +167,43 @@ class _Replay:
         self.at(t + work / me.speed, "push", i)
 
     def push(self, i: int) -> None:
+        """Learner ``i`` at a sync: it sends its push (overlapped: and goes on), or, overlapped
+        with the answer of the push before not in yet, waits for it."""
+        me = self.learners[i]
+        if self.overlap and me.in_flight:
+            me.blocked_at = self.now
+            return
+        if self.overlap:  # the next push is for the round after this one
+            me.in_flight = True
+            self.go_on(i, self.now, False)
+        me.pushed_at = self.now
+        self.at(self.now + self.pace.up_s, "arrive", i)
+
+    def arrive(self, i: int) -> None:
+        """Learner ``i``'s push in at the syncer."""
         me = self.learners[i]
         try:
             late = self.syncer.push(i, me.generation, me.base, self.H * self.rows, _ANCHOR)
         except Refused:
             return self.join(i, compile_first=False)
-        me.waits_for, me.pushed_at = me.base + late, self.now
+        me.waits_for = me.base + late
+        if self.overlap:
+            me.base += 1
+
+    def answer(self, i: int) -> None:
+        """The answer of learner ``i``'s push reaches it."""
+        me = self.learners[i]
+        if not self.overlap:
+            self.waited[i].append(self.now - me.pushed_at)
+            self.go_on(i, self.now, False)
+            return
+        me.base, me.in_flight = max(me.base, self.syncer.round), False
+        if me.blocked_at is not None:  # it waited at its sync: it pushes now
+            self.waited[i].append(self.now - me.blocked_at)
+            me.blocked_at = None
+            self.push(i)
+        else:
+            self.waited[i].append(0.0)
 
     def answers(self) -> None:
         """After any call: the learners a closed round answers, a kill it sets off, the end."""
@@ -159,16 +214,21 @@ class _Replay:
                 self.end = self.now + self.pace.tail_s
             for i, me in enumerate(self.learners):
                 if me.waits_for is not None and sy.round > me.waits_for:
-                    me.waits_for, me.base = None, sy.round
-                    if not sy.finished and not me.joining:
-                        self.waited[i].append(self.now + self.pace.transfer_s - me.pushed_at)
-                    if not sy.finished:
-                        self.go_on(i, self.now + self.pace.transfer_s, me.joining)
-                    me.joining = False
+                    me.waits_for = None
+                    if sy.finished:
+                        continue
+                    if me.joining:  # a join that waited for the open round: it compiles
+                        me.base, me.joining = sy.round, False
+                        self.go_on(i, self.now + self.pace.transfer_s, True)
+                        continue
+                    if not self.overlap:
+                        me.base = sy.round
+                    self.at(self.now + self.pace.transfer_s, "answer", i)
             if self.kill and not sy.finished and sy.round >= (self.kills + 1) * self.kill[1]:
                 self.kills += 1
                 killed = self.learners[self.kill[0]]
                 killed.waits_for, killed.generation, killed.joining = None, 0, False
+                killed.blocked_at, killed.in_flight = None, False
                 self.start(self.kill[0])  # the old process's events are dropped by epoch
         check = sy.next_check()
         if check is not None and check != self.tick_at:
@@ -187,6 +247,10 @@ class _Replay:
                 self.join(i, compile_first=True)
             elif kind == "push":
                 self.push(i)
+            elif kind == "arrive":
+                self.arrive(i)
+            elif kind == "answer":
+                self.answer(i)
             elif kind == "beat":
                 me = self.learners[i]
                 try:

@@ -69,3 +69,32 @@ def test_measure_reads_back_the_pace_a_run_went_at(tmp_path):
     assert measured.step_s == pytest.approx(pace.step_s)
     for key in ("startup_s", "compile_s", "transfer_s", "tail_s"):
         assert getattr(measured, key) == pytest.approx(getattr(pace, key)), key
+
+
+def test_a_link_adds_each_pushs_way_up_and_each_answers_way_down():
+    # 100 kB/s and 50 ms each way: a push of 1,000 bytes is in 0.06 s after it leaves, an
+    # answer of 2,000 bytes reaches the learner 0.07 s after the syncer sends it
+    pace = replay.through_link(PACE, bandwidth=1e5, latency=0.05, up_bytes=1000,
+                               down_bytes=2000)  # fmt: skip
+    assert (pace.up_s, pace.transfer_s) == pytest.approx((0.06, 0.37))
+    r = replay.replay(_config(4), pace)
+    # every round's push goes up (the last one too: it closes the run); 3 answers come down
+    assert r.wall_s == pytest.approx(5 + 5 + 4 * 4.0 + 4 * 0.06 + 3 * 0.37 + 3)
+
+
+@pytest.mark.parametrize("mode", ["delayed", "eager"])
+def test_overlapped_rounds_wait_only_for_what_a_round_of_steps_does_not_hide(mode):
+    # the answer comes 0.3 s after a push, within the 4 s of the next round's steps: no wait
+    r = replay.replay(_config(4, **{"outer.mode": mode}), PACE)
+    assert r.wall_s == pytest.approx(5 + 5 + 4 * 4.0 + 3)
+    assert all(w == 0.0 for waits in r.waited.values() for w in waits)
+    # an answer 5 s after its push: each sync after the first waits 1 s for it, then pushes
+    # (the first sync has no answer to wait for)
+    slow = PACE._replace(transfer_s=5.0)
+    r = replay.replay(_config(4, **{"outer.mode": mode}), slow)
+    pushed = [e["time"] for e in r.tape if e["event"] == "pushed" and e["learner"] == 0]
+    assert pushed == pytest.approx([14.0, 19.0, 24.0, 29.0])
+    assert r.wall_s == pytest.approx(29.0 + 3)
+    assert r.waited[0] == pytest.approx([1.0, 1.0, 1.0])  # the 4th answer: the run has ended
+    # synchronous rounds wait for every answer: 5 s each
+    assert replay.replay(_config(4), slow).wall_s == pytest.approx(5 + 5 + 16 + 3 * 5.0 + 3)
