@@ -662,3 +662,21 @@ MUTANTS += [
            '        if self.compress_answers and "sent" in saved:', "        if False:",
            [T_COPY]),
 ]  # fmt: skip
+
+# the stale outer step's momentum (issue 55, item 5) and the replay of a link (item 6)
+T_OVERLAP = "tests/test_outer.py::"
+T_REPLAY = "tests/test_replay.py::"
+MUTANTS += [
+    Mutant("a delayed or eager step takes the synchronous momentum (0.9)", "algorithm",
+           "diloco_jax/config/recipe.py", "    if o.mode not in OVERLAP_MOMENTUM:",
+           "    if True:", [T_OVERLAP + "test_a_stale_outer_step_takes_the_overlap_momentum"]),
+    Mutant("the replay forgets a push's way up the link", "runtime", "sim/replay.py",
+           '        self.at(self.now + self.pace.up_s, "arrive", i)',
+           '        self.at(self.now, "arrive", i)',
+           [T_REPLAY + "test_a_link_adds_each_pushs_way_up_and_each_answers_way_down"]),
+    Mutant("an overlapped learner in the replay never waits for its answer", "runtime",
+           "sim/replay.py", "        if self.overlap and me.in_flight:",
+           "        if False:",
+           [T_REPLAY + "test_overlapped_rounds_wait_only_for_what_a_round_of_steps_does_not_"
+            "hide"]),
+]  # fmt: skip

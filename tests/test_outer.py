@@ -161,3 +161,37 @@ def test_bad_outer_options_are_one_line(key, value, match):
     with pytest.raises(OptionError):
         optim.outer_optimizer(**{"name" if key == "outer.optimizer" else key.split(".")[1]:
                                  float(value) if value[0].isdigit() else value})  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "given", "want"), [
+    ("sync", -1.0, 0.9), ("eager", -1.0, 0.5), ("delayed", -1.0, 0.0),
+    ("delayed", 0.3, 0.3), ("sync", 0.3, 0.9),
+])  # fmt: skip
+def test_a_stale_outer_step_takes_the_overlap_momentum(mode, given, want):
+    from diloco_jax.config import recipe
+
+    cfg = apply_overrides(load_preset("tiny"), [("outer.mode", mode),
+                                                ("outer.overlap_momentum", str(given))])  # fmt: skip
+    assert recipe.outer_momentum(cfg) == want
+
+
+def test_a_delayed_step_diverges_at_the_papers_momentum_and_converges_at_the_overlap_one():
+    """Where the inner steps nearly converge within a round (3 steps of SGD at 0.5 leave 1/8 of
+    each replica's distance to its optimum), the stale mean fed to Nesterov momentum 0.9 makes
+    the replicas oscillate with a growing amplitude (by about 1.2 a round in a linear model of
+    a round: docs/guides/learners.md); at the delayed mode's own momentum (0) they converge."""
+    from diloco_jax.config import recipe
+
+    cfg = apply_overrides(load_preset("tiny"), [("outer.mode", "delayed")])
+    optimum = CENTERS_RxD.mean(axis=0)
+    distances = {}
+    for momentum in (0.9, recipe.outer_momentum(cfg)):
+        outer = optim.outer_optimizer("sgd", learning_rate=0.7, momentum=momentum, nesterov=True)
+        algorithm = diloco(optax.sgd(0.5), outer, sync_every=3, outer_mode="delayed")
+        trajectory_TxRxD, _, _ = helpers.run_vmapped(algorithm, np.zeros(2, np.float32),
+                                                     CENTERS_RxD, 90)  # fmt: skip
+        off_T = np.linalg.norm(trajectory_TxRxD.mean(axis=1) - optimum, axis=-1)
+        distances[momentum] = float(off_T[-30:].max())  # the last 10 rounds' farthest
+    start = float(np.linalg.norm(optimum))
+    assert distances[0.9] > 10 * start  # 30 rounds of growth
+    assert distances[0.0] < 1e-2 * start
