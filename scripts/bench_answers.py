@@ -6,7 +6,8 @@
 For each ``compress.min_size``, one learner of ``--preset`` (one replica, its syncs every
 ``outer.sync_every`` steps) trains ``--steps`` steps against a syncer served in this process,
 with ``compress.codec=--codec`` and ``compress.answers`` on (``--answers``: off, or both in
-turn); and once with float32 pushes and answers. From the learner's ``round`` events: the
+turn; ``dct`` and ``sparseloco``, whose answers stay float32, need ``--answers off``); and once
+with float32 pushes and answers. From the learner's ``round`` events: the
 bytes it sent (the push) and received (the answer) in its last round, framing included (a JSON
 header naming the leaves, a checksum); ``values``: the arrays alone (``payload.push_bytes`` of
 the push, and of the answer's encoded change: the same code, one replica), each also as a
@@ -28,6 +29,7 @@ from diloco_jax.config import apply_overrides, load_preset, recipe
 from diloco_jax.learners import answers, payload, service, wire
 from diloco_jax.learners.command import make_syncer
 from diloco_jax.run.setup import build
+from diloco_jax.simulated import comms
 from diloco_jax.train import train
 
 TOKEN = "bench-answers"
@@ -49,6 +51,8 @@ def values(cfg) -> tuple[int, int, int]:
     names = wire.leaf_names(anchor)
     codec = recipe.codec_of(cfg)
     whole = sum(x.nbytes for x in leaves)
+    if recipe.dct_of(cfg) is not None:  # dct, sparseloco: the replica's message, float32 answers
+        return whole, comms.push_payload(anchor, None, dct_config=recipe.dct_of(cfg)), whole
     if codec is None or codec.name == "none":
         return whole, whole, whole
     change = answers.following(answers.first(leaves, 0), leaves, names, codec).delta

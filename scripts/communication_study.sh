@@ -16,9 +16,12 @@ sweep --workdir "$comm/streaming" --config.streaming.fragments=2 \
     --sweep streaming.overlap=0,5 --sweep streaming.mix=0,0.5
 sweep --workdir "$comm/streaming-int4" --config.streaming.fragments=2 \
     --config.streaming.overlap=5 --config.compress.codec=int4 --config.compress.error_feedback=true
-sweep --workdir "$comm/overlapped-outer" --sweep outer.mode=delayed,eager
+# at the synchronous step's momentum (0.9), as these runs were made before the stale steps got
+# their own (outer.overlap_momentum; scripts/overlap_study.sh)
+sweep --workdir "$comm/overlapped-outer" --sweep outer.mode=delayed,eager \
+    --config.outer.overlap_momentum=0.9
 sweep --workdir "$comm/overlapped-outer-lr0.35" --sweep outer.mode=delayed,eager \
-    --config.outer.learning_rate=0.35
+    --config.outer.learning_rate=0.35 --config.outer.overlap_momentum=0.9
 sweep --workdir "$comm/dct-momentum" --config.compress.codec=dct --sweep compress.dct_topk=4,16
 uv run python -m sim.combine "$comm"/{baselines,codecs,error-feedback,streaming,streaming-int4,overlapped-outer,overlapped-outer-lr0.35,dct-momentum} \
     --out "$comm" --title "DiLoCo R=4, sync_every=50, 400 steps: final loss against bytes sent"

@@ -680,3 +680,22 @@ MUTANTS += [
            [T_REPLAY + "test_overlapped_rounds_wait_only_for_what_a_round_of_steps_does_not_"
             "hide"]),
 ]  # fmt: skip
+
+# DCT momentum and SparseLoCo between learners (issue 55, item 4)
+T_SPARSE = "tests/test_sparse_learners.py::"
+MUTANTS += [
+    Mutant("the syncer decodes a learner's messages to their sum, not their weighted mean",
+           "algorithm", EXCHANGE,
+           "    return _divide([dct.decode_sum(messages_R, config)], total_w)[0]",
+           "    return dct.decode_sum(messages_R, config)",
+           [T_SPARSE + "test_a_sparse_push_is_the_replicas_messages_and_decodes_to_the_cores_"
+            "mean"]),
+    Mutant("a learner's accumulator forgets what its replicas sent", "algorithm", CORE,
+           "        state = state._replace(exchange_state=exchange_state, healthy=finite)",
+           "        state = state._replace(healthy=finite)",
+           [T_SPARSE + "test_learners_through_a_syncer_equal_the_cores_replicas"]),
+    Mutant("the syncer takes a sparse push with a position sent twice in a chunk", "faults",
+           "diloco_jax/learners/payload.py",
+           "    if (ordered[..., 1:] == ordered[..., :-1]).any():", "    if False:",
+           [T_SPARSE + "test_a_malformed_sparse_push_is_refused_by_name"]),
+]  # fmt: skip

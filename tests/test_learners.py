@@ -715,6 +715,8 @@ INT8 = {"compress.codec": "int8", "compress.min_size": 64, "compress.error_feedb
 DELAYED = {"outer.mode": "delayed", "train.total_steps": 15}  # three syncs
 EAGER = {"outer.mode": "eager", "train.total_steps": 15, "parallel.replicas": 2}
 FSDP = {"parallel.runtime": "mesh", "parallel.fsdp": True, "parallel.data_devices": 2}
+SPARSE = {"compress.codec": "sparseloco", "compress.min_size": 1024, "parallel.replicas": 2,
+          "parallel.runtime": "mesh"}  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", [
@@ -727,7 +729,10 @@ FSDP = {"parallel.runtime": "mesh", "parallel.fsdp": True, "parallel.data_device
     pytest.param(DELAYED, id="overlapped"),
     # ~30 s; the default suite's stand-in: four learners through a syncer, eager (core level)
     pytest.param(EAGER, id="eager", marks=pytest.mark.slow),
-    pytest.param(FSDP, id="fsdp over 2 devices")])  # fmt: skip
+    pytest.param(FSDP, id="fsdp over 2 devices"),
+    # ~20 s; the default suite's stand-in: learners through a syncer with DCT momentum and
+    # SparseLoCo equal the core's replicas (tests/test_sparse_learners.py)
+    pytest.param(SPARSE, id="sparseloco on a mesh of 2", marks=pytest.mark.slow)])  # fmt: skip
 def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monkeypatch,
                                                                   variant):  # fmt: skip
     """``train()`` as the only learner of a syncer (served from this process) equals DiLoCo
@@ -744,7 +749,10 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     the round's mean, and the learner's replicas take their own outer steps on the mean of
     the push before with their fresh shares: the simulator's eager step, bit for bit. FSDP
     (one replica split over two devices): the learner's parts keep the state split, the
-    anchor is gathered whole for the push, and the run equals the mesh runtime's with FSDP."""
+    anchor is gathered whole for the push, and the run equals the mesh runtime's with FSDP.
+    SparseLoCo on a mesh of two devices: the push holds both replicas' messages (2-bit codes),
+    each replica's accumulator stays with it, and the syncer decodes the push with the core's
+    decoder: the mesh runtime's two replicas."""
     from diloco_jax.config import recipe
     from diloco_jax.learners.command import make_syncer
     from diloco_jax.simulated import comms
@@ -784,10 +792,13 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     anchor = want["state"].anchor
     if variant is EAGER:  # every replica has its own anchor, and one's size travels
         anchor = jax.tree.map(lambda x: x[0], anchor)
-    up = comms.bytes_per_replica(comms.push_payload(anchor, recipe.codec_of(_tiny(**variant))),
-                                 2, "parameter_server")  # fmt: skip
+    cfg = _tiny(**variant)  # SparseLoCo: each replica's message, the replicas' count of them
+    push = comms.push_payload(anchor, recipe.codec_of(cfg), cfg.parallel.replicas,
+                              dct_config=recipe.dct_of(cfg))  # fmt: skip
+    up = comms.bytes_per_replica(push, 2, "parameter_server")
     down = comms.payload_bytes(anchor)  # the float32 anchor, whatever the codec
-    assert (up < down / 3.5) == (variant is INT8)  # int8: 1 byte a value and a scale per 256
+    # int8: 1 byte a value and a scale per 256; SparseLoCo: 64 of every 4096 values, 2 bits each
+    assert (up < down / 3.5) == (variant is INT8 or variant is SPARSE)
     framing = [(e["bytes_sent"] - up, e["bytes_received"] - down) for e in rounds]
     assert all(0 < f < 2048 for pair in framing for f in pair), framing  # 0.7-1 KB, 12 leaves
     assert not helpers.events(tmp_path / "learner", "sync")
@@ -1138,16 +1149,26 @@ def test_a_learner_the_syncer_refuses_fails_in_one_line(tmp_path, monkeypatch, c
     assert syncer.members == {}
 
 
-def test_an_accumulator_is_not_a_learners_codec():
-    """DCT momentum and SparseLoCo are exchanges with per-replica state, not codecs a push can
-    travel through: a learner's config with one is refused in one line, naming the key."""
+def test_a_learner_takes_an_accumulator_whole_and_refuses_it_what_needs_a_codec():
+    """DCT momentum and SparseLoCo between learners: the pushes carry the replicas' messages
+    (tests/test_sparse_learners.py). Compressed answers need a blockwise or top-k codec, and
+    the core's DCT momentum does not stream: each refused in one line, naming the key."""
     from diloco_jax import config as config_lib
+    from diloco_jax.config import recipe
 
     learner = {"syncer.address": "127.0.0.1:9", "parallel.replicas": 1}
-    config_lib.validate(_tiny(**learner, **{"compress.codec": "topk"}))
-    with pytest.raises(config_lib.ConfigError, match="compress.codec = 'dct' is invalid: dct and "
-                       "sparseloco are exchanges, not codecs"):  # fmt: skip
-        config_lib.validate(_tiny(**learner, **{"compress.codec": "dct"}))
+    for codec in ("dct", "sparseloco"):
+        cfg = _tiny(**learner, **{"compress.codec": codec})
+        config_lib.validate(cfg)
+        assert recipe.push_codec_of(cfg) == recipe.dct_of(cfg)
+    for change, refused in [
+        ({"compress.answers": True}, "compress.answers = True is invalid: needs compress.codec "
+         "bf16, int8, fp8, int4 or topk"),
+        (STREAMING, "compress.codec = 'sparseloco' is invalid: DCT momentum does not combine "
+         "with streaming"),
+    ]:  # fmt: skip
+        with pytest.raises(config_lib.ConfigError, match=refused):
+            config_lib.validate(_tiny(**{**learner, **change, "compress.codec": "sparseloco"}))
 
 
 def test_a_streaming_learner_is_refused_what_it_does_not_support_in_one_line():

@@ -170,8 +170,8 @@ def test_bad_outer_options_are_one_line(key, value, match):
 def test_a_stale_outer_step_takes_the_overlap_momentum(mode, given, want):
     from diloco_jax.config import recipe
 
-    cfg = apply_overrides(load_preset("tiny"), [("outer.mode", mode),
-                                                ("outer.overlap_momentum", str(given))])  # fmt: skip
+    overrides = [("outer.mode", mode), ("outer.overlap_momentum", str(given))]
+    cfg = apply_overrides(load_preset("tiny"), overrides)
     assert recipe.outer_momentum(cfg) == want
 
 

@@ -83,6 +83,14 @@ class DilocoState(NamedTuple):
     base: Any
 
 
+def _delta(start: list, params: list, weight) -> tuple[list, jax.Array, jax.Array]:
+    """``(delta, w, finite)``: a replica's pseudo-gradient ``start - params``, its weight (0
+    where the pseudo-gradient holds NaN or Inf: left out) and whether it is finite."""
+    delta = [a - p for a, p in zip(start, params, strict=True)]
+    finite = jnp.isfinite(optax.tree.norm(delta))  # NaN/Inf anywhere: leave it out
+    return delta, jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0), finite
+
+
 def _where(cond: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
 
@@ -243,9 +251,7 @@ class Diloco(NamedTuple):
         """The replicas' weighted mean pseudo-gradient of one fragment (``start - params``; a
         replica whose own is not finite is left out): ``(delta, w, finite, mean, exchange_state,
         total_w)``, ``mean`` in the anchor's dtypes."""
-        delta = [a - p for a, p in zip(start, params, strict=True)]
-        finite = jnp.isfinite(optax.tree.norm(delta))  # NaN/Inf anywhere: leave it out
-        w = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
+        delta, w, finite = _delta(start, params, weight)
         mean, ex_f, total_w = self.exchange.mean(delta, w, finite, exchange_state, anchor=anchor)
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
         return delta, w, finite, mean, ex_f, total_w
@@ -259,6 +265,16 @@ class Diloco(NamedTuple):
         fragment and ``healthy``: a sync's start (``_start``) without its outer step. ``sync``
         timing, a shared anchor; Streaming DiLoCo's fragment ``f`` (plain DiLoCo: the one
         fragment, every leaf)."""
+        anchor, start, params = self._fragment(state, fragment)
+        _, _, finite, mean, ex, total_w = self._contribute(
+            start, params, anchor, weight, state.exchange_state[fragment]
+        )
+        exchange_state = _set(state.exchange_state, [fragment], [ex])
+        return state._replace(exchange_state=exchange_state, healthy=finite), mean, total_w
+
+    def _fragment(self, state: DilocoState, fragment: int) -> tuple[list, list, list]:
+        """``(anchor, start, params)``: the leaves of ``fragment`` (``start``: where its
+        pseudo-gradient is measured from, the anchor or with ``late_merge`` the base)."""
         idx = self._groups(state.params)[fragment]
 
         def pick(tree) -> list:
@@ -266,12 +282,29 @@ class Diloco(NamedTuple):
             return [leaves[i] for i in idx]
 
         anchor = pick(state.anchor)
-        start = pick(state.base) if self.late_merge else anchor
-        _, _, finite, mean, ex, total_w = self._contribute(
-            start, pick(state.params), anchor, weight, state.exchange_state[fragment]
+        return anchor, pick(state.base) if self.late_merge else anchor, pick(state.params)
+
+    def messages(self, state: DilocoState, weight=1.0, fragment: int = 0):
+        """:meth:`contribution` with the mean left undecoded, for an exchange that has messages
+        (:attr:`Exchange.messages <diloco_jax.algorithm.exchange.Exchange>`: DCT momentum,
+        SparseLoCo) and a syncer that decodes them: ``(state, (small, messages_R, w_R),
+        total_w)``, where ``small`` lists the fragment's leaves with the replicas' weighted mean
+        of those under the exchange's ``min_size`` (anchor dtypes; None for the others),
+        ``messages_R`` every replica's message of the others in replica order (None if none),
+        ``w_R`` their weights and ``total_w`` their mean weight (0: nobody's was finite), all
+        the same on every replica."""
+        if self.exchange.messages is None:
+            raise ValueError("this exchange sends no messages of its own: use contribution")
+        anchor, start, params = self._fragment(state, fragment)
+        delta, w, finite = _delta(start, params, weight)
+        small, messages_R, w_R, ex, total_w = self.exchange.messages(
+            delta, w, finite, state.exchange_state[fragment]
         )
+        small = [None if m is None else m.astype(a.dtype)
+                 for m, a in zip(small, anchor, strict=True)]  # fmt: skip
         exchange_state = _set(state.exchange_state, [fragment], [ex])
-        return state._replace(exchange_state=exchange_state, healthy=finite), mean, total_w
+        state = state._replace(exchange_state=exchange_state, healthy=finite)
+        return state, (small, messages_R, w_R), total_w / w_R.shape[0]
 
     def restart(self, state: DilocoState, anchor, fragment: int | None = None) -> DilocoState:
         """One replica after an outer step taken elsewhere (:meth:`contribution`): the new

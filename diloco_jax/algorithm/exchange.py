@@ -77,6 +77,8 @@ class Exchange(NamedTuple):
     init: Callable[[list], Any]
     mean: Callable[..., tuple[list, Any, jax.Array]]
     anchor_kind: str = SHARED  # PER_REPLICA: every replica keeps its own anchor (gossip)
+    # the messages themselves, decoded elsewhere (:func:`dct_momentum`'s ``messages``)
+    messages: Callable[..., tuple] | None = None
 
 
 def _weighted(delta: list, w: jax.Array) -> list:
@@ -162,18 +164,25 @@ def dct_momentum(axis_name: AxisName, config: dct.DctConfig) -> Exchange:
     """DCT momentum: per replica ``m <- beta m + w delta``; the ``topk`` largest DCT components
     of each chunk of ``m`` are sent (float32 value and position) and subtracted from ``m``; the
     mean is the inverse DCT of everybody's sent components (added replica by replica,
-    :func:`dct.decode_sum`), divided by the total weight. Leaves under ``config.min_size``
-    values are averaged in float32 (replica order). State: the float32 local momentum ``m``
-    (``[padded size]``, per replica)."""
+    :func:`dct.decode_sum`), divided by the total weight (:func:`dct_mean`). Leaves under
+    ``config.min_size`` values are averaged in float32 (replica order). State: the float32
+    local momentum ``m`` (``[padded size]``, per replica).
+
+    ``messages(delta, w, finite, m) -> (small, messages_R, w_R, m, total_w)``: the same sync
+    with the mean left undecoded, for a learner whose syncer decodes it
+    (:mod:`diloco_jax.learners.payload`): ``small`` the leaves' list with the mean of those
+    under ``min_size`` (None for the others), ``messages_R`` every replica's message
+    ``(values, idx, scale)`` in replica order (None without a big leaf) and ``w_R`` their
+    weights, the same on every replica."""
 
     def init(leaves):
         big, _ = _split_big(leaves, config.min_size)
         size = sum(leaves[i].size for i in big)
         return jnp.zeros(dct.padded(size, config.chunk), jnp.float32) if big else ()
 
-    def mean(delta, w, finite, momentum, anchor=None):
+    def sent(delta, w, finite, momentum):
         big, small = _split_big(delta, config.min_size)
-        out = list(delta)
+        out, messages_R = list(delta), None
         if small:
             sent = _concat(_weighted(delta, w), small)
             total, _ = compress.compressed_sum(sent, axis_name, compress.FLOAT32)
@@ -188,8 +197,30 @@ def dct_momentum(axis_name: AxisName, config: dct.DctConfig) -> Exchange:
             message = (jnp.where(w > 0, values, 0), idx, jnp.where(w > 0, scale, 0.0))
             momentum = jnp.where(w > 0, kept, jnp.where(finite, momentum, 0.0))
             messages_R = compress.gather_in_order(message, axis_name)
+        w_R = compress.gather_in_order(w, axis_name)  # the weights too (compress.ordered_sum)
+        total_w = compress.fold(lambda r, acc: acc + w_R[r], w_R.shape[0], jnp.zeros_like(w))
+        return out, messages_R, w_R, momentum, total_w
+
+    def mean(delta, w, finite, momentum, anchor=None):
+        out, messages_R, _, momentum, total_w = sent(delta, w, finite, momentum)
+        if messages_R is not None:
+            big, _ = _split_big(delta, config.min_size)
             _scatter(out, delta, big, dct.decode_sum(messages_R, config))
-        total_w = compress.ordered_sum(w, axis_name)
         return _divide(out, total_w), momentum, total_w
 
-    return Exchange(init, mean)
+    def messages(delta, w, finite, momentum):
+        out, messages_R, w_R, momentum, total_w = sent(delta, w, finite, momentum)
+        big, _ = _split_big(delta, config.min_size)
+        small = [None if i in big else x for i, x in enumerate(_divide(out, total_w))]
+        return small, messages_R, w_R, momentum, total_w
+
+    return Exchange(init, mean, messages=messages)
+
+
+def dct_mean(messages_R, w_R: jax.Array, config: dct.DctConfig) -> jax.Array:
+    """The flat float32 mean that :func:`dct_momentum` decodes from ``R`` replicas' messages
+    (each leaf ``[R, ...]``) and weights ``w_R``: ``decode_sum(messages) / sum_r w_r``, the
+    weights added in replica order, as a sync's exchange does (a syncer decodes a learner's
+    push with it)."""
+    total_w = compress.fold(lambda r, acc: acc + w_R[r], w_R.shape[0], jnp.zeros([], jnp.float32))
+    return _divide([dct.decode_sum(messages_R, config)], total_w)[0]

@@ -71,6 +71,12 @@ def dct_of(cfg: Config) -> DctConfig | None:
     return None
 
 
+def push_codec_of(cfg: Config) -> Codec | DctConfig | None:
+    """How a learner's push travels (:mod:`diloco_jax.learners.payload`): the codec, or with
+    ``dct`` and ``sparseloco`` the accumulator whose messages it carries."""
+    return dct_of(cfg) or codec_of(cfg)
+
+
 def _variants(cfg: Config) -> dict:
     """:func:`~diloco_jax.algorithm.diloco`'s variant arguments, as ``cfg`` sets them."""
     return dict(

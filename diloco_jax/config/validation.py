@@ -121,7 +121,8 @@ def validate(cfg: Config) -> None:
 
 def _validate_syncer(cfg: Config) -> None:
     """The syncer's keys; a learner (``syncer.address`` set) runs DiLoCo (or Streaming DiLoCo
-    with no overlap), its push through a codec (not an accumulator's exchange)."""
+    with no overlap), its push through a codec or, with DCT momentum and SparseLoCo, the
+    replicas' messages (the core refuses those with streaming)."""
     sy, t, o, st = cfg.syncer, cfg.train, cfg.outer, cfg.streaming
     host, _, port = sy.address.rpartition(":")
     rules = [
@@ -170,9 +171,6 @@ def _validate_syncer(cfg: Config) -> None:
                  "sim.quorum": not cfg.sim.quorum, "sim.chunk": not cfg.sim.chunk}  # fmt: skip
         rules += [(key, ok, "is not supported by a learner yet (syncer.address): it runs plain "
                    "DiLoCo, its replicas whole") for key, ok in plain.items()]  # fmt: skip
-        rules.append(("compress.codec", cfg.compress.codec not in ("dct", "sparseloco"),
-                      "dct and sparseloco are exchanges, not codecs: a learner's push goes "
-                      "through none, bf16, int8, fp8, int4 or topk"))  # fmt: skip
         rules.append(("streaming.overlap", st.overlap == 0,
                       "must be 0 for a learner (syncer.address): a fragment lands in the sync "
                       "that pushed it (an overlap is not supported by a learner yet)"))  # fmt: skip

@@ -67,7 +67,7 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path, cls=Syncer, **ext
                   learners=sy.learners, timeout=sy.timeout, dead_after=sy.dead_after,
                   quorum=sy.quorum, grace=sy.grace, adaptive_grace=sy.adaptive_grace,
                   max_late=sy.max_late, rounds=sy.rounds, examples=sy.examples,
-                  outer_scale=recipe.outer_lr_input(cfg), codec=recipe.codec_of(cfg),
+                  outer_scale=recipe.outer_lr_input(cfg), codec=recipe.push_codec_of(cfg),
                   weigh_rounds=sy.weigh_rounds, late_weight=sy.late_weight,
                   answer_mean=cfg.outer.mode == "eager",
                   compress_answers=cfg.compress.answers)  # fmt: skip

@@ -62,7 +62,7 @@ class Keeper:
                  clock=time.monotonic):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
         self.fragments = algorithm.plan.fragments  # Streaming DiLoCo's F (1: plain DiLoCo)
-        self.codec = codec  # how pushes travel (:mod:`.payload`; None: float32)
+        self.codec = codec  # how pushes travel (:mod:`.payload`; None: float32; or DctConfig)
         self.weigh_rounds = weigh_rounds
         # outer.mode = eager: a push is answered with its round's merged mean (the learners take
         # their own outer steps); the syncer's anchor moves as in a synchronous run, for joins

@@ -8,7 +8,8 @@ At a sync boundary (between calls; ``outer.sync_every`` a multiple of ``train.lo
    (:meth:`~diloco_jax.algorithm.Diloco.contribution`): the weighted mean of the learner's
    replicas' pseudo-gradients (the in-job collective; a replica whose own is not finite left
    out) and their mean weight.
-2. The mean goes to the syncer, encoded with the run's codec (:mod:`.payload`), with the
+2. The mean goes to the syncer, encoded with the run's codec (:mod:`.payload`; with DCT
+   momentum and SparseLoCo, the replicas' own messages: their accumulators stay here), with the
    learner's weight (its examples this round: replicas contributing x batch rows x steps) and
    the round it is for; the reply is the anchor of the next round, once every learner of the
    round has pushed (or the round's rule closed it without them).
@@ -63,7 +64,9 @@ SHARED_KEYS = ("algorithm", "outer.optimizer", "outer.learning_rate", "outer.mom
                "outer.b1", "outer.b2", "outer.eps", "outer.weight_decay", "outer.mode",
                "outer.final_lr_fraction", "compress.codec", "compress.block",
                "compress.topk_fraction", "compress.min_size", "compress.error_feedback",
-               "compress.answers",
+               "compress.answers", "compress.dct_chunk", "compress.dct_topk",
+               "compress.dct_beta", "compress.sparse_chunk", "compress.sparse_topk",
+               "compress.sparse_beta", "compress.sparse_bits",
                "streaming.fragments",
                "syncer.learners", "seed", "train.total_steps")  # fmt: skip
 
@@ -94,7 +97,8 @@ class Learner:
                  outer_scale: float = 1.0, fsdp_specs=None,
                  compress_answers: bool = False):  # fmt: skip
         self.client, self.algorithm, self.learner, self.keys = client, algorithm, learner, keys
-        self.codec = codec  # how the push travels (:mod:`.payload`); None: float32
+        self.codec = codec  # how the push travels (:mod:`.payload`); None: float32; a
+        # DctConfig: the replicas' messages of DCT momentum or SparseLoCo
         # compress.answers: the anchor held (host copy) and rebuilt from each answer's change
         self.held = answers.Held(codec if compress_answers else None)
         # outer.mode = delayed or eager: train on while the push is on its way; eager: the
@@ -402,7 +406,7 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
     rows = cfg.data.batch_size * algorithm.plan.period  # a round's (streaming: a fragment's)
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),
                    rows_per_round=rows, heartbeat=sy.heartbeat, log=log,
-                   codec=recipe.codec_of(cfg), overlap=cfg.outer.mode == "delayed", mesh=mesh,
+                   codec=recipe.push_codec_of(cfg), overlap=cfg.outer.mode == "delayed", mesh=mesh,
                    replicas=replicas, learners=sy.learners,
                    outer_scale=recipe.outer_lr_input(cfg), fsdp_specs=fsdp_specs,
                    compress_answers=cfg.compress.answers)  # fmt: skip
@@ -411,15 +415,19 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
 def _sync_parts(algorithm, mesh, learners: int, fsdp_specs=None, fragment: int | None = None):
     """``(contribute, restart, land_mean)``: the core's parts of a sync taken between calls,
     for the replicas of a run's layout. ``contribute(state) -> (state, mean, total_w)``, the
-    mean and the weight once (every replica has them); ``restart(state, anchor) -> state``, the
-    anchor placed on every device (``fragment``: a streaming fragment's alone, its leaves'
-    mean, its anchor a list of its leaves); ``land_mean(state, mean, outer_scale) -> state``,
-    the mean of ``learners`` learners. ``vmap`` over the replicas (the simulator) or, on
-    ``mesh``, over each device's virtual replicas under ``shard_map`` over the devices, as the
-    run's step; with ``fsdp_specs`` each replica's state stays split over its ``DATA`` devices."""
+    mean and the weight once (every replica has them; with DCT momentum, in place of the
+    mean, the replicas' messages: :meth:`~diloco_jax.algorithm.Diloco.messages`);
+    ``restart(state, anchor) -> state``, the anchor placed on every device (``fragment``: a
+    streaming fragment's alone, its leaves' mean, its anchor a list of its leaves);
+    ``land_mean(state, mean, outer_scale) -> state``, the mean of ``learners`` learners.
+    ``vmap`` over the replicas (the simulator) or, on ``mesh``, over each device's virtual
+    replicas under ``shard_map`` over the devices, as the run's step; with ``fsdp_specs``
+    each replica's state stays split over its ``DATA`` devices."""
     axes = state_lib.vmap_axes(algorithm.kinds)
     inner = REPLICA if mesh is None else LOCAL_REPLICA
-    contribute_R = jax.vmap(lambda s: algorithm.contribution(s, fragment=fragment or 0),
+    # DCT momentum, SparseLoCo: the replicas' own messages, which the syncer decodes
+    part = algorithm.contribution if algorithm.exchange.messages is None else algorithm.messages
+    contribute_R = jax.vmap(lambda s: part(s, fragment=fragment or 0),
                             in_axes=(axes,), out_axes=(axes, 0, 0), axis_name=inner)  # fmt: skip
     restart_R = jax.vmap(lambda s, a: algorithm.restart(s, a, fragment=fragment),
                          in_axes=(axes, None), out_axes=axes)  # fmt: skip

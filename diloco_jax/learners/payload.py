@@ -12,7 +12,18 @@ The message's arrays, by name:
 * ``topk``: the small leaves as above; of the concatenated rest, the ``k`` values of largest
   magnitude (``codec/values``, float32) and their positions (``codec/positions``, int32), with
   ``k = replicas x topk_count``: the mean of a learner's ``replicas`` replicas, each of which
-  sent its own top-k, has at most that many nonzero values, so none is dropped.
+  sent its own top-k, has at most that many nonzero values, so none is dropped;
+* ``dct`` and ``sparseloco`` (an exchange with its own per-replica state, DCT momentum:
+  :func:`diloco_jax.algorithm.exchange.dct_momentum`): the small leaves as above, the mean of
+  the learner's replicas; of the rest, every replica's own message as the core's sync
+  all-gathers it (:meth:`~diloco_jax.algorithm.Diloco.messages`), stacked ``[R, ...]`` in
+  replica order: ``dct/values`` (``[R, N, K]`` float32 coefficients, or SparseLoCo's 2-bit
+  codes, four per uint8), ``dct/positions`` (``[R, N, K]``, each chunk's top-k), ``dct/scales``
+  (``[R, N]`` float32, 2-bit codes only) and ``dct/weights`` (``[R]`` float32, each replica's
+  weight, 0: left out). The syncer decodes them with the core's own decoder
+  (:func:`~diloco_jax.algorithm.exchange.dct_mean`: the coefficients summed in replica order,
+  the inverse DCT, divided by the weights' sum), so a learner's decoded push is the mean its
+  replicas' own sync would take; the accumulator stays with each replica.
 
 The learner's replicas exchange among themselves as in any run (with the codec and its error
 feedback, kept per replica in the state): the mean they agree on is already on the codec's grid
@@ -32,15 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from diloco_jax.algorithm import compress
+from diloco_jax.algorithm import compress, dct, exchange
 from diloco_jax.algorithm.compress import Codec
+from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.learners.wire import WireError
 
 PREFIX = "codec/"
+DCT = "dct/"  # DCT momentum's and SparseLoCo's messages
 
 
-def _big(sizes: list[int], codec: Codec | None) -> list[int]:
-    if codec is None or codec.name == "none":
+def _big(sizes: list[int], codec: Codec | DctConfig | None) -> list[int]:
+    if codec is None or getattr(codec, "name", None) == "none":
         return []
     return [i for i, s in enumerate(sizes) if s >= codec.min_size]
 
@@ -70,10 +83,13 @@ def _names(codec: Codec) -> tuple[str, ...]:
     return (PREFIX + "0",) if codec.name == "bf16" else (PREFIX + "0", PREFIX + "1")
 
 
-def encode(names: list[str], leaves: list, codec: Codec | None,
+def encode(names: list[str], leaves, codec: Codec | DctConfig | None,
            replicas: int = 1) -> dict[str, np.ndarray]:  # fmt: skip
     """The message of a learner's mean pseudo-gradient (``leaves``, named ``names``) from its
-    ``replicas`` replicas (see the module's docstring)."""
+    ``replicas`` replicas (see the module's docstring). DCT momentum: ``leaves`` is what
+    :meth:`~diloco_jax.algorithm.Diloco.messages` gives, ``(small, messages_R, w_R)``."""
+    if isinstance(codec, DctConfig):
+        return _encode_messages(names, leaves, codec)
     leaves = [np.asarray(x) for x in leaves]
     big = _big([x.size for x in leaves], codec)
     out = {n: (x.astype(np.float32) if big else x)
@@ -88,6 +104,23 @@ def encode(names: list[str], leaves: list, codec: Codec | None,
     return out
 
 
+def _encode_messages(names: list[str], sent, config: DctConfig) -> dict[str, np.ndarray]:
+    small, messages_R, w_R = sent
+    big = messages_R is not None
+    out = {n: (np.asarray(x, np.float32) if big else np.asarray(x))
+           for n, x in zip(names, small, strict=True) if x is not None}  # fmt: skip
+    if big:
+        values, positions, scales = messages_R
+        arrays = (values, positions, *([scales] if config.bits != 32 else []), w_R)
+        out.update(zip(_dct_names(config), (np.asarray(a) for a in arrays), strict=True))
+    return out
+
+
+def _dct_names(config: DctConfig) -> tuple[str, ...]:
+    scales = (DCT + "scales",) if config.bits != 32 else ()  # float32 values need none
+    return (DCT + "values", DCT + "positions", *scales, DCT + "weights")
+
+
 def _float_dtypes(param_dtype: str) -> tuple[np.dtype, ...]:
     """The dtypes a leaf of the push may have: float32 (the exchange's), or the parameter's own
     float dtype."""
@@ -96,7 +129,8 @@ def _float_dtypes(param_dtype: str) -> tuple[np.dtype, ...]:
         np.dtype(np.float32),)  # fmt: skip
 
 
-def check_leaves(described: list[list], leaves: list[list], codec: Codec | None) -> None:
+def check_leaves(described: list[list], leaves: list[list],
+                 codec: Codec | DctConfig | None) -> None:  # fmt: skip
     """Checks a push's arrays as its header declares them (``leaves``: ``[[name, shape, dtype],
     ...]``) against what a push of the anchor ``described`` with ``codec`` holds: every name,
     shape and dtype, nothing more. Raises :class:`WireError` naming the first difference, before
@@ -124,15 +158,19 @@ def check_leaves(described: list[list], leaves: list[list], codec: Codec | None)
     if big:
         assert codec is not None
         size = sum(sizes[i] for i in big)
-        _check_codec({n: got[n] for n in _names(codec) if n in got}, codec, size)
-        wanted |= set(_names(codec))
+        if isinstance(codec, DctConfig):
+            _check_messages({n: got[n] for n in _dct_names(codec) if n in got}, codec, size)
+            wanted |= set(_dct_names(codec))
+        else:
+            _check_codec({n: got[n] for n in _names(codec) if n in got}, codec, size)
+            wanted |= set(_names(codec))
     extra = sorted(set(got) - wanted)
     if extra:
         raise WireError(f"the push has {extra[0]}, which the model does not")
 
 
 def decode(described: list[list], message: dict[str, np.ndarray],
-           codec: Codec | None) -> list[np.ndarray]:  # fmt: skip
+           codec: Codec | DctConfig | None) -> list[np.ndarray]:  # fmt: skip
     """The float32 leaves (in the order of ``described``, the anchor's ``[name, shape, dtype]``)
     of a :func:`encode` message; raises :class:`WireError` naming the first array missing or of
     another shape or dtype (:func:`check_leaves`), or a position out of range."""
@@ -146,7 +184,10 @@ def decode(described: list[list], message: dict[str, np.ndarray],
     if big:
         assert codec is not None
         size = sum(sizes[i] for i in big)
-        flat = np.asarray(_decode(_arrays(message, codec, size), codec, size))
+        if isinstance(codec, DctConfig):
+            flat = np.asarray(_decode_messages(_messages(message, codec), codec))[:size]
+        else:
+            flat = np.asarray(_decode(_arrays(message, codec, size), codec, size))
         start = 0
         for i in big:
             out[i] = flat[start : start + sizes[i]].reshape(described[i][1])
@@ -186,6 +227,60 @@ def _arrays(message: dict[str, np.ndarray], codec: Codec, size: int) -> tuple[np
         if np.unique(positions).size != positions.size:
             raise WireError("a top-k position sent twice")
     return got
+
+
+def _check_messages(got: dict[str, tuple[list, np.dtype]], config: DctConfig, size: int) -> None:
+    """DCT momentum's arrays (``{name: (shape, dtype)}``) against the core's message of ``size``
+    values (:func:`diloco_jax.algorithm.dct.extract`), one per replica: ``R`` from
+    ``dct/weights``, the same for every array."""
+    weights = got.get(DCT + "weights")
+    if weights is None or weights[1] != np.float32 or len(weights[0]) != 1 or weights[0][0] < 1:
+        raise WireError(f"the push lacks {DCT}weights (float32, one per replica) for "
+                        f"{_label(config)}")  # fmt: skip
+    replicas = weights[0][0]
+    for name, want in zip(_dct_names(config)[:-1], _message_like(config, size), strict=True):
+        shape = [replicas, *want.shape]
+        if name not in got or got[name][1] != want.dtype:
+            raise WireError(f"the push lacks {name} ({want.dtype}) for {_label(config)}")
+        if got[name][0] != shape:
+            raise WireError(f"{name} is {got[name][0]}, expected {shape} for {size:,} values "
+                            f"of {replicas} replica(s) in {_label(config)}")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def _message_like(config: DctConfig, size: int) -> tuple:
+    """The shapes and dtypes of one replica's message of ``size`` values, as the core makes it
+    (float32 values: no scale)."""
+    flat = jax.ShapeDtypeStruct((dct.padded(size, config.chunk),), jnp.float32)
+    like = jax.eval_shape(lambda x: dct.extract(x, config)[0], flat)
+    return like if config.bits != 32 else like[:2]
+
+
+def _label(config: DctConfig) -> str:
+    return f"{'dct' if config.dct else 'sparseloco'} (chunk {config.chunk}, topk {config.topk})"
+
+
+def _messages(message: dict[str, np.ndarray], config: DctConfig):
+    """``(messages_R, w_R)`` of ``message`` (checked by :func:`check_leaves`), the positions
+    in range and none twice in a chunk (the decoder's scatter needs them distinct), the weights
+    finite and >= 0."""
+    got = [message[name] for name in _dct_names(config)]
+    positions, w_R = got[1], got[-1]
+    if positions.size and (positions.min() < 0 or positions.max() >= config.chunk):
+        raise WireError(f"a position of {DCT}positions outside [0, {config.chunk})")
+    ordered = np.sort(positions, axis=-1)
+    if (ordered[..., 1:] == ordered[..., :-1]).any():
+        raise WireError(f"a position of {DCT}positions sent twice in one chunk")
+    if not (np.isfinite(w_R).all() and (w_R >= 0).all()):
+        raise WireError(f"{DCT}weights must be finite and >= 0")
+    scale = got[2] if config.bits != 32 else np.zeros(positions.shape[:2], np.float32)
+    return (got[0], positions, scale), w_R
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _decode_messages(messages_w, config: DctConfig) -> jax.Array:
+    messages_R, w_R = messages_w
+    return exchange.dct_mean(messages_R, w_R, config)
 
 
 def push_bytes(message: dict[str, np.ndarray]) -> int:

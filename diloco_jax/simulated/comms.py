@@ -84,12 +84,18 @@ def _split(leaves: list, min_size: int) -> tuple[int, int]:
     return small, sum(leaf.size for leaf in leaves if leaf.size >= min_size)
 
 
-def push_payload(tree: Any, codec: compress.Codec | None, replicas: int = 1) -> int:
+def push_payload(tree: Any, codec: compress.Codec | None, replicas: int = 1,
+                 dct_config: DctConfig | None = None) -> int:  # fmt: skip
     """``P`` of one member's push to a parameter server (a learner's to its syncer,
     :mod:`diloco_jax.learners.payload`): its own message, not cut into ring chunks. Leaves under
     ``codec.min_size`` in float32; the others concatenated, padded to whole blocks and encoded;
     ``topk`` sends ``k`` (value, position) pairs, ``k`` the top-k count of each of the member's
-    ``replicas`` replicas together (at most every value)."""
+    ``replicas`` replicas together (at most every value). DCT momentum (``dct_config``): each
+    of its replicas' message (:func:`diloco_jax.algorithm.dct.message_bytes`, as
+    :func:`sync_payload` counts one) and its float32 weight."""
+    if dct_config is not None:
+        small, count = _split(jax.tree.leaves(tree), dct_config.min_size)
+        return small + (replicas * (dct.message_bytes(count, dct_config) + 4) if count else 0)
     if codec is None or codec.name == "none":
         return payload_bytes(tree)
     small, count = _split(jax.tree.leaves(tree), codec.min_size)
