@@ -1227,3 +1227,21 @@ def test_the_status_page_and_metrics_show_the_learners_and_rounds(tmp_path):
     finally:
         page.stop()
         syncer.close()
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_learners_weight_is_its_replicas_mean_whatever_the_exchange(codec):
+    """``contribution``'s weight is the replicas' mean weight, which a learner multiplies by its
+    replicas and rows: a codec's exchange totals the weights as a sum, and a learner of two
+    replicas pushed four replicas' examples before."""
+    from diloco_jax.algorithm import compress
+
+    chosen = None if codec == "none" else compress.Codec(codec, block=4, min_size=1)
+    algorithm = diloco(optax.sgd(0.1), optax.sgd(0.7), sync_every=3, codec=chosen)
+    state = init_replicas(algorithm, jnp.zeros(8, jnp.float32), 2)
+    state = state._replace(params=state.params + jnp.arange(16.0).reshape(2, 8))
+    axes = vmap_axes(algorithm)
+    contribute = jax.vmap(algorithm.contribution, in_axes=(axes,), out_axes=(axes, 0, 0),
+                          axis_name="replica")  # fmt: skip
+    _, _, total_w_R = contribute(state)
+    np.testing.assert_array_equal(np.asarray(total_w_R), [1.0, 1.0])

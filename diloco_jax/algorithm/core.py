@@ -266,10 +266,12 @@ class Diloco(NamedTuple):
         timing, a shared anchor; Streaming DiLoCo's fragment ``f`` (plain DiLoCo: the one
         fragment, every leaf)."""
         anchor, start, params = self._fragment(state, fragment)
-        _, _, finite, mean, ex, total_w = self._contribute(
+        _, w, finite, mean, ex, _ = self._contribute(
             start, params, anchor, weight, state.exchange_state[fragment]
         )
         exchange_state = _set(state.exchange_state, [fragment], [ex])
+        # the mean weight, whether the exchange's own total is a sum (a codec's) or a mean
+        total_w = exchange.replica_mean(w, self.axis_name)
         return state._replace(exchange_state=exchange_state, healthy=finite), mean, total_w
 
     def _fragment(self, state: DilocoState, fragment: int) -> tuple[list, list, list]:
