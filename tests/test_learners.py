@@ -202,9 +202,9 @@ def _fragment_of(params, count: int) -> list[int]:  # leaf i in fragment i mod F
     return [i % count for i in range(len(jax.tree.leaves(params)))]
 
 
-@pytest.mark.parametrize("fragments", [2, 4])
+@pytest.mark.parametrize(("fragments", "overlap"), [(2, 0), (4, 0), (2, 1)])
 def test_streaming_learners_through_a_syncer_equal_the_cores_streaming_replicas(
-        tmp_path, fragments):  # fmt: skip
+        tmp_path, fragments, overlap):  # fmt: skip
     """Streaming DiLoCo between learners: each of four learners (one replica each) syncs every
     ``sync_every / F`` steps, pushing the fragment the core's plan starts there (its leaves
     alone: over F rounds every leaf is pushed, and answered, once); the syncer takes that
@@ -213,17 +213,19 @@ def test_streaming_learners_through_a_syncer_equal_the_cores_streaming_replicas(
     parameters, inner and exchange states and the syncer's outer state (one per fragment, also
     as a restarted syncer reads it back) equal the core's streaming vmap over four replicas,
     bitwise: the same float32 operations on the same values (the syncer's merge of four equal
-    weights is the core's mean, as in the plain rounds)."""
+    weights is the core's mean, as in the plain rounds). With an overlap tau the answer lands
+    tau steps after its sync, while the learner trains on (``Learner.land``), as the core's
+    landing does."""
     from diloco_jax.learners.learner import _sync_parts
 
     algorithm = diloco(optax.adamw(0.05), optax.sgd(0.7, momentum=0.9, nesterov=True),
-                       sync_every=4, streaming=(fragments, 0, 0.25),
+                       sync_every=4, streaming=(fragments, overlap, 0.25),
                        fragment_of=_fragment_of)  # fmt: skip
     x0 = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2)), "c": jnp.zeros(4), "d": jnp.zeros(5)}
     rng = np.random.default_rng(0)
     targets_R = jax.tree.map(lambda x: np.asarray(rng.normal(size=(4, *x.shape)), np.float32), x0)
     period, syncs = 4 // fragments, 3 * fragments
-    _, want, _ = helpers.run_vmapped(algorithm, x0, targets_R, syncs * period)
+    _, want, _ = helpers.run_vmapped(algorithm, x0, targets_R, syncs * period + overlap)
     _, _, local = _learner_fns(algorithm)
     parts = [_sync_parts(algorithm, None, 1, None, f)[:2] for f in range(fragments)]
     names, assignment = wire.leaf_names(x0), _fragment_of(x0, fragments)
@@ -241,15 +243,23 @@ def test_streaming_learners_through_a_syncer_equal_the_cores_streaming_replicas(
                  for n, g in zip(names, assignment, strict=True) if g == 0}  # fmt: skip
         with pytest.raises(Refused, match="the push lacks"):
             syncer.push(0, 1, 0, 1.0, other)
-        for rnd in range(syncs):
+        landing = None  # with an overlap: (fragment's leaf names, its answer) in flight
+        for rnd in range(syncs + (overlap > 0)):  # then the last landing's steps
+            for i in range(4):
+                for k in range(overlap if rnd == syncs else period):
+                    target = jax.tree.map(lambda t, i=i: t[i : i + 1], targets_R)
+                    states[i], _ = local(states[i], jax.tree.map(jnp.subtract, states[i].params,
+                                                                 target))  # fmt: skip
+                    if landing is not None and k + 1 == overlap:  # tau steps after its sync
+                        g, names_g, answer_g = landing
+                        states[i] = parts[g][1](states[i], [answer_g[n] for n in names_g])
+            landing = None
+            if rnd == syncs:
+                break
             f = algorithm.plan.round_fragment(rnd)
             assert f == (rnd + 1) % fragments  # the plan's first sync is fragment 1's
             mine = [n for n, g in zip(names, assignment, strict=True) if g == f]
             for i in range(4):
-                for _ in range(period):
-                    target = jax.tree.map(lambda t, i=i: t[i : i + 1], targets_R)
-                    states[i], _ = local(states[i], jax.tree.map(jnp.subtract, states[i].params,
-                                                                 target))  # fmt: skip
                 states[i], mean, total_w = parts[f][0](states[i])
                 pushed = dict(zip(mine, (np.asarray(m) for m in mean), strict=True))
                 syncer.push(i, 1, rnd, float(total_w), pushed)
@@ -257,7 +267,10 @@ def test_streaming_learners_through_a_syncer_equal_the_cores_streaming_replicas(
             assert syncer.round == rnd + 1
             _, answer = syncer.wait(rnd, 1.0)
             assert list(answer) == mine  # the fragment's anchor alone
-            states = [parts[f][1](s, [answer[n] for n in mine]) for s in states]
+            if overlap:
+                landing = (f, mine, answer)
+            else:
+                states = [parts[f][1](s, [answer[n] for n in mine]) for s in states]
         for i, state in enumerate(states):
             chex.assert_trees_all_equal(state.anchor, want.anchor)
             for field in ("params", "inner_state", "exchange_state"):
@@ -809,33 +822,41 @@ STREAMING = {"streaming.fragments": 2, "streaming.mix": 0.5, "model.num_layers":
              "parallel.runtime": "sim"}  # fmt: skip
 
 
-@pytest.mark.slow  # ~18 s; the default suite's stand-in: streaming learners through a syncer
-# against the core's streaming replicas (the learner's own sync parts, F = 2 and 4)
+@pytest.mark.slow  # ~18 s each; the default suite's stand-in: streaming learners through a
+# syncer against the core's streaming replicas (the learner's own sync parts, F = 2 and 4, tau)
+@pytest.mark.parametrize("overlap", [0, 2])
 def test_a_streaming_learner_in_this_process_trains_what_one_streaming_replica_trains(
-        tmp_path, monkeypatch):  # fmt: skip
+        tmp_path, monkeypatch, overlap):  # fmt: skip
     """``train()`` as the only learner of a syncer with two streaming fragments (one sync every
     5 steps, fragment 1 then 0, mixed in at 0.5) equals the simulator's Streaming DiLoCo with
     one replica, bitwise: the same anchor, parameters and evaluation. Each round's push and
-    answer carry one fragment: the two rounds of a period together carry the model once."""
+    answer carry one fragment: the two rounds of a period together carry the model once. With
+    an overlap of 2 steps (a call a step) each answer lands 2 steps after its sync, while the
+    learner trains on: the same anchor and final evaluation (the run's last sync lands at once,
+    where the simulator's never lands: the parameters differ in that fragment alone)."""
     from diloco_jax.learners.command import make_syncer
     from diloco_jax.simulated import comms
     from diloco_jax.train import train
 
-    want = train(_tiny(**STREAMING), tmp_path / "one", show_progress=False)
-    syncer = make_syncer(_tiny(**STREAMING), tmp_path / "syncer")
+    keys = {**STREAMING, **({"streaming.overlap": 2, "train.log_every": 1} if overlap else {})}
+    want = train(_tiny(**keys), tmp_path / "one", show_progress=False)
+    syncer = make_syncer(_tiny(**keys), tmp_path / "syncer")
     server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
     monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
     try:
-        got = train(_tiny(**STREAMING, **{"syncer.address": f"127.0.0.1:{server.port}"}),
+        got = train(_tiny(**keys, **{"syncer.address": f"127.0.0.1:{server.port}"}),
                     tmp_path / "learner", show_progress=False)  # fmt: skip
     finally:
         server.stop()
         syncer.close()
     assert syncer.round == 4
     chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
-    chex.assert_trees_all_equal(got["state"].params, want["state"].params)
     assert got["final_eval_loss"] == want["final_eval_loss"]
     rounds = helpers.events(tmp_path / "learner", "round")
+    if overlap:  # a round is reported at the sync after its landing
+        assert [(e["step"], e["base_round"]) for e in rounds] == [(10, 0), (15, 1), (20, 3)]
+        return
+    chex.assert_trees_all_equal(got["state"].params, want["state"].params)
     assert [(e["step"], e["base_round"]) for e in rounds] == [(5, 0), (10, 1), (15, 2), (20, 3)]
     model = comms.payload_bytes(want["state"].anchor)
     sent = [e["bytes_sent"] for e in rounds]
@@ -1172,15 +1193,17 @@ def test_a_learner_takes_an_accumulator_whole_and_refuses_it_what_needs_a_codec(
 
 
 def test_a_streaming_learner_is_refused_what_it_does_not_support_in_one_line():
-    """Streaming fragments between learners: the period (``outer.sync_every / F``) a multiple
-    of ``train.log_every`` (a sync happens between calls), no overlap, synchronous rounds (a
-    quorum's late push would hold another round's fragment); each refused naming its key."""
+    """Streaming fragments between learners: the period (``outer.sync_every / F``) and the
+    overlap multiples of ``train.log_every`` (a sync and a landing happen between calls),
+    synchronous rounds (a quorum's late push would hold another round's fragment); each
+    refused naming its key."""
     from diloco_jax import config as config_lib
 
     learner = {"syncer.address": "127.0.0.1:9", **STREAMING}
     config_lib.validate(_tiny(**learner))
     for change, refused in [
-        ({"streaming.overlap": 1}, "streaming.overlap = 1 is invalid: must be 0 for a learner"),
+        ({"streaming.overlap": 2, "train.log_every": 5},
+         "streaming.overlap = 2 is invalid: must be a multiple of train.log_every = 5"),
         ({"train.log_every": 10}, "outer.sync_every = 10 is invalid: divided by "
          r"streaming.fragments = 2 \(5\) must be a multiple of train.log_every = 10"),
         ({"syncer.quorum": 1}, "syncer.quorum = 1 is invalid: must be 0 with "

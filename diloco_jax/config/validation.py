@@ -171,9 +171,9 @@ def _validate_syncer(cfg: Config) -> None:
                  "sim.quorum": not cfg.sim.quorum, "sim.chunk": not cfg.sim.chunk}  # fmt: skip
         rules += [(key, ok, "is not supported by a learner yet (syncer.address): it runs plain "
                    "DiLoCo, its replicas whole") for key, ok in plain.items()]  # fmt: skip
-        rules.append(("streaming.overlap", st.overlap == 0,
-                      "must be 0 for a learner (syncer.address): a fragment lands in the sync "
-                      "that pushed it (an overlap is not supported by a learner yet)"))  # fmt: skip
+        rules.append(("streaming.overlap", st.overlap % t.log_every == 0,
+                      f"must be a multiple of train.log_every = {t.log_every} for a learner "
+                      "(syncer.address): an answer lands between calls"))  # fmt: skip
         period = o.sync_every // max(st.fragments, 1)  # a sync of one fragment each
         per = f"divided by streaming.fragments = {st.fragments} ({period}) " * (st.fragments > 1)
         rules.append(("outer.sync_every", period % t.log_every == 0,

@@ -27,8 +27,10 @@ a sync every ``outer.sync_every / F`` steps, each of one fragment, the one the c
 starts at that sync (:meth:`~diloco_jax.algorithm.plan.SyncPlan.round_fragment` of the round):
 step 1 takes that fragment's leaves alone (with its own exchange state), the push and the
 answer hold them alone, and step 3 lands them (with ``streaming.mix``: ``params_f = mix *
-params_f + (1 - mix) * anchor_f``) as the simulator's streaming sync does with
-``streaming.overlap = 0``. Which leaf is in which fragment the join tells the syncer.
+params_f + (1 - mix) * anchor_f``) as the simulator's streaming sync does. With
+``streaming.overlap`` tau > 0 the push goes on in the background and the answer lands tau
+steps later (:meth:`Learner.landing`, :meth:`Learner.land`), as the simulator's does; the
+run's last sync lands at once. Which leaf is in which fragment the join tells the syncer.
 
 With ``compress.answers`` the answer is the anchor's change through the codec: the sending
 thread adds it to the anchor the learner holds (:class:`~diloco_jax.learners.answers.Held`),
@@ -285,6 +287,9 @@ class Learner:
         pushed = payload.encode(names, mean, self.codec, replicas)
         anchor = wire.named(self._anchor(state))  # the join's, should it be needed; read once
         start = time.monotonic()
+        if self.plan.overlap and not last:  # Streaming DiLoCo's tau: it lands tau steps later
+            self._inflight = self._sender.submit(self._exchange, fields, pushed, anchor)
+            return state
         if not self.overlap:
             return self._land(state, self._exchange(fields, pushed, anchor), start)
         previous, self._inflight = self._inflight, self._sender.submit(
@@ -298,6 +303,21 @@ class Learner:
         if last:
             self.drain()
         return state
+
+    def landing(self, step: int) -> bool:
+        """Whether the answer of the push in flight lands after inner step ``step``: with
+        ``streaming.overlap`` tau, tau steps after its sync (the simulator's landing)."""
+        return bool(self.plan.overlap and self._inflight is not None
+                    and self.plan.landing(step)[0])  # fmt: skip
+
+    def land(self, state):
+        """``state`` with the answer of the push in flight landed (:meth:`landing`): its
+        fragment mixed in by ``streaming.mix``; the round's report in ``last``, its wait the
+        time this call waited for the answer."""
+        inflight, self._inflight = self._inflight, None
+        assert inflight is not None
+        start = time.monotonic()
+        return self._land(state, inflight.result(), start)
 
     def drain(self) -> None:
         """Waits for the push on its way, if any (overlapped rounds), up to the client's

@@ -340,6 +340,8 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
         metrics_NxR = jax.device_get(metrics_NxR)
         call_seconds.append(time.time() - tick)
         step += cfg.train.log_every
+        if r.learner is not None and r.learner.landing(step):  # streaming's overlap tau
+            state = r.learner.land(state)
         if r.learner is not None and r.learner.due(step):
             state = r.learner.sync(state, last=step >= total)  # push, wait, restart
         _report_chunk(s, r.runlog, bar, step, metrics_NxR, call_seconds[-1], r.learner)
