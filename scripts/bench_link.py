@@ -22,11 +22,12 @@ The modes: ``sync`` (a learner waits for each answer), ``delayed`` and ``eager``
 (``outer.mode``: the push travels while the next round trains), ``int8`` (synchronous, pushes
 through ``compress.codec=int8`` at ``compress.min_size=1024``), ``int8+answers`` (the
 same, answered through it too: ``compress.answers``), ``stream F=2`` (synchronous, Streaming
-DiLoCo's two fragments in turn, a sync every ``sync_every / 2`` steps). Per run: wall time,
-seconds a learner waited per round, bytes each way per round, the final evaluation loss. Then
-the replay (``sim/replay.py``): the pace of
-the run without a link, each push's way up and each answer's way down added by the link's
-model (:func:`sim.replay.through_link`, with the run's own bytes), against the measured wall.
+DiLoCo's two fragments in turn, a sync every ``sync_every / 2`` steps), ``stream F=2 tau``
+(the same, each answer landing ``sync_every / 4`` steps after its sync while the learner trains
+on: ``streaming.overlap``). Per run: wall time, seconds a learner waited per round, bytes each
+way per round, the final evaluation loss. Then the replay (``sim/replay.py``): the pace of the
+run without a link, each push's way up and each answer's way down added by the link's model
+(:func:`sim.replay.through_link`, with the run's own bytes), against the measured wall.
 Every mode first runs once untimed (one round, no link) into the bench's own compilation cache
 (``DIR/xla_cache``), so no timed run compiles. Prints a Markdown table and writes
 ``DIR/bench_link.json``.
@@ -64,14 +65,18 @@ MODES = {
         "--config.compress.answers=true",
     ],
     "stream F=2": ["--config.streaming.fragments=2"],
+    "stream F=2 tau": ["--config.streaming.fragments=2"],
 }
 
 
 def mode_flags(args, mode: str) -> list[str]:
     """The flags of ``mode`` (streaming: a call, and a sync, every ``sync_every / F`` steps)."""
     extra = MODES[mode]
-    if mode.startswith("stream"):
+    if mode == "stream F=2":
         extra = [*extra, f"--config.train.log_every={args.sync_every // 2}"]
+    if mode == "stream F=2 tau":  # tau: half a period, a call every tau steps
+        tau = args.sync_every // 4
+        extra = [*extra, f"--config.train.log_every={tau}", f"--config.streaming.overlap={tau}"]
     return extra
 
 

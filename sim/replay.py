@@ -17,7 +17,10 @@ clock and holding a one-number anchor; it writes no checkpoint and never blocks
 * synchronous rounds: it waits for the answer and goes on from the new round. Overlapped rounds
   (``outer.mode`` delayed or eager, as :class:`~diloco_jax.learners.learner.Learner` does): it
   goes on at once; at its next sync it waits for the answer of the push before, if that has
-  not come yet, and only then sends the next push (one push in flight at a time);
+  not come yet, and only then sends the next push (one push in flight at a time). Streaming's
+  overlap (``streaming.overlap`` tau, a round being one fragment's sync): it takes tau steps
+  while the push travels, then waits for the answer if it has not come, then the round's
+  other steps;
 * a killed learner is down: a new process starts at once (as the launcher starts it again),
   joins, compiles and takes its round's steps again (the work since its last sync is lost);
 * it heartbeats every ``heartbeat_s`` while its process lives, so a dead one is dropped by the
@@ -133,6 +136,7 @@ class _Replay:
         self.syncer = command.make_syncer(cfg, workdir, cls=_Virtual, clock=lambda: self.now)
         self.pace, self.kill = pace, kill
         self.overlap = cfg.outer.mode in ("delayed", "eager")
+        self.tau = cfg.streaming.overlap  # streaming: steps trained while a push travels
         self.H, self.rows = cfg.outer.sync_every, cfg.data.batch_size * cfg.parallel.replicas
         self.learners = [_Learner(float(s)) for s in speeds]
         self.queue: list = []
@@ -160,10 +164,11 @@ class _Replay:
         else:
             self.go_on(i, self.now, compile_first)
 
-    def go_on(self, i: int, t: float, compile_first: bool) -> None:
+    def go_on(self, i: int, t: float, compile_first: bool, steps: int | None = None) -> None:
+        """Learner ``i`` takes ``steps`` (a round's by default) from ``t``, then pushes."""
         me = self.learners[i]
         compile_s = self.pace.compile(me.epoch > 1) if compile_first else 0.0
-        work = self.H * self.pace.step_s[i] + compile_s
+        work = (self.H if steps is None else steps) * self.pace.step_s[i] + compile_s
         self.at(t + work / me.speed, "push", i)
 
     def push(self, i: int) -> None:
@@ -178,6 +183,19 @@ class _Replay:
             self.go_on(i, self.now, False)
         me.pushed_at = self.now
         self.at(self.now + self.pace.up_s, "arrive", i)
+        if self.tau:  # streaming's overlap: tau steps while the push travels, then its answer
+            me.in_flight = True
+            self.at(self.now + self.tau * self.pace.step_s[i] / me.speed, "need", i)
+
+    def need(self, i: int) -> None:
+        """Streaming's overlap: learner ``i``, tau steps after its push, needs the answer: it
+        takes the round's other steps once the answer is in (waiting for it if not yet)."""
+        me = self.learners[i]
+        if me.in_flight:
+            me.blocked_at = self.now
+            return
+        self.waited[i].append(0.0)
+        self.go_on(i, self.now, False, self.H - self.tau)
 
     def arrive(self, i: int) -> None:
         """Learner ``i``'s push in at the syncer."""
@@ -193,6 +211,13 @@ class _Replay:
     def answer(self, i: int) -> None:
         """The answer of learner ``i``'s push reaches it."""
         me = self.learners[i]
+        if self.tau:
+            me.in_flight = False
+            if me.blocked_at is not None:  # it waited, tau steps after its push
+                self.waited[i].append(self.now - me.blocked_at)
+                me.blocked_at = None
+                self.go_on(i, self.now, False, self.H - self.tau)
+            return
         if not self.overlap:
             self.waited[i].append(self.now - me.pushed_at)
             self.go_on(i, self.now, False)
@@ -251,6 +276,8 @@ class _Replay:
                 self.arrive(i)
             elif kind == "answer":
                 self.answer(i)
+            elif kind == "need":
+                self.need(i)
             elif kind == "beat":
                 me = self.learners[i]
                 try:

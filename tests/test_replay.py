@@ -98,3 +98,15 @@ def test_overlapped_rounds_wait_only_for_what_a_round_of_steps_does_not_hide(mod
     assert r.waited[0] == pytest.approx([1.0, 1.0, 1.0])  # the 4th answer: the run has ended
     # synchronous rounds wait for every answer: 5 s each
     assert replay.replay(_config(4), slow).wall_s == pytest.approx(5 + 5 + 16 + 3 * 5.0 + 3)
+
+
+def test_streamings_overlap_trains_tau_steps_while_a_push_travels():
+    # tau = 10 steps (1 s): an answer 0.3 s after its push is in before the learner needs it
+    cfg = _config(4, **{"streaming.overlap": 10})
+    assert replay.replay(cfg, PACE).wall_s == pytest.approx(5 + 5 + 4 * 4.0 + 3)
+    # an answer 5 s after its push: 1 s of steps, 4 s of waiting, the round's other 3 s
+    r = replay.replay(cfg, PACE._replace(transfer_s=5.0))
+    pushed = [e["time"] for e in r.tape if e["event"] == "pushed" and e["learner"] == 0]
+    assert pushed == pytest.approx([14.0, 22.0, 30.0, 38.0])
+    assert r.wall_s == pytest.approx(38.0 + 3)
+    assert r.waited[0] == pytest.approx([4.0, 4.0, 4.0])
