@@ -699,3 +699,15 @@ MUTANTS += [
            "    if (ordered[..., 1:] == ordered[..., :-1]).any():", "    if False:",
            [T_SPARSE + "test_a_malformed_sparse_push_is_refused_by_name"]),
 ]  # fmt: skip
+MUTANTS += [
+    Mutant("the replay's streaming learner never waits for its answer tau steps on", "runtime",
+           "sim/replay.py", "        if me.in_flight:\n            me.blocked_at = self.now",
+           "        if False:\n            me.blocked_at = self.now",
+           [T_REPLAY + "test_streamings_overlap_trains_tau_steps_while_a_push_travels"]),
+    Mutant("a streaming learner lands its answer at once, not tau steps later", "variants",
+           "diloco_jax/learners/learner.py",
+           "        if self.plan.overlap and not last:  # Streaming DiLoCo's tau",
+           "        if False:  # Streaming DiLoCo's tau",
+           ["-m", "", "tests/test_learners.py::test_a_streaming_learner_in_this_process_trains_"
+            "what_one_streaming_replica_trains"]),  # a slow test: -m "" runs it
+]  # fmt: skip
