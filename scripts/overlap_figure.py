@@ -32,6 +32,7 @@ ABOUT = {  # arm -> what it is, for the table
     "stream-tau5": "streaming F=1, tau 5, alpha 0.5",
     "stream-tau5-alpha0": "streaming F=1, tau 5, alpha 0",
     "stream-F2-tau4": "streaming F=2, tau 4, alpha 0.5",
+    "sync-mix0.5": "synchronous, landing mixed (alpha 0.5)",
 }
 
 

@@ -645,6 +645,25 @@ def _tiny(**overrides):
     return apply_overrides(load_preset("configs/tiny.py"), pairs)
 
 
+def _alone_and_as_learner(tmp_path, monkeypatch, keys: dict):
+    """``(alone, as learner, syncer)``: ``train()`` of the tiny preset with ``keys`` on its own,
+    and as the only learner of an in-process syncer over gRPC (stopped after)."""
+    from diloco_jax.learners.command import make_syncer
+    from diloco_jax.train import train
+
+    want = train(_tiny(**keys), tmp_path / "one", show_progress=False)
+    syncer = make_syncer(_tiny(**keys), tmp_path / "syncer")
+    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
+    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
+    try:
+        got = train(_tiny(**keys, **{"syncer.address": f"127.0.0.1:{server.port}"}),
+                    tmp_path / "learner", show_progress=False)  # fmt: skip
+    finally:
+        server.stop()
+        syncer.close()
+    return want, got, syncer
+
+
 def _learner(i: int, port: int, workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "diloco_jax.train", "--config", "tiny", "--workdir",
                str(workdir), "--config.parallel.replicas=1", "--config.syncer.learners=2",
@@ -767,21 +786,10 @@ def test_a_learner_in_this_process_trains_what_one_replica_trains(tmp_path, monk
     each replica's accumulator stays with it, and the syncer decodes the push with the core's
     decoder: the mesh runtime's two replicas."""
     from diloco_jax.config import recipe
-    from diloco_jax.learners.command import make_syncer
     from diloco_jax.simulated import comms
-    from diloco_jax.train import train
 
     one = {"parallel.replicas": 1, "parallel.runtime": "sim", **variant}
-    want = train(_tiny(**one), tmp_path / "one", show_progress=False)
-    syncer = make_syncer(_tiny(**one), tmp_path / "syncer")
-    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
-    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
-    try:
-        got = train(_tiny(**one, **{"syncer.address": f"127.0.0.1:{server.port}"}),
-                    tmp_path / "learner", show_progress=False)  # fmt: skip
-    finally:
-        server.stop()
-        syncer.close()
+    want, got, syncer = _alone_and_as_learner(tmp_path, monkeypatch, one)
     # overlapped too: the learner's last push is answered before it ends
     overlapped = variant.get("outer.mode") in ("delayed", "eager")
     assert syncer.round == (3 if overlapped else 2)
@@ -834,21 +842,10 @@ def test_a_streaming_learner_in_this_process_trains_what_one_streaming_replica_t
     an overlap of 2 steps (a call a step) each answer lands 2 steps after its sync, while the
     learner trains on: the same anchor and final evaluation (the run's last sync lands at once,
     where the simulator's never lands: the parameters differ in that fragment alone)."""
-    from diloco_jax.learners.command import make_syncer
     from diloco_jax.simulated import comms
-    from diloco_jax.train import train
 
     keys = {**STREAMING, **({"streaming.overlap": 2, "train.log_every": 1} if overlap else {})}
-    want = train(_tiny(**keys), tmp_path / "one", show_progress=False)
-    syncer = make_syncer(_tiny(**keys), tmp_path / "syncer")
-    server = service.Server(syncer, "127.0.0.1", 0, secret=TOKEN).start()
-    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
-    try:
-        got = train(_tiny(**keys, **{"syncer.address": f"127.0.0.1:{server.port}"}),
-                    tmp_path / "learner", show_progress=False)  # fmt: skip
-    finally:
-        server.stop()
-        syncer.close()
+    want, got, syncer = _alone_and_as_learner(tmp_path, monkeypatch, keys)
     assert syncer.round == 4
     chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
     assert got["final_eval_loss"] == want["final_eval_loss"]
