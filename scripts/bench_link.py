@@ -28,7 +28,7 @@ on: ``streaming.overlap``). Per run: wall time, seconds a learner waited per rou
 way per round, the final evaluation loss. Then the replay (``sim/replay.py``): the pace of the
 run without a link, each push's way up and each answer's way down added by the link's model
 (:func:`sim.replay.through_link`, with the run's own bytes), against the measured wall.
-Every mode first runs once untimed (one round, no link) into the bench's own compilation cache
+Every mode first runs once untimed (six rounds, no link) into the bench's own compilation cache
 (``DIR/xla_cache``), so no timed run compiles. Prints a Markdown table and writes
 ``DIR/bench_link.json``.
 """
@@ -88,11 +88,14 @@ def _env() -> dict:
 
 
 def flags(args, mode: str, rounds: int = 0) -> list[str]:
-    steps = (rounds or args.rounds) * args.sync_every
+    """A run's flags; ``rounds``: the syncer ends it after that many (the programs are the
+    timed run's: their constants, such as the outer schedule's length, depend on the steps)."""
+    steps = args.rounds * args.sync_every
+    ends = [f"--config.syncer.rounds={rounds}"] if rounds else []
     return [*job_flags(args, steps), "--config.parallel.replicas=1",
             f"--config.syncer.learners={args.learners}", "--config.syncer.heartbeat=0.5",
             "--config.syncer.timeout=300", "--config.syncer.dead_after=60",
-            *mode_flags(args, mode)]  # fmt: skip
+            *mode_flags(args, mode), *ends]  # fmt: skip
 
 
 def run(args, workdir: pathlib.Path, mode: str, link: tuple | None, rounds: int = 0) -> dict:
@@ -222,10 +225,11 @@ def main() -> None:
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="bench_link_"))
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
-    # every mode once, one round, into the bench's compilation cache: no timed run compiles
+    # every mode once, six rounds (an overlapped run takes its first answer at its second
+    # sync), into the bench's compilation cache: no timed run compiles
     os.environ["DILOCO_COMPILE_CACHE"] = str(out / "xla_cache")
     for mode in dict.fromkeys(["sync", *args.modes.split(",")]):
-        took = run(args, out / f"warm_up_{mode.replace(' ', '_')}", mode, None, rounds=1)
+        took = run(args, out / f"warm_up_{mode.replace(' ', '_')}", mode, None, rounds=6)
         print(f"{mode} warm-up: {took['wall_s']:.1f} s", file=sys.stderr, flush=True)
     base = run(args, out / "loopback", "sync", None)
     results["loopback, sync"] = {**base, "link": None}

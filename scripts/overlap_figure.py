@@ -26,6 +26,7 @@ ABOUT = {  # arm -> what it is, for the table
     "sync-0": "synchronous, outer momentum 0",
     "delayed-0.9": "delayed, momentum 0.9",
     "delayed": "delayed, its own momentum (0)",
+    "delayed-0.3": "delayed, momentum 0.3",
     "eager-0.9": "eager, momentum 0.9",
     "eager": "eager, its own momentum (0.5)",
     "stream-tau1": "streaming F=1, tau 1, alpha 0.5",
@@ -75,9 +76,9 @@ def table(by_h: dict[int, list[dict]]) -> str:
 def figure(by_h: dict[int, list[dict]], path: pathlib.Path) -> None:
     plt = pyplot()
     with plt.rc_context(FONTS):
-        fig, axes = plt.subplots(1, len(by_h), figsize=(WIDTH, 5.6), dpi=DPI, sharey=False,
+        fig, axes = plt.subplots(len(by_h), 1, figsize=(WIDTH, 4.6 * len(by_h)), dpi=DPI,
                                  squeeze=False)  # fmt: skip
-        for ax, (h, rows) in zip(axes[0], by_h.items(), strict=True):
+        for ax, (h, rows) in zip(axes[:, 0], by_h.items(), strict=True):
             base = next(r for r in rows if r["arm"] == BASE)
             top = base["loss"] + 0.4
             ax.axhspan(base["loss"] - 0.05, base["loss"] + 0.05, color="0.9", zorder=0)
@@ -88,18 +89,21 @@ def figure(by_h: dict[int, list[dict]], path: pathlib.Path) -> None:
                           if r["arm"].startswith("delayed") else "tab:green")  # fmt: skip
                 y, label = r["loss"], r["arm"]
                 if y > top:  # off the panel: at its top edge, its value said
-                    y, label = top, f"{r['arm']} ({r['loss']:.2f}, off the scale)"
+                    y, label = top, f"{r['arm']}: {r['loss']:.2f}, above the panel"
                 ax.errorbar(100 * r["hidden"], y, yerr=r["std"] if y == r["loss"] else None,
                             fmt="^" if y != r["loss"] else "o", color=colour, capsize=3,
                             ms=7)  # fmt: skip
-                ax.annotate(label, (100 * r["hidden"], y), xytext=(6, 4),
-                            textcoords="offset points", fontsize=9)  # fmt: skip
+                off = y != r["loss"]  # its label left of it, inside the panel
+                ax.annotate(label, (100 * r["hidden"], y), xytext=(-8, -4) if off else (6, 4),
+                            ha="right" if off else "left", textcoords="offset points",
+                            fontsize=9)  # fmt: skip
             ax.set_ylim(top=top + 0.05)
             ax.set_xlim(-5, 125)
-            ax.set_xlabel("share of the synchronous rounds' link time hidden (%)")
+            ax.set_xlabel("link time hidden (% of what synchronous rounds wait)")
             ax.set_ylabel("final validation loss (nats/token)")
-            ax.set_title(f"sync_every {h}, {rows[0]['tokens']:,} tokens; band: sync ± 0.05")
-        fig.suptitle("overlap against loss: 2 replicas, 50 rounds, mean ± std over seeds")
+            ax.set_title(f"sync_every {h}: 50 rounds, {rows[0]['tokens']:,} tokens; grey band: "
+                         "sync ± 0.05")  # fmt: skip
+        fig.suptitle("overlap against loss: 2 replicas, 3 seeds (mean ± std)")
         fig.tight_layout()
         fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -5,7 +5,7 @@
 # delayed and eager outer steps at outer.overlap_momentum's default (and, at sync_every 10, at
 # the paper's momentum 0.9); Streaming DiLoCo with overlap tau and mixing alpha. Accounted for a
 # 33 Mbit/s, 50 ms link, whose all-reduce of the model takes 80% of a round of 10 steps at 0.07
-# s a step. About 90 minutes on 2 CPU cores (42 runs); finished runs are reused on a rerun.
+# s a step. About 100 minutes on 2 CPU cores (45 runs); finished runs are reused on a rerun.
 # PYTHON: the interpreter (default: uv run python).
 #   bash scripts/overlap_study.sh [WORKDIR]     (default runs/overlap)
 set -euo pipefail
@@ -39,6 +39,8 @@ for H in 10 20; do
     sweep 10 stream-tau5-alpha0 --config.streaming.overlap=5 --config.streaming.mix=0
     # the mixing alone: synchronous rounds whose landing keeps half the local parameters
     sweep 10 sync-mix0.5 --config.streaming.mix=0.5
+  else  # the delayed step at momentum 0.3, the most the linear model calls stable
+    sweep 20 delayed-0.3 --config.outer.mode=delayed --config.outer.overlap_momentum=0.3
   fi
 done
 $python scripts/overlap_figure.py "$out" --out docs/overlap_study.png
