@@ -8,7 +8,6 @@ import json
 import logging
 import socket
 import threading
-import time
 
 import chex
 import numpy as np
@@ -383,34 +382,46 @@ def test_heartbeats_and_status_are_answered_while_a_round_is_written(tmp_path):
         syncer.close()
 
 
-def test_failed_authentication_is_logged_per_peer_and_slowed(tmp_path, caplog):
-    """Five wrong credentials from one peer: one log line with the count (the next line about
-    that peer waits :data:`identity.LOG_EVERY` seconds), an ``auth_failed`` event in the tape,
-    and answers delayed once :data:`identity.FREE_FAILURES` are spent, up to 2 s."""
+def test_failed_authentication_is_refused_at_once_and_logged_in_counted_lines(tmp_path, caplog):
+    """Five wrong credentials from one peer: each refused, lines at the counts 1, 2 and 4 (and
+    ``auth_failed`` events in the tape with them), no worker made to wait. Then the
+    :class:`identity.Failures` alone on a test clock: 1100 failures of one peer make 11 lines
+    (1, 2, ..., 1024; the old slowdown overflowed at 1027); 100 peers make at most :data:`identity.LOG_LINES` lines in a window, and
+    the first line of the next window says how many were left out."""
     syncer = _syncer(tmp_path, _algorithm(), learners=1)
     server = service.Server(syncer, "127.0.0.1", 0, secret="s").start()
     wrong = service.Client(f"127.0.0.1:{server.port}", "learner.0.forged", timeout=10)
     try:
         with caplog.at_level(logging.WARNING, "diloco_jax"):
-            for _ in range(identity.FREE_FAILURES):
+            for _ in range(5):
                 with pytest.raises(service.RefusedBySyncer, match="wrong credential"):
                     wrong.call("Heartbeat", {"learner": 0, "generation": 1})
-            start = time.monotonic()
-            with pytest.raises(service.RefusedBySyncer, match="wrong credential"):
-                wrong.call("Heartbeat", {"learner": 0, "generation": 1})
-            assert time.monotonic() - start >= 0.1  # the first slowed answer
     finally:
         wrong.close()
         server.stop()
         syncer.close()
     lines = [r.getMessage() for r in caplog.records if "failed authentication" in r.getMessage()]
-    assert len(lines) == 1 and "1 failed authentication(s) from 127.0.0.1" in lines[0]
-    assert [e["count"] for e in _tape(tmp_path) if e["event"] == "auth_failed"] == [1]
-    failures = identity.Failures(lambda *a, **k: None)
-    delays = [failures.delay("10.9.9.9", "test") for _ in range(12)]
-    assert delays[: identity.FREE_FAILURES] == [0.0] * identity.FREE_FAILURES
-    assert delays[identity.FREE_FAILURES :] == sorted(delays[identity.FREE_FAILURES :])
-    assert 0 < delays[identity.FREE_FAILURES] < delays[-1] == 2.0
+    assert [line.split(" failed")[0].split()[-1] for line in lines] == ["1", "2", "4"]
+    assert "from 127.0.0.1" in lines[0]
+    assert [e["count"] for e in _tape(tmp_path) if e["event"] == "auth_failed"] == [1, 2, 4]
+    now = [0.0]
+    events: list = []
+    failures = identity.Failures(lambda *a, **k: events.append(k), clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, "diloco_jax"):
+        caplog.clear()
+        counts = [failures.failed("10.9.9.9", "test") for _ in range(1100)]  # past 1026
+        assert counts == list(range(1, 1101)) and len(caplog.records) == 11
+        now[0] += identity.LOG_EVERY
+        caplog.clear()
+        for i in range(100):
+            failures.failed(f"10.0.0.{i}", "test")
+        assert len(caplog.records) == identity.LOG_LINES
+        now[0] += identity.LOG_EVERY
+        failures.failed("10.0.0.200", "test")
+    assert f"{100 - identity.LOG_LINES} line(s) about other failures left out" in (
+        caplog.records[-1].getMessage()
+    )
+    assert failures.total == 1201 and len(events) == 11 + identity.LOG_LINES + 1
 
 
 def test_the_syncer_refuses_to_listen_in_clear_off_loopback(tmp_path):

@@ -91,31 +91,63 @@ def for_learner(token: str, index: int) -> str:
     return token
 
 
-FREE_FAILURES = 3  # failed authentications a peer gets before its answers slow down
-LOG_EVERY = 30.0  # seconds between two lines about one peer's failures
+LOG_EVERY = 30.0  # seconds of the log's budget for failure lines (:data:`LOG_LINES` in each)
+LOG_LINES = 20  # failure lines at most in any LOG_EVERY seconds, all peers together
+PEERS = 4096  # peers whose failures are counted (the oldest forgotten first)
 
 
 class Failures:
-    """Failed authentications per peer address: counted, logged a line per peer at most every
-    :data:`LOG_EVERY` seconds (with the count, and through ``event`` into the syncer's tape),
-    answered later after :data:`FREE_FAILURES` (0.1 s, doubling, up to 2 s)."""
+    """Failed authentications per peer address, counted, never waited on: a wrong credential
+    is refused at once (a served call never sleeps on behalf of its caller: a sleeping worker
+    is one the next caller does not get). Guessing gains nothing from the speed: a credential
+    is a 256-bit HMAC (:func:`learner_credential`), so a guess succeeds with chance 2^-256.
 
-    def __init__(self, event: Callable[..., None]):
-        self.event, self.lock = event, threading.Lock()
+    Logged without flooding: a line when a peer's count reaches 1, 2, 4, 8, ... (its count in
+    it, and through ``event`` into the syncer's tape), at most :data:`LOG_LINES` lines in any
+    :data:`LOG_EVERY` seconds for all peers together (the next line says how many were left
+    out). At most :data:`PEERS` peers are remembered (an IPv6 flood has many addresses)."""
+
+    def __init__(self, event: Callable[..., None], clock: Callable[[], float] = time.monotonic):
+        self.event, self.clock, self.lock = event, clock, threading.Lock()
         self.count: dict[str, int] = {}
-        self.logged: dict[str, float] = {}
+        self.total = self.unsaid = 0
+        self._said: list[float] = []  # when the last lines were written
 
-    def delay(self, peer: str, why: str) -> float:
-        """Counts one failure of ``peer``; returns the seconds to wait before answering."""
+    def failed(self, peer: str, why: str) -> int:
+        """Counts one failure of ``peer`` (logging it where due); returns the peer's count."""
         with self.lock:
-            n = self.count[peer] = self.count.get(peer, 0) + 1
-            say = time.monotonic() - self.logged.get(peer, -LOG_EVERY) >= LOG_EVERY
+            n = self.count.pop(peer, 0) + 1
+            self.count[peer] = n  # the newest last: the oldest is forgotten first
+            if len(self.count) > PEERS:
+                del self.count[next(iter(self.count))]
+            self.total += 1
+            now = self.clock()
+            self._said = [t for t in self._said if now - t < LOG_EVERY]
+            due = n & (n - 1) == 0  # 1, 2, 4, 8, ...
+            say = due and len(self._said) < LOG_LINES
+            unsaid = self.unsaid
             if say:
-                self.logged[peer] = time.monotonic()
+                self._said.append(now)
+                self.unsaid = 0
+            elif due:
+                self.unsaid += 1
         if say:
-            log.warning("syncer: %d failed authentication(s) from %s so far (%s)", n, peer, why)
-            self.event("auth_failed", peer=peer, count=n, reason=why)
-        return 0.0 if n <= FREE_FAILURES else min(0.05 * 2 ** (n - FREE_FAILURES), 2.0)
+            more = f"; {unsaid} line(s) about other failures left out" if unsaid else ""
+            log.warning("syncer: %d failed authentication(s) from %s so far (%s)%s", n,
+                        printable(peer), why, more)  # fmt: skip
+            self.event("auth_failed", peer=peer, count=n, reason=why, total=self.total)
+        return n
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` as a log line may hold it: control characters escaped (a caller's newline
+    cannot forge a line), at most ``limit`` characters."""
+    text = str(text)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isprintable():
+        return text
+    return text.encode("unicode_escape").decode("ascii")
 
 
 def address(peer: str) -> str:

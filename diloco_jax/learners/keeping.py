@@ -88,6 +88,7 @@ class Keeper:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Condition()
         self.members: dict[int, Member] = {}
+        self.capacity: dict[int, float] = {}  # the most a learner's push may weigh (its join's)
         self.pending: dict[int, Push] = {}
         self.round = 0
         self.names: list[str] = []  # the anchor's leaves, by name (empty: no anchor yet)
@@ -144,6 +145,7 @@ class Keeper:
         # the members of the last round, present again: their pushes need no new join
         for i, generation in meta.get("members", {}).items():
             self.members[int(i)] = Member(int(generation), step, self.clock())
+        self.capacity = {int(i): float(c) for i, c in meta.get("capacity", {}).items()}
         self.event("restored", anchor=self.anchor_sha[:16], members=sorted(self.members))
 
     def _like(self, meta: dict) -> dict:
@@ -201,7 +203,8 @@ class Keeper:
                      for n, a in zip(self.names, anchor, strict=True)]  # fmt: skip
         members = {str(i): self.members[i].generation for i in self.present()}
         meta = {"leaves": described, "keys": self.keys, "round": rnd, "members": members,
-                "merged": self.merged, "pushes": self.ledger.to_meta()}  # fmt: skip
+                "merged": self.merged, "pushes": self.ledger.to_meta(),
+                "capacity": {str(i): c for i, c in sorted(self.capacity.items())}}  # fmt: skip
         if self.fragments > 1:
             meta["fragments"] = self.assignment
         return meta

@@ -243,7 +243,9 @@ class Learner:
 
     def _join(self, anchor: dict[str, np.ndarray], counts: list | None = None) -> dict:
         described = [[n, list(a.shape), str(a.dtype)] for n, a in anchor.items()]
-        fields = {"learner": self.learner, "describe": described, "keys": self.keys}
+        # what it can train in a round: the syncer refuses a push that weighs more
+        fields = {"learner": self.learner, "describe": described, "keys": self.keys,
+                  "replicas": self.replicas, "rows": self.rows_per_round}  # fmt: skip
         if self.streaming:
             fields["fragments"] = self.assignment
         f, arrays = self.client.call("Join", fields, anchor, counts=counts)

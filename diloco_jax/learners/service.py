@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -47,7 +47,7 @@ import numpy as np
 
 from diloco_jax.base import extras
 from diloco_jax.base.access import is_loopback
-from diloco_jax.learners import identity, intake, wire
+from diloco_jax.learners import guard, identity, intake, wire
 from diloco_jax.learners.syncer import Refused, Syncer
 
 log = logging.getLogger("diloco_jax")
@@ -69,15 +69,24 @@ def plaintext_refusal(host: str, what: str = "the syncer") -> str:
             "credentials and tensors in clear")  # fmt: skip
 
 
+class Abort(Exception):
+    """A call refused: ``code`` (a ``grpc.StatusCode`` name) and the one-line ``details``."""
+
+    def __init__(self, code: str, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
 class Server:
     """``syncer`` served at ``host:port`` (0: a free port, see :attr:`port`). ``secret``: the
     run's secret (:mod:`.identity`); ``tls``: the syncer's :class:`~.certs.Tls` (None:
     plaintext, refused off loopback unless ``insecure``); ``mutual``: learners must show a
-    certificate of the run's CA."""
+    certificate of the run's CA. ``idle``: seconds a call may go without a message before it
+    is cancelled (:mod:`.guard`). One process per port: a port already taken is refused."""
 
     def __init__(self, syncer: Syncer, host: str, port: int, *, secret: str, tls=None,
                  mutual: bool = False, insecure: bool = False, max_bytes: int = 1 << 34,
-                 wait_timeout: float = 600.0):  # fmt: skip
+                 wait_timeout: float = 600.0, idle: float = guard.IDLE):  # fmt: skip
         grpc = _grpc()
         if not secret:
             raise ValueError("the syncer needs the run's secret (syncer.credentials, "
@@ -89,25 +98,32 @@ class Server:
         self.syncer, self.secret, self.max_bytes = syncer, secret, max_bytes
         self.wait_timeout, self.mutual = wait_timeout, mutual
         self.failures = identity.Failures(syncer.event)
-        self._first_join = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
-                                   options=_options(max_bytes))  # fmt: skip
-        handlers = {name: grpc.stream_stream_rpc_method_handler(fn) for name, fn in (
-            ("Join", self._join), ("Push", self._push), ("Heartbeat", self._heartbeat),
-            ("Leave", self._leave))}  # fmt: skip
+        self.lanes, self.watchdog = guard.Lanes(), guard.Watchdog(idle)
+        self.errors = 0  # calls that ended in an error of the syncer's own (logged)
+        pool = futures.ThreadPoolExecutor(self.lanes.workers(syncer.learners),
+                                          thread_name_prefix="served")  # fmt: skip
+        self._server = grpc.server(pool, options=_options(max_bytes) + [("grpc.so_reuseport", 0)])
+        methods = (("Join", self._join), ("Push", self._push), ("Heartbeat", self._heartbeat),
+                   ("Leave", self._leave))  # fmt: skip
+        handlers = {name: grpc.stream_stream_rpc_method_handler(self._served(name, fn))
+                    for name, fn in methods}  # fmt: skip
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
         )
         where = f"{host if ':' not in host else f'[{host}]'}:{port}"
-        if tls is None:
-            self.port = self._server.add_insecure_port(where)
-        else:
-            creds = grpc.ssl_server_credentials([(tls.key, tls.cert)],
-                                                root_certificates=tls.ca if mutual else None,
-                                                require_client_auth=mutual)  # fmt: skip
-            self.port = self._server.add_secure_port(where, creds)
+        try:
+            if tls is None:
+                self.port = self._server.add_insecure_port(where)
+            else:
+                creds = grpc.ssl_server_credentials([(tls.key, tls.cert)],
+                                                    root_certificates=tls.ca if mutual else None,
+                                                    require_client_auth=mutual)  # fmt: skip
+                self.port = self._server.add_secure_port(where, creds)
+        except RuntimeError:
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise OSError(f"cannot listen on {where}: the port is taken (another syncer?) or "
+                          "the address is not this host's (syncer.address)")  # fmt: skip
         self.host, self.tls = host, tls is not None
         if tls is None and not is_loopback(host):
             log.warning("the syncer listens on %s WITHOUT TLS (syncer.insecure): credentials "
@@ -119,12 +135,42 @@ class Server:
 
     def stop(self, grace: float = 0.5) -> None:
         self._server.stop(grace).wait()
+        self.watchdog.stop()
 
-    # each handler: who is calling, read the request, answer or refuse
+    # every call: who is calling (before any message is read), a lane of its own, a watchdog
+    def _served(self, method: str, fn):
+        def handler(requests, context):
+            grpc = _grpc()
+            try:
+                who = self._who(context)
+                if not self.lanes.enter(who, method):
+                    raise Abort("RESOURCE_EXHAUSTED", f"{who} has {self.lanes.limits[method]} "
+                                f"{method} call(s) in flight already")  # fmt: skip
+                watched = self.watchdog.watch(context.cancel)
+
+                def over() -> None:
+                    self.watchdog.forget(watched)
+                    self.lanes.leave(who, method)
+
+                if not context.add_callback(over):  # the call has already ended
+                    over()
+                return watched.replies(fn(watched.requests(requests), context, who, watched))
+            except Abort as e:
+                context.abort(getattr(grpc.StatusCode, e.code), e.details)
+            except grpc.RpcError:
+                raise  # the call was cancelled or broke: gRPC ends it without a word
+            except Exception as e:  # noqa: BLE001 - one line, the call refused; never a page
+                self.errors += 1
+                log.error("syncer: a %s call failed: %s: %s", method, type(e).__name__,
+                          identity.printable(str(e)), exc_info=self.errors <= 3)  # fmt: skip
+                context.abort(grpc.StatusCode.INTERNAL, f"the syncer failed: {type(e).__name__}")
+
+        return handler
+
     def _who(self, context) -> identity.Identity:
-        """The caller's identity, from its call's metadata (before any message is read); aborts
-        ``UNAUTHENTICATED`` (counted, slowed) for a wrong credential."""
-        grpc = _grpc()
+        """The caller's identity, from its call's metadata (refused ``UNAUTHENTICATED`` at
+        once, and counted, for a wrong credential; the operator's is refused as any learner's
+        once its header names one)."""
         given = dict(context.invocation_metadata()).get("authorization", "")
         who = identity.identify(self.secret, given.removeprefix("Bearer "))
         if who is not None and self.mutual:  # the certificate must name the same party
@@ -133,126 +179,102 @@ class Server:
             if [n.decode() for n in names] != [want]:
                 who = None
         if who is None:
-            peer = identity.address(context.peer())
-            time.sleep(self.failures.delay(peer, "missing or wrong credential"))
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong credential")
-        assert who is not None
+            self.failures.failed(identity.address(context.peer()), "missing or wrong credential")
+            raise Abort("UNAUTHENTICATED", "missing or wrong credential")
         return who
 
     def _as(self, who: identity.Identity, learner: int, context) -> None:
-        """Aborts ``PERMISSION_DENIED`` unless ``who`` is learner ``learner`` itself."""
-        grpc = _grpc()
+        """Refuses ``PERMISSION_DENIED`` unless ``who`` is learner ``learner`` itself."""
         if who != identity.Identity(identity.LEARNER, learner):
             self.syncer.event("impersonation", caller=str(who), claimed=learner,
                               peer=identity.address(context.peer()))  # fmt: skip
-            context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
+            raise Abort(
+                "PERMISSION_DENIED",
                 f"this credential is {who}'s: it cannot act as learner {learner}",
             )
 
-    def _header(self, it, context, max_bytes: int | None = None) -> wire.Header:
-        """The first message of a request, its size checked against ``max_bytes`` (default:
-        the server's) before anything more is read."""
+    def _opened(self, requests, context, who, max_bytes: int = 0,
+                ) -> tuple[wire.Header, Iterator[bytes]]:  # fmt: skip
+        """A learner's request up to its header: its size (at most ``max_bytes``; default: the
+        server's) and the learner it names, which must be the caller."""
+        it = iter(requests)
         try:
-            return wire.read_header(it, self.max_bytes if max_bytes is None else max_bytes)
+            header = wire.read_header(it, max_bytes or self.max_bytes)
         except wire.WireError as e:
-            context.abort(_grpc().StatusCode.INVALID_ARGUMENT, f"refused: {e}")
-            raise
-
-    def _read(self, requests, context, max_bytes: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
-        """A whole request of a learner, after its credential is checked: one of at most
-        ``max_bytes`` of data (a heartbeat or a leave has none)."""
-        header, it = self._opened(requests, context, max_bytes)
-        return header.fields, self._data(it, header, context)
-
-    def _opened(self, requests, context, max_bytes: int) -> tuple[wire.Header, Iterator[bytes]]:
-        """A learner's request up to its header: the caller's credential, then the header's
-        size (at most ``max_bytes``) and the learner it names."""
-        who, it = self._who(context), iter(requests)
-        header = self._header(it, context, max_bytes)
-        self._as(who, _learner_of(header.fields, context), context)
+            raise Abort("INVALID_ARGUMENT", f"refused: {e}") from None
+        self._as(who, _learner_of(header.fields), context)
         return header, it
-
-    def _data(self, it, header: wire.Header, context) -> dict[str, np.ndarray]:
-        data, at = bytearray(header.size), 0
-
-        def write(chunk: bytes) -> None:
-            nonlocal at
-            data[at : at + len(chunk)] = chunk
-            at += len(chunk)
-
-        try:
-            wire.read_data(it, header, write)
-        except wire.WireError as e:
-            context.abort(_grpc().StatusCode.INVALID_ARGUMENT, f"refused: {e}")
-        self.syncer.bytes_in += header.size
-        return wire.arrays_in(data, header.leaves)
 
     def _answer(self, fields: dict, arrays: dict | None = None,
                 sha256: str | None = None) -> Iterator[bytes]:  # fmt: skip
         self.syncer.bytes_out += sum(a.nbytes for a in (arrays or {}).values())
         return wire.encode(fields, arrays, sha256)
 
-    def _refusing(self, context, fn):
+    def _join(self, requests, context, who, watched):
+        header, it = self._opened(requests, context, who)
         try:
-            return fn()
-        except Refused as e:
-            context.abort(_grpc().StatusCode.FAILED_PRECONDITION, str(e))
-
-    def _join(self, requests, context):
-        model = sum(a.nbytes for a in self.syncer.anchor or [])
-        header, it = self._opened(requests, context, model or self.max_bytes)
-        f, arrays = header.fields, {}
-        if self.syncer.anchor is None:  # the first join brings the anchor; the others' are
-            with self._first_join:  # not read (many joins at once would each hold a model)
-                if self.syncer.anchor is None:
-                    arrays = self._data(it, header, context)
-        join = lambda: self.syncer.join(int(f["learner"]), f["describe"], f["keys"],  # noqa: E731
-                                        arrays, f.get("fragments"))  # fmt: skip
-        generation, rnd, anchor = self._refusing(context, join)
+            described, keys, fragments, capacity = guard.join_fields(header.fields)
+        except guard.BadField as e:
+            raise Abort("INVALID_ARGUMENT", f"refused: a join whose {e}") from None
+        learner, sy, arrays = who.learner, self.syncer, {}
+        if sy.anchor is None:  # the first join brings the anchor: to a file, as pushes come
+            arrays = self._first_anchor(it, header, described)  # (a join that is not the
+        # first is not read: the syncer's description is compared instead, naming a leaf)
+        join = lambda: sy.join(learner, described, keys, arrays, fragments,  # noqa: E731
+                               capacity=capacity)  # fmt: skip
+        with watched.waiting():  # a join may wait for the open round to close
+            generation, rnd, anchor = _refusing(join)
         return self._answer({"generation": generation, "round": rnd,
                              "finished": self.syncer.finished}, anchor)  # fmt: skip
 
-    def _push(self, requests, context):
-        who, it = self._who(context), iter(requests)
-        header = self._header(it, context)
-        f = header.fields
-        learner = _learner_of(f, context)
-        self._as(who, learner, context)
+    def _first_anchor(self, it, header: wire.Header, described: list) -> dict[str, np.ndarray]:
+        """The first join's anchor, streamed to a file (its size grows only as its bytes come)
+        once its arrays are the model its join describes, then read back."""
+        problem = wire.first_mismatch(described, header.leaves)
+        if problem:
+            raise Abort("INVALID_ARGUMENT", f"refused: a join whose arrays are not the model it "
+                        f"describes: {problem}")  # fmt: skip
+        path = self.syncer.incoming / f"join-{uuid.uuid4().hex}"
         try:
-            generation, base, weight = int(f["generation"]), int(f["round"]), float(f["weight"])
-            push_id = str(f["push"])[:64]
-            holds = None if f.get("holds") is None else int(f["holds"])  # compress.answers
-        except (KeyError, TypeError, ValueError):
-            context.abort(_grpc().StatusCode.INVALID_ARGUMENT, "refused: a push without its "
-                          "generation, round, weight and push id")  # fmt: skip
-            raise
-        sy = self.syncer
-        ticket = self._refusing(context, lambda: sy.admit(learner, generation, base, push_id,
-                                                          header.leaves))  # fmt: skip
+            intake.receive(it, header, path)
+        except wire.WireError as e:
+            raise Abort("INVALID_ARGUMENT", f"refused: {e}") from None
+        self.syncer.bytes_in += header.size
+        try:
+            spilled = intake.spilled(described, header, path, None)
+            return {name: x for (name, _, _), x in zip(described, spilled.leaves(), strict=True)}
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _push(self, requests, context, who, watched):
+        header, it = self._opened(requests, context, who)
+        try:
+            generation, base, weight, push_id, holds = guard.push_fields(header.fields)
+        except guard.BadField as e:
+            raise Abort("INVALID_ARGUMENT", f"refused: a push whose {e}") from None
+        sy, learner, alive = self.syncer, int(header.fields["learner"]), context.is_active
+        admit = lambda: sy.admit(learner, generation, base, push_id, header.leaves,  # noqa: E731
+                                 weight=weight)  # fmt: skip
+        ticket = _refusing(admit)
         if ticket.kind == "again":  # a copy: answered with the first one's round, not merged
-            settled = sy.settled(ticket, self.wait_timeout)
-            ticket = (
-                settled
-                if settled is not None
-                else self._refusing(
-                    context, lambda: sy.admit(learner, generation, base, push_id, header.leaves)
-                )
-            )
+            with watched.waiting():
+                settled = sy.settled(ticket, self.wait_timeout, alive)
+            ticket = settled if settled is not None else _refusing(admit)
         if ticket.kind == "new":
-            late = self._receive(it, header, ticket, weight, context)
+            late = self._receive(it, header, ticket, weight)
         else:
             late = 0 if ticket.joined is None else ticket.joined - ticket.base
         joined = base + late  # the round this push is merged into: the answer follows it
-        rnd, anchor, sha, how = sy.reply(joined, 0.0 if sy.finished else self.wait_timeout,
-                                         holds)  # fmt: skip
+        with watched.waiting():
+            rnd, anchor, sha, how = sy.reply(joined, 0.0 if sy.finished else self.wait_timeout,
+                                             holds, alive)  # fmt: skip
         if rnd <= joined and not sy.finished:
-            context.abort(_grpc().StatusCode.DEADLINE_EXCEEDED,
-                          f"round {joined} did not close in {self.wait_timeout:.0f}s")  # fmt: skip
+            raise Abort("DEADLINE_EXCEEDED", f"round {joined} did not close in "
+                        f"{self.wait_timeout:.0f}s")  # fmt: skip
         return self._answer({"round": rnd, "late": late, "finished": sy.finished,
                              "again": ticket.kind == "again", **how}, anchor, sha)  # fmt: skip
 
-    def _receive(self, it, header: wire.Header, ticket, weight: float, context) -> int:
+    def _receive(self, it, header: wire.Header, ticket, weight: float) -> int:
         """A new push's data, streamed to a file and entered into the open round; its lateness."""
         sy = self.syncer
         path = sy.incoming / f"{ticket.learner}-{ticket.id}"
@@ -261,7 +283,7 @@ class Server:
             spilled = intake.spilled(sy._described(ticket.base), header, path, sy.codec)
         except wire.WireError as e:
             sy.release(ticket)
-            context.abort(_grpc().StatusCode.INVALID_ARGUMENT, f"refused: {e}")
+            raise Abort("INVALID_ARGUMENT", f"refused: {e}") from None
         except BaseException:  # the stream broke: its copy may come again
             sy.release(ticket)
             raise
@@ -270,28 +292,39 @@ class Server:
             return sy.enter(ticket, weight, spilled, spilled.finite())
         except Refused as e:
             spilled.remove()
-            context.abort(_grpc().StatusCode.FAILED_PRECONDITION, str(e))
-            raise
+            raise Abort("FAILED_PRECONDITION", str(e)) from None
 
-    def _heartbeat(self, requests, context):
-        f, _ = self._read(requests, context)
-        rnd = self._refusing(
-            context, lambda: self.syncer.heartbeat(int(f["learner"]), int(f["generation"]))
-        )
+    def _heartbeat(self, requests, context, who, watched):
+        generation = self._small(requests, context, who)
+        rnd = _refusing(lambda: self.syncer.heartbeat(who.learner, generation))
         return self._answer({"round": rnd})
 
-    def _leave(self, requests, context):
-        f, _ = self._read(requests, context)
-        self._refusing(context, lambda: self.syncer.leave(int(f["learner"]), int(f["generation"])))
+    def _leave(self, requests, context, who, watched):
+        generation = self._small(requests, context, who)
+        _refusing(lambda: self.syncer.leave(who.learner, generation))
         return self._answer({})
 
+    def _small(self, requests, context, who) -> int:
+        """The generation a heartbeat or a leave (no data) names."""
+        header, _ = self._opened(requests, context, who, max_bytes=1)
+        try:
+            return guard.integer(header.fields, "generation")
+        except guard.BadField as e:
+            raise Abort("INVALID_ARGUMENT", f"refused: {e}") from None
 
-def _learner_of(fields: dict, context) -> int:
+
+def _refusing(fn):
     try:
-        return int(fields["learner"])
-    except (KeyError, TypeError, ValueError):
-        context.abort(_grpc().StatusCode.INVALID_ARGUMENT, "refused: a call without its learner")
-        raise
+        return fn()
+    except Refused as e:
+        raise Abort("FAILED_PRECONDITION", str(e)) from None
+
+
+def _learner_of(fields: dict) -> int:
+    try:
+        return guard.integer(fields, "learner", 0, 1 << 20)
+    except guard.BadField:
+        raise Abort("INVALID_ARGUMENT", "refused: a call without its learner") from None
 
 
 class RefusedBySyncer(RuntimeError):
@@ -350,7 +383,9 @@ class Client:
                             grpc.StatusCode.PERMISSION_DENIED):  # fmt: skip
                     raise RefusedBySyncer(f"{name}: {e.details()}") from None
                 # unreachable, or the syncer stopped while answering: try again
-                again = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                # (or its lanes of this call are taken: a try before this one is still ending)
+                again = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                 grpc.StatusCode.RESOURCE_EXHAUSTED)  # fmt: skip
                 if not again or time.monotonic() - start > self.patience:
                     raise SyncerUnreachable(f"syncer {self.address}: {name} failed: "
                                           f"{code.name}: {e.details()}") from None  # fmt: skip

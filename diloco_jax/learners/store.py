@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
+from diloco_jax.learners.identity import printable
 from diloco_jax.runtime import checkpoint
 
 log = logging.getLogger("diloco_jax")
@@ -25,14 +27,17 @@ class Store:
 
     def __init__(self, workdir: pathlib.Path):
         self.tape = (workdir / "syncer.jsonl").open("a")
+        self._writing = threading.Lock()
         self.mngr = checkpoint.manager(workdir, max_to_keep=3)
 
     def event(self, kind: str, rnd: int, **fields) -> None:
         """One line in the tape (and the log): ``kind``, the syncer's round, the Unix time."""
         line = {"event": kind, "round": rnd, "time": time.time(), **fields}
-        self.tape.write(json.dumps(line) + "\n")
-        self.tape.flush()
-        log.info("syncer: %s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
+        with self._writing:  # events come from the served calls' threads too
+            self.tape.write(json.dumps(line) + "\n")
+            self.tape.flush()
+        # a caller's text (a push id, a leaf name) escaped: no forged lines in the log
+        log.info("syncer: %s %s", kind, " ".join(f"{k}={printable(v)}" for k, v in fields.items()))
 
     def save(self, rnd: int, anchor: list, outer_state, meta: dict,
              sent: list | None = None) -> None:  # fmt: skip

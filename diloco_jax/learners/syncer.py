@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -92,11 +93,13 @@ class Syncer(Keeper):
     network (the gRPC service wraps it)."""
 
     def join(self, learner: int, describe: list, keys: dict, anchor: dict[str, np.ndarray],
-             fragments: list[int] | None = None):  # fmt: skip
+             fragments: list[int] | None = None, capacity: float | None = None):  # fmt: skip
         """Admits ``learner`` (its parameters described by :func:`wire.describe`, its training
         ``keys``; ``anchor``: its own, used only when the syncer has none yet; ``fragments``:
         with streaming fragments, the fragment of each of its leaves); returns
-        ``(generation, round, anchor by name)``. A learner the open round does not wait for
+        ``(generation, round, anchor by name)``; ``capacity``: the examples it can train in a
+        round (its replicas x rows per round), the most a push of its may weigh (None: not
+        bounded). A learner the open round does not wait for
         joins the next round: this returns when the open one has closed. Raises
         :class:`Refused`."""
         if not 0 <= learner < self.learners:
@@ -124,6 +127,8 @@ class Syncer(Keeper):
             old = self.members.get(learner)
             generation = 1 if old is None else old.generation + 1
             self.members[learner] = Member(generation, self.round, self.clock())
+            if capacity is not None:
+                self.capacity[learner] = float(capacity)
             waits = bool(self.pending) and learner not in self.expected
             self.event("joined", learner=learner, generation=generation,
                        next_round=waits)  # fmt: skip
@@ -182,10 +187,12 @@ class Syncer(Keeper):
         return self.enter(ticket, weight, leaves, finite)
 
     def admit(self, learner: int, generation: int, base_round: int, push_id: str,
-              leaves: list[list] | None = None) -> Ticket:  # fmt: skip
+              leaves: list[list] | None = None, weight: float | None = None) -> Ticket:  # fmt: skip
         """The first half of a push, before its data: refuses one that cannot enter the open
         round (stale, dropped, old generation, a conflict, or arrays ``leaves`` ``[[name,
-        shape, dtype], ...]`` that do not fit the anchor and codec), and recognises a copy of a
+        shape, dtype], ...]`` that do not fit the anchor and codec, or a ``weight`` that is not
+        finite, is negative or is more than the learner can train in a round: its capacity,
+        from its join), and recognises a copy of a
         push already in (kind ``"again"``); a new push holds its learner's slot until
         :meth:`enter` or :meth:`release`."""
         with self.lock:
@@ -195,6 +202,8 @@ class Syncer(Keeper):
                 return again
             member = self._member(learner, generation, base_round)
             member.last_seen = self.clock()
+            if weight is not None:
+                self._check_weight(learner, weight)
             if self.finished:  # the run is over: the learner gets the final anchor and ends
                 return Ticket("finished", learner, generation, base_round, push_id, base_round)
             self._check_late(learner, base_round)
@@ -215,19 +224,38 @@ class Syncer(Keeper):
             self.ledger.receiving[learner] = ticket
             return ticket
 
+    def _check_weight(self, learner: int, weight: float) -> None:
+        """Refuses a push weighing what its learner cannot have trained: NaN, infinite,
+        negative, or more than its capacity (0 passes: none of its replicas' pseudo-gradients
+        was finite, and the merge leaves it out)."""
+        cap = self.capacity.get(learner)
+        if not math.isfinite(weight) or weight < 0:
+            why = f"its weight {weight} is not a finite number >= 0"
+        elif cap is not None and weight > cap * (1 + 1e-6):
+            why = (
+                f"its weight {weight:g} is more than learner {learner} can train in a round "
+                f"({cap:g} examples: its replicas x rows per round, from its join)"
+            )
+        else:
+            return
+        self.event("refused", learner=learner, reason="weight", weight=str(weight))
+        raise Refused(f"a push of learner {learner} refused: {why}")
+
     def release(self, ticket: Ticket) -> None:
         """Gives up an admitted push whose data did not arrive whole (its copy may come again)."""
         with self.lock:
             if self.ledger.take(ticket):
                 self.lock.notify_all()
 
-    def settled(self, ticket: Ticket, timeout: float) -> Ticket | None:
+    def settled(self, ticket: Ticket, timeout: float, alive=None) -> Ticket | None:
         """A copy's ticket once its first copy is in (``joined`` set), or None when the first
-        copy was given up (this one is then pushed as new)."""
+        copy was given up (this one is then pushed as new), or when ``alive()`` (the caller's
+        call) turns false."""
         end = self.clock() + timeout
         with self.lock:
             while ticket.joined is None:
-                if ticket.learner not in self.ledger.receiving or self.clock() > end:
+                if (ticket.learner not in self.ledger.receiving or self.clock() > end
+                        or (alive is not None and not alive())):  # fmt: skip
                     again = self._copy_of(ticket.learner, ticket.id)
                     return again if again is not None and again.joined is not None else None
                 self.lock.wait(0.05)
@@ -303,26 +331,28 @@ class Syncer(Keeper):
         rnd, named, _, _ = self.reply(after_round, timeout)
         return rnd, named
 
-    def reply(self, after_round: int, timeout: float, holds: int | None = None,
+    def reply(self, after_round: int, timeout: float, holds: int | None = None, alive=None,
               ) -> tuple[int, dict[str, Any], str | None, dict]:  # fmt: skip
         """:meth:`answer`, and the fields that say how to read it. With compress.answers
         (:mod:`.answers`): the anchor's change since round ``holds``, for a learner that holds
         that round's reconstruction, else the reconstruction whole (never the true anchor,
-        which only the syncer's outer step goes on from)."""
+        which only the syncer's outer step goes on from). ``alive``: the waiting call's
+        liveness (a call whose learner has gone stops waiting)."""
         if not self.compress_answers:
-            return (*self.answer(after_round, timeout), {})
+            return (*self.answer(after_round, timeout, alive), {})
         with self.lock:
-            self._wait_past(after_round, timeout)
+            self._wait_past(after_round, timeout, alive)
             self._settle()
             sent = self._sent()
             if sent is None:
                 return self.round, {}, None, {}
             return (self.round, *answers.reply(sent, self.names, holds))
 
-    def answer(self, after_round: int, timeout: float) -> tuple[int, dict[str, Any], str | None]:
+    def answer(self, after_round: int, timeout: float,
+               alive=None) -> tuple[int, dict[str, Any], str | None]:  # fmt: skip
         """:meth:`wait`'s answer and its SHA-256 where it is the anchor's (None: a mean)."""
         with self.lock:
-            self._wait_past(after_round, timeout)
+            self._wait_past(after_round, timeout, alive)
             self._settle()
             leaves: list = self.anchor or []
             if not self.answer_mean:
@@ -331,11 +361,11 @@ class Syncer(Keeper):
             leaves = [m.astype(a.dtype) for m, a in zip(mean, leaves, strict=True)]
             return self.round, dict(zip(self.names, leaves, strict=True)), None
 
-    def _wait_past(self, after_round: int, timeout: float) -> None:
+    def _wait_past(self, after_round: int, timeout: float, alive=None) -> None:
         end = self.clock() + timeout
         while self.round <= after_round or self._closing:
             left = end - self.clock()
-            if left <= 0:
+            if left <= 0 or (alive is not None and not alive()):
                 break
             self.lock.wait(min(left, 0.05))
             self._advance()
