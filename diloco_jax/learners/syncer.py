@@ -175,7 +175,7 @@ class Syncer(Keeper):
         :meth:`enter` themselves, their data streamed to a file between the two."""
         described = [[n, list(a.shape), str(a.dtype)] for n, a in mean.items()]
         ticket = self.admit(learner, generation, base_round, push_id or uuid.uuid4().hex,
-                            described)  # fmt: skip
+                            described, weight)  # fmt: skip
         if ticket.kind != "new":
             return 0 if ticket.joined is None else ticket.joined - ticket.base
         try:

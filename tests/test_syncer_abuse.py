@@ -1,0 +1,322 @@
+"""The syncer under abuse (issue 60), tried as an attacker would: floods of wrong credentials,
+calls with a stolen credential that never end, pushes whose numbers are out of range, a first
+join that claims gigabytes, ids and names made to forge log lines, a second syncer on the port,
+plain HTTP on the gRPC port, and a model of another width. Each test names the finding it
+covers; each fails on the code before the fix (a worker slept per wrong credential, a caller
+could hold all 64 workers, a weight was never checked)."""
+
+import json
+import logging
+import threading
+import time
+
+import chex
+import numpy as np
+import pytest
+
+from diloco_jax.learners import guard, identity, service, wire
+from diloco_jax.learners.syncer import Refused
+from tests.test_learners import _algorithm, _ones, _syncer
+
+KEYS = {"outer.sync_every": 3}
+X = {"w": np.zeros(3, np.float32)}
+JOIN = {"describe": wire.describe(X), "keys": KEYS, "replicas": 2, "rows": 12}  # capacity 24
+
+
+def _served(tmp_path, learners=2, **kw):
+    syncer = _syncer(tmp_path, _algorithm(), learners=learners)
+    server = service.Server(syncer, "127.0.0.1", 0, secret="s", **kw).start()
+    return syncer, server, f"127.0.0.1:{server.port}"
+
+
+def _raw(address: str, learner: int | None, method: str, messages, timeout=None):
+    """A call of ``method`` whose request stream is ``messages`` (a generator the test
+    controls), with learner ``learner``'s credential (None: a wrong one); its reply iterator."""
+    grpc = service._grpc()
+    channel = grpc.insecure_channel(address)
+    credential = (
+        "learner.0.forged" if learner is None else identity.learner_credential("s", learner)
+    )
+    call = channel.stream_stream(f"/{service.SERVICE}/{method}")
+    return call(messages, metadata=(("authorization", f"Bearer {credential}"),), timeout=timeout)
+
+
+def _hold(fields: dict | None, release: threading.Event, leaves=(), size=0, chunks=0):
+    """A request that sends its header (None: none) and ``chunks`` zero chunks, then nothing
+    until ``release`` is set."""
+    if fields is None:
+        release.wait(60)
+        return
+    yield json.dumps({"fields": fields, "leaves": list(leaves), "bytes": size,
+                      "sha256": ""}).encode()  # fmt: skip
+    for _ in range(chunks):
+        yield bytes(wire.CHUNK)
+    release.wait(60)
+
+
+def _code(call) -> str:
+    grpc = service._grpc()
+    try:
+        list(call)
+    except grpc.RpcError as e:
+        return e.code().name
+    return "OK"
+
+
+def test_calls_that_never_end_hold_one_lane_of_their_learner_and_are_cancelled_when_idle(tmp_path):
+    """Finding 2: 70 heartbeats with learner 0's own credential that never send their header.
+    One takes learner 0's heartbeat lane, the 69 others are refused at once
+    (``RESOURCE_EXHAUSTED``); learner 1 keeps its lanes and is answered; the held call is
+    cancelled once idle for the watchdog's limit (1 s here), and the lane is free again."""
+    syncer, server, address = _served(tmp_path, idle=1.0)
+    release = threading.Event()
+    honest = service.Client(address, identity.learner_credential("s", 1), timeout=5)
+    try:
+        syncer.join(0, wire.describe(X), KEYS, wire.named(X))
+        syncer.join(1, wire.describe(X), KEYS, wire.named(X))
+        calls = [_raw(address, 0, "Heartbeat", _hold(None, release)) for _ in range(70)]
+        done: list[str] = []
+        threads = [threading.Thread(target=lambda c=c: done.append(_code(c))) for c in calls]
+        for t in threads:
+            t.start()
+        # learner 1's heartbeat, its deadline 5 s: the 64 workers of old were all held
+        assert honest.call("Heartbeat", {"learner": 1, "generation": 1})[0]["round"] == 0
+        for t in threads:
+            t.join(30)
+        assert sorted(done) == ["CANCELLED"] + ["RESOURCE_EXHAUSTED"] * 69
+        assert server.watchdog.cancelled == 1 and server.lanes.busy == {}
+    finally:
+        release.set()
+        honest.close()
+        server.stop()
+        syncer.close()
+
+
+def test_a_flood_of_wrong_credentials_holds_no_worker(tmp_path, caplog):
+    """Finding 1: 400 wrong-credential calls in flight at once (each one a worker of old, asleep
+    for up to 2 s: 64 workers, minutes of queue); each refused ``UNAUTHENTICATED`` at once, so
+    learner 0's heartbeats in the middle of the flood are answered within their 5 s deadline,
+    and the log holds counted lines (1, 2, 4, ..., 256), not one a call."""
+    syncer, server, address = _served(tmp_path)
+    honest = service.Client(address, identity.learner_credential("s", 0), timeout=5)
+    try:
+        syncer.join(0, wire.describe(X), KEYS, wire.named(X))
+        with caplog.at_level(logging.WARNING, "diloco_jax"):
+            flood = [_raw(address, None, "Heartbeat", iter([b"{}"])) for _ in range(400)]
+            for _ in range(3):
+                assert honest.call("Heartbeat", {"learner": 0, "generation": 1})[0]["round"] == 0
+            codes = [_code(call) for call in flood]
+    finally:
+        honest.close()
+        server.stop()
+        syncer.close()
+    assert codes == ["UNAUTHENTICATED"] * 400
+    lines = [r for r in caplog.records if "failed authentication" in r.getMessage()]
+    assert len(lines) == 9  # 1, 2, 4, ..., 256 of 400
+    assert syncer.members[0].status == "present"
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), -1.0, 240.0])
+def test_a_push_weighing_what_its_learner_cannot_have_trained_is_refused(tmp_path, weight):
+    """Finding 3: weights Infinity, NaN, -1 and 10x the capacity the learner's join declared
+    (2 replicas x 12 rows): refused at the header over gRPC (nothing read, nothing pending),
+    and by the syncer itself (``admit``), with a ``refused`` event; the anchor, the round and
+    the examples budget unchanged. Weight 24 (the capacity) then goes through."""
+    syncer, server, address = _served(tmp_path, learners=1)
+    client = service.Client(address, identity.learner_credential("s", 0), timeout=10)
+    fields = {"learner": 0, "generation": 1, "round": 0, "weight": weight, "push": "w1"}
+    try:
+        client.call("Join", {**JOIN, "learner": 0}, wire.named(X))
+        before = [np.asarray(a).copy() for a in syncer.anchor]
+        with pytest.raises(service.RefusedBySyncer, match="weight"):
+            client.call("Push", fields, _ones(1.0))
+        with pytest.raises(Refused, match="weight"):
+            syncer.push(0, 1, 0, weight, _ones(1.0), push_id="w2")
+        assert syncer.pending == {} and syncer.ledger.receiving == {} and syncer.round == 0
+        assert syncer.merged == 0.0
+        chex.assert_trees_all_equal([np.asarray(a) for a in syncer.anchor], before)
+        assert not any(syncer.incoming.iterdir())
+        reply, _ = client.call("Push", {**fields, "weight": 24.0, "push": "w3"}, _ones(1.0))
+        assert reply["round"] == 1 and syncer.merged == 24.0
+    finally:
+        client.close()
+        server.stop()
+        syncer.close()
+    refused = [json.loads(x) for x in (tmp_path / "syncer" / "syncer.jsonl").open()]
+    assert sum(e["event"] == "refused" and e.get("reason") == "weight" for e in refused) >= 1
+
+
+def test_a_push_of_weight_zero_is_left_out_and_its_capacity_survives_a_restart(tmp_path):
+    """Weight 0 is what an honest learner pushes when none of its replicas' pseudo-gradients
+    was finite: it closes its round without moving the anchor or counting examples. The
+    capacity a join declared is in the round's checkpoint: a restarted syncer still refuses
+    10x of it."""
+    syncer = _syncer(tmp_path, _algorithm(), learners=1)
+    syncer.join(0, wire.describe(X), KEYS, wire.named(X), capacity=24.0)
+    assert syncer.push(0, 1, 0, 0.0, _ones(1.0), push_id="zero") == 0
+    syncer.tick()
+    assert syncer.round == 1 and syncer.merged == 0.0
+    np.testing.assert_array_equal(np.asarray(syncer.anchor[0]), np.zeros(3, np.float32))
+    syncer.close()
+    again = _syncer(tmp_path, _algorithm(), learners=1)
+    try:
+        assert again.round == 1 and again.capacity == {0: 24.0}
+        with pytest.raises(Refused, match="more than learner 0 can train in a round"):
+            again.push(0, 1, 1, 240.0, _ones(1.0), push_id="big")
+    finally:
+        again.close()
+
+
+def test_push_ids_and_fields_out_of_range_are_refused_in_one_line_without_forged_lines(
+    tmp_path, caplog
+):
+    """Finding 7: push ids with ``/``, NUL, a newline, 65 characters, or not a string, and a
+    round that is a float, are refused ``INVALID_ARGUMENT`` naming the field (never an internal
+    error); a leaf name with a newline is refused too, and no log line holds a raw newline."""
+    syncer, server, address = _served(tmp_path, learners=1)
+    client = service.Client(address, identity.learner_credential("s", 0), timeout=10)
+    base = {"learner": 0, "generation": 1, "round": 0, "weight": 1.0}
+    try:
+        syncer.join(0, wire.describe(X), KEYS, wire.named(X))
+        with caplog.at_level(logging.INFO, "diloco_jax"):
+            for bad in ("a/b", "a\x00b", "x\n03:00:00 syncer: forged", "p" * 65, 7):
+                with pytest.raises(service.RefusedBySyncer, match="push id"):
+                    client.call("Push", {**base, "push": bad}, _ones(1.0))
+            with pytest.raises(service.RefusedBySyncer, match="round must be an integer"):
+                client.call("Push", {**base, "push": "ok", "round": 0.5}, _ones(1.0))
+            with pytest.raises(service.RefusedBySyncer, match="lacks"):
+                client.call("Push", {**base, "push": "ok"}, {"w\nforged": np.ones(3, np.float32)})
+        assert syncer.pending == {} and server.errors == 0
+        assert not any("\n" in r.getMessage() for r in caplog.records)
+    finally:
+        client.close()
+        server.stop()
+        syncer.close()
+
+
+def test_a_first_join_claiming_gigabytes_allocates_nothing_and_blocks_no_other_join(tmp_path):
+    """Finding 6: learner 0's first join declares a 2 GiB anchor, sends 2 MiB of it and
+    stalls. Its bytes go to a file as they come (2 MiB on disk, never 2 GB in memory), and
+    learner 1's join meanwhile brings the anchor and is answered. Learner 0's join, once its
+    stream ends short, is refused."""
+    syncer, server, address = _served(tmp_path)
+    release = threading.Event()
+    big = [["['w']", [1 << 29], "float32"]]
+    fields = {"learner": 0, "describe": big, "keys": KEYS}
+    stalled = _raw(address, 0, "Join", _hold(fields, release, big, 1 << 31, chunks=2))
+    codes: list[str] = []
+    worker = threading.Thread(target=lambda: codes.append(_code(stalled)))
+    worker.start()
+    other = service.Client(address, identity.learner_credential("s", 1), timeout=10)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not list(syncer.incoming.glob("join-*")):
+            time.sleep(0.05)
+        files = list(syncer.incoming.glob("join-*"))
+        assert len(files) == 1
+        reply, anchor = other.call("Join", {**JOIN, "learner": 1}, wire.named(X))
+        assert reply["generation"] == 1 and list(anchor) == ["['w']"]
+        assert files[0].stat().st_size <= 2 * wire.CHUNK
+    finally:
+        release.set()
+        worker.join(30)
+        other.close()
+        server.stop()
+        syncer.close()
+    assert codes == ["INVALID_ARGUMENT"] and 0 not in syncer.members
+    assert not list(syncer.incoming.glob("join-*"))
+
+
+def test_a_learner_of_another_width_is_refused_naming_its_first_differing_leaf(tmp_path):
+    """Finding 11: a model of another width is refused by its leaf and shapes, not by the size
+    of its message (the description is compared before any size limit)."""
+    syncer, server, address = _served(tmp_path)
+    wide = {"w": np.zeros(5, np.float32)}
+    client = service.Client(address, identity.learner_credential("s", 1), timeout=10)
+    try:
+        syncer.join(0, wire.describe(X), KEYS, wire.named(X))
+        named = r"parameter \['w'\] is \[5\] float32, expected \[3\] float32"
+        with pytest.raises(service.RefusedBySyncer, match=named):
+            client.call("Join", {**JOIN, "learner": 1, "describe": wire.describe(wide)},
+                        wire.named(wide))  # fmt: skip
+    finally:
+        client.close()
+        server.stop()
+        syncer.close()
+
+
+def test_one_syncer_per_port_and_plain_http_on_it_writes_no_traceback(tmp_path, capfd):
+    """Findings 8 and 9: a second syncer on a port taken is refused in one line (gRPC's
+    SO_REUSEPORT would have split the learners between the two); a plain-HTTP request to the
+    TLS port is refused without a traceback, and learners are served after it."""
+    import socket
+
+    from diloco_jax.learners import certs
+    from tests.test_syncer_security import _credentials
+
+    folder, secret = _credentials(tmp_path, 1)
+    syncer = _syncer(tmp_path, _algorithm(), learners=1)
+    server = service.Server(syncer, "127.0.0.1", 0, secret=secret,
+                            tls=certs.read(folder / "syncer")).start()  # fmt: skip
+    client = service.Client(f"localhost:{server.port}", identity.learner_credential(secret, 0),
+                            timeout=10, tls=certs.read(folder / "learner_0"))  # fmt: skip
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{server.port}: the port "
+                           "is taken"):  # fmt: skip
+            service.Server(syncer, "127.0.0.1", server.port, secret=secret)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: syncer\r\n\r\n")
+            s.settimeout(5)
+            assert s.recv(200) == b""  # the handshake fails: closed, nothing answered
+        reply, _ = client.call("Join", {**JOIN, "learner": 0}, wire.named(X))
+        assert reply["generation"] == 1
+    finally:
+        client.close()
+        server.stop()
+        syncer.close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_stalled_push_is_cancelled_its_slot_freed_and_a_retry_merged_once(tmp_path):
+    """A push that sends its header and stalls holds its learner's slot only until the
+    watchdog cancels it (idle 1 s here); the learner's retry of the same id is then admitted
+    and merged, once."""
+    syncer, server, address = _served(tmp_path, learners=1, idle=1.0)
+    release = threading.Event()
+    fields = {"learner": 0, "generation": 1, "round": 0, "weight": 1.0, "push": "same"}
+    client = service.Client(address, identity.learner_credential("s", 0), timeout=10)
+    try:
+        syncer.join(0, wire.describe(X), KEYS, wire.named(X))
+        leaves = [["['w']", [3], "float32"]]
+        stalled = _raw(address, 0, "Push", _hold(fields, release, leaves, 12))
+        assert _code(stalled) == "CANCELLED" and server.watchdog.cancelled == 1
+        deadline = time.monotonic() + 10  # the handler sees the cancel and gives the slot up
+        while syncer.ledger.receiving and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert syncer.ledger.receiving == {} and server.lanes.busy.get(
+            (identity.Identity("learner", 0), "Push"), 0) <= 1  # fmt: skip
+        reply, _ = client.call("Push", fields, _ones(1.0))
+        assert reply["round"] == 1 and not reply["again"] and syncer.merged == 1.0
+    finally:
+        release.set()
+        client.close()
+        server.stop()
+        syncer.close()
+
+
+def test_guard_fields_and_lanes_by_definition():
+    """The header checks and the lanes alone: each field's range, and a lane taken back."""
+    ok = {"generation": 1, "round": 2, "weight": 3.5, "push": "a-B_9", "holds": -1}
+    assert guard.push_fields(ok) == (1, 2, 3.5, "a-B_9", -1)
+    bad_fields = ({"generation": True}, {"round": -1}, {"round": 1 << 41}, {"weight": "1"},
+                  {"weight": float("nan")}, {"weight": -0.5}, {"push": ""},
+                  {"holds": 1.0})  # fmt: skip
+    for bad in bad_fields:
+        with pytest.raises(guard.BadField):
+            guard.push_fields({**ok, **bad})
+    lanes = guard.Lanes()
+    assert [lanes.enter("a", "Push") for _ in range(3)] == [True, True, False]
+    assert lanes.enter("b", "Push") and lanes.enter("a", "Heartbeat")
+    lanes.leave("a", "Push")
+    assert lanes.enter("a", "Push") and not lanes.enter("a", "Push")
+    assert lanes.workers(8) == guard.SPARE_WORKERS + 8 * sum(guard.LANES.values())
