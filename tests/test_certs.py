@@ -1,18 +1,23 @@
 """``diloco-syncer certs``: the folders a run's parties need, re-running without harm, the
 readers, and a real TLS handshake between the syncer's and a learner's certificates."""
 
+import datetime
 import ipaddress
+import logging
+import os
 import pathlib
 import socket
 import ssl
 import stat
 import threading
+from types import SimpleNamespace
 
 import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from diloco_jax.learners import certs, identity
+from diloco_jax.base.access import TOKEN_ENV
+from diloco_jax.learners import certs, credentials, identity
 
 PARTY_FILES = {"ca.pem", "cert.pem", "key.pem", "token"}
 PRIVATE_FILES = {"ca.key", "secret", "key.pem", "token"}
@@ -203,3 +208,100 @@ def test_tls_handshake_between_syncer_and_learner(tmp_path):
         syncer, tmp_path / "out" / "learner_0", tmp_path / "out2" / "ca" / "ca.pem"
     )
     assert "certificate verify failed" in str(impostor["client_error"])  # another run's syncer
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def test_a_token_from_elsewhere_that_disagrees_with_the_folder_is_refused(tmp_path):
+    from diloco_jax.learners import command
+
+    out = tmp_path / "creds"
+    _make(out, 1)
+    secret, syncer = certs.token(out / "syncer"), str(out / "syncer")
+    learner = SimpleNamespace(token_file="", credentials=str(out / "learner_0"), learner=0)
+    stale = {TOKEN_ENV: "a-stale-token"}
+    with pytest.raises(ValueError, match=r"\$DILOCO_SERVE_TOKEN .*syncer\.credentials.*unset") as e:
+        command.syncer_token("", tmp_path / "work", stale, credentials=syncer)
+    assert syncer in str(e.value) and "a-stale-token" not in str(e.value)
+    assert "\n" not in str(e.value) and secret not in str(e.value)
+    with pytest.raises(ValueError, match=r"\$DILOCO_SERVE_TOKEN"):
+        credentials.credential(learner, stale)
+    token_file = tmp_path / "token"
+    token_file.write_text("another-token\n")
+    with pytest.raises(ValueError, match=r"syncer\.token_file = .*token .*remove syncer\.token_f"):
+        credentials.configured_token(str(token_file), {}, syncer)
+
+    token_file.write_text(secret + "\n")  # agreeing sources: the same token, as before
+    assert credentials.configured_token(str(token_file), {TOKEN_ENV: secret}, syncer) == secret
+    assert command.syncer_token("", tmp_path / "work", {TOKEN_ENV: secret}, syncer) == secret
+    assert not (tmp_path / "work").exists()
+    want = certs.token(out / "learner_0")  # the run's secret derives the folder's credential
+    assert credentials.credential(learner, {TOKEN_ENV: secret}) == want
+    assert credentials.credential(learner, {TOKEN_ENV: want}) == want
+
+
+def test_read_refuses_an_expired_or_early_certificate_and_warns_before(tmp_path, caplog):
+    out = tmp_path / "creds"
+    certs.make(out, 1, [], days=365, log=lambda _: None)
+    (out / "learner_0" / "cert.pem").unlink()
+    certs.make(out, 1, [], days=3, log=lambda _: None)  # a renewal for 3 days, under the CA
+    folder, now = out / "learner_0", _now()
+    cert_end = _cert(folder / "cert.pem").not_valid_after_utc
+    with pytest.raises(ValueError, match=r"cert\.pem expired on .*diloco-syncer certs") as e:
+        certs.read(folder, now=now + datetime.timedelta(days=4))
+    assert str(folder / "cert.pem") in str(e.value) and f"{cert_end:%Y-%m-%d}" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"expired on"):  # what the learner and syncer call
+        credentials.tls_of(str(folder), now=now + datetime.timedelta(days=4))
+    with pytest.raises(ValueError, match=r"ca\.pem is not valid until .*clock"):  # the CA first
+        certs.read(folder, now=now - datetime.timedelta(days=1))
+
+    logger = logging.getLogger("diloco_jax")
+    propagate, logger.propagate = logger.propagate, True  # a run's logging may have cut it
+    try:
+        with caplog.at_level(logging.WARNING, logger="diloco_jax"):
+            assert certs.read(folder, now=now).cert == (folder / "cert.pem").read_bytes()
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            caplog.clear()
+            certs.read(out / "syncer", now=now)  # a year left: nothing said
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        logger.propagate = propagate
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert said[0].startswith(f"{folder / 'cert.pem'} expires on {cert_end:%Y-%m-%d %H:%M}")
+    assert "diloco-syncer certs" in said[0]
+
+    (folder / "cert.pem").unlink()
+    (folder / "key.pem").unlink()  # the CA alone: it expires too
+    with pytest.raises(ValueError, match=r"ca\.pem .*expired on .*diloco-syncer certs") as e:
+        certs.read(folder, now=now + datetime.timedelta(days=400))
+    assert str(folder / "ca.pem") in str(e.value)
+
+
+@pytest.mark.parametrize("mask", [0o000, 0o002, 0o077], ids=["umask000", "umask002", "umask077"])
+def test_certs_are_private_whatever_the_umask(tmp_path, mask):
+    out, shared = tmp_path / "made" / "creds", tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    old = os.umask(mask)
+    try:
+        _make(out, 1)
+        made = stat.S_IMODE(out.stat().st_mode)
+        for folder in (out, out / "ca", out / "learner_0"):  # loosened since: tightened on reuse
+            os.chmod(folder, 0o777)
+        _make(out, 2)
+        _make(shared, 0)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o777  # the user's own folder: left alone
+    for path in [tmp_path / "made", *(tmp_path / "made").rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert not mode & 0o022, f"{path} {mode:o}"
+        if path.name in PRIVATE_FILES or (path.is_dir() and path not in (tmp_path / "made", out)):
+            assert not mode & 0o077, f"{path} {mode:o}"  # a secret, or a party's folder
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (out, out / "ca", out / "learner_1")}
+    assert modes == {out: 0o755, out / "ca": 0o700, out / "learner_1": 0o700}  # exactly
+    assert made == 0o755  # as made, before any reuse
+    assert stat.S_IMODE((out / "ca" / "ca.pem").stat().st_mode) == 0o644  # readable by all

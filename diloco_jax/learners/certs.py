@@ -11,18 +11,26 @@ DIR``), and the readers the syncer and the learners load them with.
   key, and ``token``, the party's credential (:mod:`diloco_jax.learners.identity`).
 
 Keys are ECDSA P-256 in unencrypted PKCS8, certificates SHA-256 signed. Private keys, the secret
-and tokens are created readable by their owner only. Running :func:`make` again reuses the CA
-and secret and writes only the files that are missing (more learners, or a certificate deleted
-to renew it), so every credential already handed out stays valid; no file is overwritten.
+and tokens are created readable by their owner only, certificates readable by all, ``ca/`` and
+each party's folder open to their owner only, whatever the umask. Running :func:`make` again
+reuses the CA and secret and writes only the files that are missing (more learners, or a
+certificate deleted to renew it), so every credential already handed out stays valid; no file is
+overwritten, and a folder it reuses is tightened to these modes if it was looser.
+
+:func:`read` checks the dates of the certificates it loads, so that a party refuses to start
+with an expired (or not yet valid) certificate instead of failing every handshake, and warns
+:data:`WARN_BEFORE` ahead of the expiry.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
 import pathlib
 import secrets
+import stat
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -37,8 +45,15 @@ DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")  # the syncer's names when non
 CA_NAME = "diloco-jax run CA"
 SKEW = datetime.timedelta(minutes=5)  # certificates are valid this long before they are made
 PRIVATE, PUBLIC = 0o600, 0o644
+PRIVATE_DIR, OPEN_DIR = 0o700, 0o755  # a party's folder and ca/; the output folder, its parents
 PEM = serialization.Encoding.PEM
 MAKE_HINT = "make it with `diloco-syncer certs DIR`"
+WARN_BEFORE = datetime.timedelta(days=7)  # an expiry this close is warned about at start
+RENEW = ("remove it and run `diloco-syncer certs DIR ...` again (it signs a new certificate for "
+         "the same key), then copy it here")  # fmt: skip
+RENEW_CA = ("make the run's credentials anew with `diloco-syncer certs NEW_DIR --learners N "
+            "--hosts ...` (this is its CA) and give every party its new folder")  # fmt: skip
+logger = logging.getLogger("diloco_jax")
 
 
 class Tls(NamedTuple):
@@ -65,9 +80,25 @@ def _read_bytes(path: pathlib.Path) -> bytes:
 
 def _write(path: pathlib.Path, data: bytes, mode: int) -> None:
     """Create ``path`` with ``mode`` from the start (a key is never readable by others, not even
-    for a moment); an existing file is never replaced."""
+    for a moment), then exactly ``mode`` whatever the umask; an existing file is never
+    replaced."""
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
+        os.fchmod(f.fileno(), mode)
         f.write(data)
+
+
+def _folder(path: pathlib.Path, mode: int, *, tighten: bool = True) -> None:
+    """Make ``path`` with exactly ``mode`` whatever the umask (``mkdir``'s mode is only an upper
+    bound), its missing parents with :data:`OPEN_DIR` at most (``parents=True`` would ignore it
+    and leave them as open as the umask allows). An existing ``path`` loses the bits ``mode``
+    lacks when ``tighten`` (a reused folder made under a loose umask), and is never loosened."""
+    for parent in reversed([p for p in path.parents if not p.exists()]):
+        parent.mkdir(mode=OPEN_DIR, exist_ok=True)
+    if not path.is_dir():
+        path.mkdir(mode=mode)
+        os.chmod(path, mode)
+    elif tighten and stat.S_IMODE(path.stat().st_mode) & ~mode:
+        os.chmod(path, stat.S_IMODE(path.stat().st_mode) & mode)
 
 
 def _pem(cert: x509.Certificate) -> bytes:
@@ -126,8 +157,8 @@ def _usage(*, ca: bool) -> list[x509.ExtensionType]:
 def _open_ca(folder: pathlib.Path, days: int, log: Callable[[str], object]) -> _Ca:
     """The run's CA and secret in ``folder``: loaded when there, made when none of it is."""
     paths = [folder / name for name in ("ca.pem", "ca.key", "secret")]
+    _folder(folder, PRIVATE_DIR)  # the CA's key: the operator's only
     if not any(p.exists() for p in paths):
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # the CA's key: the operator's only
         key = _new_key(paths[1])
         cert = _sign(CA_NAME, key, None, days, _usage(ca=True))
         secret = secrets.token_urlsafe(32)
@@ -160,7 +191,7 @@ def _party(folder: pathlib.Path, ca: _Ca, cn: str, token: str, days: int,
     if cert_path.exists() and not key_path.exists():
         raise ValueError(f"{key_path} is missing beside {cert_path}: remove {cert_path} too "
                          f"to make a new key and certificate")  # fmt: skip
-    folder.mkdir(parents=True, exist_ok=True)
+    _folder(folder, PRIVATE_DIR)  # its key and token: the party's only
     written = []
     if not (folder / "ca.pem").exists():
         _write(folder / "ca.pem", _pem(ca.cert), PUBLIC)
@@ -201,6 +232,7 @@ def make(out: pathlib.Path, learners: int, hosts: Sequence[str], *, days: int = 
         raise ValueError(f"certificates must be valid for at least 1 day, got days={days}")
     out = pathlib.Path(out)
     names = [_san(h) for h in (hosts or DEFAULT_HOSTS)]
+    _folder(out, OPEN_DIR, tighten=(out / "ca").is_dir())  # a folder of the user's: left alone
     ca = _open_ca(out / "ca", days, log)
     client: list[x509.ExtensionType] = [x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])]
     parties = [("syncer", "syncer", "syncer", ca.secret, [
@@ -221,20 +253,47 @@ def make(out: pathlib.Path, learners: int, hosts: Sequence[str], *, days: int = 
         f"operator's; {out / 'ca'} stays with you (it makes more certificates)")  # fmt: skip
 
 
-def read(folder: pathlib.Path) -> Tls:
+def _check_dates(path: pathlib.Path, pem: bytes, now: datetime.datetime, fix: str) -> None:
+    """Raise ``ValueError`` (one line: the file, the date, ``fix``) when a certificate of
+    ``path`` (its ``pem``) is expired or not yet valid at ``now``; warn when it expires within
+    :data:`WARN_BEFORE`."""
+    try:
+        found = x509.load_pem_x509_certificates(pem)
+    except ValueError as e:
+        raise ValueError(f"{path} is not a PEM certificate ({e}): {MAKE_HINT}") from None
+    for cert in found:
+        start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+        if now < start:
+            at = f"{start:%Y-%m-%d %H:%M} UTC (it is {now:%Y-%m-%d %H:%M} UTC here)"
+            raise ValueError(f"{path} is not valid until {at}: check this host's clock")
+        if now >= end:
+            raise ValueError(f"{path} expired on {end:%Y-%m-%d %H:%M} UTC: {fix}")
+        if end - now <= WARN_BEFORE:
+            days = (end - now) / datetime.timedelta(days=1)
+            logger.warning("%s expires on %s UTC (in %.1f days); before then, %s", path,
+                           f"{end:%Y-%m-%d %H:%M}", days, fix)  # fmt: skip
+
+
+def read(folder: pathlib.Path, *, now: datetime.datetime | None = None) -> Tls:
     """The TLS files of one party's ``folder`` (made by :func:`make`): ``ca.pem`` is required,
     ``cert.pem`` and ``key.pem`` come together or not at all. Raises ``ValueError`` naming what
-    is missing."""
+    is missing, or a certificate that is expired or not yet valid at ``now`` (aware; None: the
+    clock's), the CA's first (its renewal renews everything); warns of one that expires within
+    :data:`WARN_BEFORE`."""
     folder = pathlib.Path(folder)
+    now = datetime.datetime.now(datetime.UTC) if now is None else now
     ca, cert, key = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
     if not ca.is_file():
         raise ValueError(f"{ca if folder.is_dir() else folder} not found: {MAKE_HINT}")
     if cert.exists() != key.exists():
         missing = key if cert.exists() else cert
         raise ValueError(f"{missing} is missing (cert.pem and key.pem come together): {MAKE_HINT}")
-    if not cert.exists():
-        return Tls(_read_bytes(ca), None, None)
-    return Tls(_read_bytes(ca), _read_bytes(cert), _read_bytes(key))
+    pair = (_read_bytes(cert), _read_bytes(key)) if cert.exists() else (None, None)
+    tls = Tls(_read_bytes(ca), *pair)
+    _check_dates(ca, tls.ca, now, RENEW_CA)
+    if tls.cert is not None:
+        _check_dates(cert, tls.cert, now, RENEW)
+    return tls
 
 
 def common_name(pem: bytes) -> str:
