@@ -196,8 +196,10 @@ class _Learners:
     def __init__(self, opts: argparse.Namespace, workdir: str, rest: list[str]):
         self.opts, self.workdir, self.count = opts, workdir, opts.learners
         self.port = free_port()
+        # mutual TLS, as across networks: each learner shows its own certificate too
         self.common = [*rest, f"--config.syncer.address=127.0.0.1:{self.port}",
-                       f"--config.syncer.learners={self.count}"]  # fmt: skip
+                       f"--config.syncer.learners={self.count}",
+                       "--config.syncer.mutual_tls=true"]  # fmt: skip
         from diloco_jax.base import extras
 
         extras.require("cryptography", "learners and a syncer")

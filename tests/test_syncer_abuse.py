@@ -247,8 +247,9 @@ def test_a_learner_of_another_width_is_refused_naming_its_first_differing_leaf(t
 
 def test_one_syncer_per_port_and_plain_http_on_it_writes_no_traceback(tmp_path, capfd):
     """Findings 8 and 9: a second syncer on a port taken is refused in one line (gRPC's
-    SO_REUSEPORT would have split the learners between the two); a plain-HTTP request to the
-    TLS port is refused without a traceback, and learners are served after it."""
+    SO_REUSEPORT would have split the learners between the two), not in gRPC's C core's; a
+    plain-HTTP request to the TLS port is refused without a traceback or a line of the C
+    core's, and learners are served after it."""
     import socket
 
     from diloco_jax.learners import certs
@@ -274,7 +275,8 @@ def test_one_syncer_per_port_and_plain_http_on_it_writes_no_traceback(tmp_path, 
         client.close()
         server.stop()
         syncer.close()
-    assert "Traceback" not in capfd.readouterr().err
+    err = capfd.readouterr().err  # neither a traceback nor gRPC's C core's lines
+    assert "Traceback" not in err and "Handshake failed" not in err and "add_port" not in err
 
 
 def test_a_stalled_push_is_cancelled_its_slot_freed_and_a_retry_merged_once(tmp_path):
@@ -320,3 +322,118 @@ def test_guard_fields_and_lanes_by_definition():
     lanes.leave("a", "Push")
     assert lanes.enter("a", "Push") and not lanes.enter("a", "Push")
     assert lanes.workers(8) == guard.SPARE_WORKERS + 8 * sum(guard.LANES.values())
+
+
+_FLOOD = """
+import sys, threading, grpc
+address, credential, stolen, seconds, ca = sys.argv[1:6]
+seconds = float(seconds)
+def channel():  # with a CA: TLS, no certificate of our own
+    if ca == "-":
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(open(ca, "rb").read()))
+channels = [channel() for _ in range(20)]  # as from 20 peers' sockets
+stop = threading.Event()
+def never():  # a request stream that sends nothing
+    stop.wait(seconds + 5)
+    yield from ()
+def flood(channel):
+    call = channel.stream_stream("/diloco_jax.Syncer/Heartbeat")
+    metadata = (("authorization", "Bearer " + credential),)
+    while not stop.is_set():
+        calls = [call(iter([b"{}"]), metadata=metadata, timeout=10) for _ in range(75)]
+        for c in calls:  # all 75 in flight at once, then their answers taken
+            try:
+                list(c)
+            except grpc.RpcError:
+                pass
+held = channels[0].stream_stream("/diloco_jax.Syncer/Heartbeat")
+holding = [held(never(), metadata=(("authorization", "Bearer " + stolen),)) for _ in range(70)]
+threads = [threading.Thread(target=flood, args=(c,), daemon=True) for c in channels]
+for t in threads:
+    t.start()
+print("flooding", flush=True)
+stop.wait(seconds)
+stop.set()
+"""
+
+
+def _rounds_per_second(address: str, rounds: int, secret: str = "s", folder=None) -> float:
+    """Two learners (clients in threads, with their certificates in ``folder``) pushing
+    ``rounds`` synchronous rounds; rounds a second."""
+    from diloco_jax.learners import certs
+
+    clients = [service.Client(address, identity.learner_credential(secret, i), timeout=30,
+                              tls=None if folder is None else certs.read(folder / f"learner_{i}"))
+               for i in range(2)]  # fmt: skip
+
+    def learner(i: int) -> None:
+        f, _ = clients[i].call("Join", {**JOIN, "learner": i}, wire.named(X))
+        rnd = f["round"]
+        for _ in range(rounds):
+            fields = {"learner": i, "generation": f["generation"], "round": rnd, "weight": 1.0,
+                      "push": f"{i}-{rnd}-{time.monotonic_ns()}"}  # fmt: skip
+            reply, _ = clients[i].call("Push", fields, _ones(0.01))
+            rnd = reply["round"]
+
+    threads = [threading.Thread(target=learner, args=(i,)) for i in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for c in clients:
+        c.close()
+    return rounds / (time.monotonic() - t0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutual, floor", [(False, 0.2), (True, 0.3)])
+def test_learners_beside_a_flood_close_rounds_at_a_share_of_their_rate(tmp_path, mutual, floor):
+    """Findings 1-2 together, from another process on this machine: 20 channels each keeping
+    75 wrong-credential calls in flight (1500), and 70 heartbeats that never end with learner
+    0's stolen credential. Two learners' synchronous rounds close at >= ``floor`` x the rate
+    they close at without the flood (measured in one run), and learner 0 is never dropped.
+
+    Why two floors: without mutual TLS every flooding call reaches gRPC's Python server, which
+    spends about 1 ms of CPU refusing it (~1000 refusals a second on one core here), and the
+    flooding process takes one of this machine's two cores: rounds closed at 0.34x on the
+    2-core machine of the run the docs quote (before the fix: 9 rounds in 138 s against 76 in
+    20 s, 0.017x). With mutual TLS (the recommended setting across networks, and
+    diloco-launch's) a caller without a certificate of the run's CA fails in the TLS
+    handshake, in gRPC's C core, never reaching Python; the handshakes still cost CPU, and
+    rounds closed at 0.44x. The issue's target, >= 0.5x, is not met on this machine, where the
+    attacker shares the CPU: the floors sit below the measured values, not at the target.
+    A line per failed handshake is not written (GRPC_VERBOSITY=ERROR): the log stays short."""
+    import subprocess
+    import sys
+
+    from diloco_jax.learners import certs
+    from tests.test_syncer_security import _credentials
+
+    folder, secret = _credentials(tmp_path) if mutual else (None, "s")
+    syncer = _syncer(tmp_path, _algorithm(), learners=2)
+    tls = certs.read(folder / "syncer") if mutual else None
+    server = service.Server(syncer, "127.0.0.1", 0, secret=secret, tls=tls, mutual=mutual).start()
+    address = f"{'localhost' if mutual else '127.0.0.1'}:{server.port}"
+    ca = str(folder / "operator" / "ca.pem") if mutual else "-"
+    try:
+        quiet = _rounds_per_second(address, 30, secret, folder)
+        flood = subprocess.Popen([sys.executable, "-c", _FLOOD, address, "learner.0.forged",
+                                  identity.learner_credential(secret, 0), "120", ca],
+                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert flood.stdout is not None and flood.stdout.readline().strip() == "flooding"
+            time.sleep(2)  # the flood at full strength
+            flooded = _rounds_per_second(address, 30, secret, folder)
+        finally:
+            flood.kill()
+            flood.wait()
+    finally:
+        server.stop()
+        syncer.close()
+    print(f"mutual={mutual}: rounds/s quiet {quiet:.2f}, flooded {flooded:.2f} "
+          f"({flooded / quiet:.2f}x); {server.failures.total} refused at the syncer")  # fmt: skip
+    assert flooded >= floor * quiet
+    assert mutual or server.failures.total > 1500  # the flood reached the syncer
+    assert all(m.status == "present" for m in syncer.members.values())

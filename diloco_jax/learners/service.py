@@ -35,8 +35,11 @@ A refusal is ``FAILED_PRECONDITION`` with the syncer's one-line reason.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import random
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -55,7 +58,25 @@ SERVICE = "diloco_jax.Syncer"
 
 
 def _grpc():
+    # gRPC's C core at INFO writes a line per failed TLS handshake: a flood of them would be a
+    # flood of the log (set GRPC_VERBOSITY to see them); its errors still come through
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     return extras.require("grpc", "learners and a syncer")
+
+
+def _taken(host: str, port: int) -> bool:
+    """Whether ``host:port`` is already listened on (checked with a plain socket, so that a
+    port taken is said in our one line, not in gRPC's C core's)."""
+    if not port:
+        return False
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def _options(max_bytes: int) -> list[tuple[str, int]]:
@@ -112,6 +133,8 @@ class Server:
         )
         where = f"{host if ':' not in host else f'[{host}]'}:{port}"
         try:
+            if _taken(host, port):
+                raise RuntimeError(where)
             if tls is None:
                 self.port = self._server.add_insecure_port(where)
             else:
