@@ -710,3 +710,64 @@ MUTANTS += [
            ["-m", "", "tests/test_learners.py::test_a_streaming_learner_in_this_process_trains_"
             "what_one_streaming_replica_trains"]),  # a slow test: -m "" runs it
 ]  # fmt: skip
+
+# a syncer that stays up under abuse (issue 60): tests/test_syncer_abuse.py, tests/test_certs.py
+T_ABUSE = "tests/test_syncer_abuse.py::"
+T_NEVER = (
+    T_ABUSE + "test_calls_that_never_end_hold_one_lane_of_their_learner_and_are_cancelled_when_idle"
+)
+T_WEIGHT = T_ABUSE + "test_a_push_weighing_what_its_learner_cannot_have_trained_is_refused"
+T_CERTS = "tests/test_certs.py::"
+GUARD = "diloco_jax/learners/guard.py"
+SERVICE = "diloco_jax/learners/service.py"
+MUTANTS += [
+    Mutant("a learner may hold any number of calls at once", "faults", GUARD,
+           "            if n >= self.limits[method]:", "            if False:", [T_NEVER]),
+    Mutant("a call that sends nothing is never cancelled", "faults", GUARD,
+           "            idle = [w for w in self.calls if w.idle() > self.limit]",
+           "            idle = []",
+           [T_NEVER, T_ABUSE + "test_a_stalled_push_is_cancelled_its_slot_freed_and_a_retry_"
+            "merged_once"]),
+    Mutant("a push may weigh more than its learner can train", "faults",
+           "diloco_jax/learners/syncer.py",
+           "        elif cap is not None and weight > cap * (1 + 1e-6):", "        elif False:",
+           [T_WEIGHT, T_ABUSE + "test_a_push_of_weight_zero_is_left_out_and_its_capacity_"
+            "survives_a_restart"]),
+    Mutant("a push's weight is not checked at its header", "faults", GUARD,
+           "    if not math.isfinite(weight) or weight < 0:", "    if False:",
+           [T_ABUSE + "test_guard_fields_and_lanes_by_definition"]),
+    Mutant("a push id of any characters", "faults", GUARD,
+           "    if not isinstance(push_id, str) or not PUSH_ID.fullmatch(push_id):",
+           "    if not isinstance(push_id, str):",
+           [T_ABUSE + "test_push_ids_and_fields_out_of_range_are_refused_in_one_line_without_"
+            "forged_lines"]),
+    Mutant("a caller's text goes into the log unescaped", "command line",
+           "diloco_jax/learners/store.py", 'f"{k}={printable(v)}"', 'f"{k}={v}"',
+           [T_ABUSE + "test_push_ids_and_fields_out_of_range_are_refused_in_one_line_without_"
+            "forged_lines"]),
+    Mutant("a join's size is checked against the model before its description", "faults",
+           SERVICE, "        header, it = self._opened(requests, context, who)\n        try:\n"
+           "            described,",
+           "        header, it = self._opened(requests, context, who, max(1, sum(\n"
+           "            a.nbytes for a in self.syncer.anchor or [])))\n        try:\n"
+           "            described,",
+           [T_ABUSE + "test_a_learner_of_another_width_is_refused_naming_its_first_"
+            "differing_leaf"]),
+    Mutant("a port taken is left to gRPC's C core to say", "command line", SERVICE,
+           "            if _taken(host, port):", "            if False:",
+           [T_ABUSE + "test_one_syncer_per_port_and_plain_http_on_it_writes_no_traceback"]),
+    Mutant("a token beside the credentials folder is preferred to it", "command line",
+           "diloco_jax/learners/credentials.py",
+           "        if folder and given and not _agree(given, folder):",
+           "        if folder and token_file and not _agree(given, folder):",
+           [T_CERTS + "test_a_token_from_elsewhere_that_disagrees_with_the_folder_is_refused"]),
+    Mutant("a party's own certificate is not checked for its dates", "command line",
+           "diloco_jax/learners/certs.py", "    if tls.cert is not None:",
+           "    if tls.cert is None:",
+           [T_CERTS + "test_read_refuses_an_expired_or_early_certificate_and_warns_before"]),
+    Mutant("the certs command's folders follow the umask", "command line",
+           "diloco_jax/learners/certs.py",
+           "    _folder(folder, PRIVATE_DIR)  # its key and token: the party's only",
+           "    folder.mkdir(parents=True, exist_ok=True)",
+           [T_CERTS + "test_certs_are_private_whatever_the_umask"]),
+]  # fmt: skip

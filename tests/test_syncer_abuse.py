@@ -397,13 +397,11 @@ def test_learners_beside_a_flood_close_rounds_at_a_share_of_their_rate(tmp_path,
 
     Why two floors: without mutual TLS every flooding call reaches gRPC's Python server, which
     spends about 1 ms of CPU refusing it (~1000 refusals a second on one core here), and the
-    flooding process takes one of this machine's two cores: rounds closed at 0.34x on the
-    2-core machine of the run the docs quote (before the fix: 9 rounds in 138 s against 76 in
-    20 s, 0.017x). With mutual TLS (the recommended setting across networks, and
-    diloco-launch's) a caller without a certificate of the run's CA fails in the TLS
-    handshake, in gRPC's C core, never reaching Python; the handshakes still cost CPU, and
-    rounds closed at 0.44x. The issue's target, >= 0.5x, is not met on this machine, where the
-    attacker shares the CPU: the floors sit below the measured values, not at the target.
+    flooding process takes one of this machine's two cores. With mutual TLS (the recommended
+    setting across networks, and diloco-launch's) a caller without a certificate of the run's
+    CA fails in the TLS handshake, in gRPC's C core, never reaching Python; the handshakes
+    still cost CPU. The measured ratios, against the issue's target of 0.5x, are in the
+    learners guide ("Across the internet"); the floors sit below them, not at the target.
     A line per failed handshake is not written (GRPC_VERBOSITY=ERROR): the log stays short."""
     import subprocess
     import sys
