@@ -58,20 +58,37 @@ def test_every_optional_module_is_in_its_extra_and_not_a_default_dependency():
     assert {"scikit-learn", "chex", "matplotlib", "pillow"}.isdisjoint(default)
 
 
+def test_the_install_hint_is_what_works_from_this_repository(monkeypatch, tmp_path):
+    """Item 7 of issue 61: diloco-jax is not on a package index, so no hint says ``pip install
+    'diloco-jax[...]'`` (someone else's package of that name would be installed). In a
+    checkout: ``uv sync --extra NAME`` there, or pip from its path; from a wheel: pip from the
+    clone."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert extras.checkout() == root
+    assert extras.install_hint("grpc", "cryptography") == (
+        f"uv sync --extra learners (in {root}; or pip install '{root}[learners]')"
+    )
+    monkeypatch.setattr(extras, "checkout", lambda: None)
+    assert extras.install_hint("PIL", "grain") == (
+        "pip install 'CLONE[images,tfds]' (CLONE: your clone of diloco-jax)"
+    )
+    assert "diloco-jax[" not in extras.install_hint("PIL", "grain")
+
+
 def test_require_names_the_extra_and_what_failed(monkeypatch, tmp_path):
     _missing(monkeypatch, "sentencepiece")
     with pytest.raises(extras.MissingExtra) as e:
         extras.require("sentencepiece", "reading tokenizer.model")
     assert str(e.value) == (
-        "reading tokenizer.model needs SentencePiece: pip install 'diloco-jax[sentencepiece]'"
+        f"reading tokenizer.model needs SentencePiece: {extras.install_hint('sentencepiece')}"
     )
     assert isinstance(e.value, ImportError) and e.value.extras == ["sentencepiece"]
     # several at once, one line; submodules count as their package
     _missing(monkeypatch, "PIL", "grain")
-    with pytest.raises(extras.MissingExtra, match=r"^x needs Pillow and Grain: pip install "
-                       r"'diloco-jax\[images,tfds\]'$"):  # fmt: skip
+    with pytest.raises(extras.MissingExtra, match=r"^x needs Pillow and Grain: uv sync --extra "
+                       r"images --extra tfds \(in .*\[images,tfds\]'\)$"):  # fmt: skip
         extras.check("x", "PIL", "grain", "numpy")
-    with pytest.raises(extras.MissingExtra, match=r"\[images\]'$"):
+    with pytest.raises(extras.MissingExtra, match=r"\[images\]'\)$"):
         extras.require("PIL.Image", "x")
     # installed but broken: the line says what its import lacked
     (tmp_path / "grain.py").write_text("import no_such_module_of_grain\n")
@@ -91,7 +108,7 @@ def test_train_without_tfds_refuses_a_tfds_corpus_before_anything(monkeypatch, t
     assert code == 2
     assert _one_error_line(capsys) == (
         "error: config key data.corpus = 'tfds:mnist' needs TensorFlow Datasets: "
-        "pip install 'diloco-jax[tfds]'"
+        f"{extras.install_hint('tensorflow_datasets')}"
     )
     assert not run.exists()
 
@@ -137,7 +154,7 @@ def test_train_refuses_a_dataset_whose_extra_is_missing(
     assert code == 2
     line = _one_error_line(capsys)
     assert line.startswith(f"error: config key data.corpus = 'tfds:{corpus}'")
-    assert line.endswith(f"pip install 'diloco-jax[{extra}]'")
+    assert line.endswith(f"[{extra}]')")
     assert not run.exists()
 
 
@@ -147,14 +164,14 @@ def test_library_import_sites_raise_missing_extra(datasets, monkeypatch):
     from diloco_jax.watch.reporting import WandbWriter
 
     _missing(monkeypatch, "PIL", "sentencepiece", "wandb")
-    with pytest.raises(extras.MissingExtra, match=r"pixels needs Pillow.*\[images\]'$"):
+    with pytest.raises(extras.MissingExtra, match=r"pixels needs Pillow.*\[images\]'\)$"):
         tfds_images.load("tfds:pixels", str(datasets))
-    with pytest.raises(extras.MissingExtra, match=r"needs SentencePiece.*\[sentencepiece\]'$"):
+    with pytest.raises(extras.MissingExtra, match=r"needs SentencePiece.*\[sentencepiece\]'\)$"):
         load_corpus("tfds:plays", val_fraction=0.1, data_dir=str(datasets))
     with pytest.raises(extras.MissingExtra, match=r"needs SentencePiece"):
         SentencePieceTokenizer(datasets / "plays" / "tokenizer.model")
     with pytest.raises(extras.MissingExtra, match=r"Weights & Biases logging needs wandb.*"
-                       r"\[wandb\]'$"):  # fmt: skip
+                       r"\[wandb\]'\)$"):  # fmt: skip
         WandbWriter(pathlib.Path("unused"), project="p", mode="offline", config={})
     _missing(monkeypatch, "tensorflow_datasets")
     with pytest.raises(extras.MissingExtra, match=r"reading tfds:plays needs TensorFlow Datasets"):
@@ -173,7 +190,7 @@ def test_prepare_refuses_before_writing(flags, module, extra, monkeypatch, tmp_p
     out = tmp_path / "out"
     code = prepare_main([f.replace("{T}", str(tmp_path)) for f in flags] + ["--out", str(out)])
     assert code == 2
-    assert _one_error_line(capsys).endswith(f"pip install 'diloco-jax[{extra}]'")
+    assert _one_error_line(capsys).endswith(f"[{extra}]')")
     assert not out.exists()
 
 
@@ -197,7 +214,7 @@ def test_sweep_without_matplotlib_writes_the_tables_and_says_so(monkeypatch, tmp
                  "outer.sync_every=1,5"]) == 0  # fmt: skip
     err = capsys.readouterr().err.splitlines()
     note = ("note: the figures (curves, tradeoff, drift, cosine) are not drawn (they need "
-            "matplotlib): pip install 'diloco-jax[plots]'")  # fmt: skip
+            f"matplotlib): {extras.install_hint('matplotlib')}")  # fmt: skip
     assert err.count(note) == 1 and err.index(note) == 0, err  # at the start, once
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert [(r["run"], r["final_eval_loss"]) for r in rows] == [
@@ -213,7 +230,7 @@ def test_combine_without_matplotlib_refuses_up_front(monkeypatch, tmp_path, caps
     out = tmp_path / "out"
     assert combine.main([str(tmp_path), "--out", str(out)]) == 2
     assert _one_error_line(capsys) == (
-        "error: drawing tradeoff.png needs matplotlib: pip install 'diloco-jax[plots]'"
+        f"error: drawing tradeoff.png needs matplotlib: {extras.install_hint('matplotlib')}"
     )
     assert not out.exists()
 
@@ -243,5 +260,9 @@ def test_a_run_without_matplotlib_says_once_that_its_figures_are_not_drawn(
     with caplog.at_level(logging.WARNING, "diloco_jax"):
         assert figures.run_diagnostics(tmp_path) == []
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "diloco-jax[plots]" in lines[0] and "not drawn" in lines[0]
+    assert (
+        len(lines) == 1
+        and extras.install_hint("matplotlib") in lines[0]
+        and "not drawn" in lines[0]
+    )
     assert not list(tmp_path.iterdir())

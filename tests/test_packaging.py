@@ -147,12 +147,13 @@ def test_installed_wheel_trains_the_tiny_preset_from_another_directory(installed
     assert tfds.returncode == 2 and not (tmp_path / "r").exists()
     assert tfds.stderr.splitlines() == [
         "error: config key data.corpus = 'tfds:mnist' needs TensorFlow Datasets: "
-        "pip install 'diloco-jax[tfds]'"
+        "pip install 'CLONE[tfds]' (CLONE: your clone of diloco-jax)"
     ]
     combine = _run(installed, "diloco-combine", "sweep", "--out", "c", cwd=tmp_path)
     assert combine.returncode == 2 and not (tmp_path / "c").exists()
     assert combine.stderr.splitlines() == [
-        "error: drawing tradeoff.png needs matplotlib: pip install 'diloco-jax[plots]'"
+        "error: drawing tradeoff.png needs matplotlib: pip install 'CLONE[plots]' (CLONE: your "
+        "clone of diloco-jax)"
     ]
 
     shown = _run(installed, "diloco-train", "--help", cwd=tmp_path)

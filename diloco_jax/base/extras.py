@@ -4,7 +4,7 @@ The default install trains on the shipped data; TFDS datasets, image decoding, S
 figures and W&B need an extra. An import site of an optional package calls :func:`require`
 instead of importing it, so a missing package is one line naming the extra:
 
-    reading tfds:mnist needs TensorFlow Datasets: pip install 'diloco-jax[tfds]'
+    reading tfds:mnist needs TensorFlow Datasets: uv sync --extra tfds (in /path/to/clone; ...)
 
 :func:`check` says the same before any work starts, without importing anything.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import pathlib
 from types import ModuleType
 
 # module -> (what it is, the extra that installs it)
@@ -28,9 +29,27 @@ EXTRAS = {
 }
 
 
+def checkout() -> pathlib.Path | None:
+    """The clone of diloco-jax this package runs from (its ``pyproject.toml`` beside the
+    package), or None for an installed wheel."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        return root if 'name = "diloco-jax"' in (root / "pyproject.toml").read_text() else None
+    except OSError:
+        return None
+
+
 def install_hint(*modules: str) -> str:
-    """``pip install 'diloco-jax[EXTRA,...]'`` for the extras that install ``modules``."""
-    return f"pip install 'diloco-jax[{','.join(dict.fromkeys(EXTRAS[m][1] for m in modules))}]'"
+    """What installs the extras of ``modules``, as it works from this repository (diloco-jax
+    is not on a package index: a ``pip install 'diloco-jax[...]'`` would fetch whatever
+    someone else published under the name): in a checkout ``uv sync --extra NAME`` there
+    (its ``uv run`` keeps it), else pip from the clone."""
+    names = list(dict.fromkeys(EXTRAS[m][1] for m in modules))
+    root = checkout()
+    if root is not None:
+        flags = " ".join(f"--extra {n}" for n in names)
+        return f"uv sync {flags} (in {root}; or pip install '{root}[{','.join(names)}]')"
+    return f"pip install 'CLONE[{','.join(names)}]' (CLONE: your clone of diloco-jax)"
 
 
 class MissingExtra(ImportError):

@@ -211,7 +211,9 @@ class LogConfig:
 
     progress_bar: bool = _key(True, "the progress bar on stderr (TQDM_DISABLE=1 turns it off)")
     figures: bool = _key(True, "drift.png and cosine.png at the end (matplotlib: ~2 s on CPU)")
-    wandb: bool = _key(False, "also log to Weights & Biases (pip install 'diloco-jax[wandb]')")
+    wandb: bool = _key(
+        False, "also log to Weights & Biases (the wandb extra: uv sync --extra wandb)"
+    )
     wandb_project: str = _key("diloco-jax", "the W&B project")
     wandb_mode: str = _key("offline", "offline (files under workdir/wandb; wandb sync) | online")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from diloco_jax.algorithm.compress import CODECS
 from diloco_jax.algorithm.optim import ALGORITHMS
-from diloco_jax.base import access
+from diloco_jax.base import access, extras
 from diloco_jax.base.errors import ConfigError
 from diloco_jax.config.dotted import keys
 from diloco_jax.config.schema import RUNTIMES, WANDB_MODES, Config
@@ -110,7 +110,7 @@ def validate(cfg: Config) -> None:
         ("log.wandb_mode", cfg.log.wandb_mode in WANDB_MODES, f"must be one of {WANDB_MODES}"),
         ("log.wandb_project", bool(cfg.log.wandb_project.strip()), "must name a project"),
         ("log.wandb", not cfg.log.wandb or importlib.util.find_spec("wandb") is not None,
-         "needs the wandb package: pip install 'diloco-jax[wandb]' (uv sync --extra wandb)"),
+         f"needs the wandb package: {extras.install_hint('wandb')}"),
     ]  # fmt: skip
     _enforce(rules, flat)
     _validate_variants(cfg)
