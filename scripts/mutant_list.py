@@ -771,3 +771,26 @@ MUTANTS += [
            "    folder.mkdir(parents=True, exist_ok=True)",
            [T_CERTS + "test_certs_are_private_whatever_the_umask"]),
 ]  # fmt: skip
+T_PAGE = "tests/test_status_abuse.py::"
+STATUS = "diloco_jax/learners/status.py"
+MUTANTS += [
+    Mutant("the status page keeps idle connections past their deadline", "faults", STATUS,
+           "                while self._waiting and next(iter(self._waiting)).deadline <= now:",
+           "                while self._waiting and next(iter(self._waiting)).deadline <= now "
+           "- 3600:",
+           [T_PAGE + "test_idle_connections_hold_no_thread_and_are_closed_while_the_operator_"
+            "gets_in"]),
+    Mutant("the status page does not count wrong credentials", "command line", STATUS,
+           '                    failures.failed(self.client_address[0], "a wrong credential on '
+           'the status page")',
+           "                    pass",
+           [T_PAGE + "test_wrong_credentials_are_counted_refused_at_once_and_logged_in_few_"
+            "lines"]),
+    Mutant("the status page under mutual TLS takes a client without a certificate",
+           "command line", STATUS, "        context.verify_mode = ssl.CERT_REQUIRED",
+           "        context.verify_mode = ssl.CERT_OPTIONAL",
+           [T_PAGE + "test_under_mutual_tls_the_page_needs_the_operators_certificate_too"]),
+    Mutant("the status page reads a request head of any size", "faults", STATUS,
+           "MAX_HEAD = 8192  #", "MAX_HEAD = 1 << 20  #",
+           [T_PAGE + "test_a_trickled_or_oversized_request_is_cut_off"]),
+]  # fmt: skip

@@ -42,7 +42,9 @@ def syncer_token(token_file: str, workdir: pathlib.Path, environ=os.environ,
                  credentials: str = "") -> str:  # fmt: skip
     """The run's secret, from which every credential is derived (:mod:`.identity`):
     ``token_file``'s, else ``$DILOCO_SERVE_TOKEN``, else the ``credentials`` folder's, else a
-    new one written to ``workdir/syncer_token`` (readable by this user only)."""
+    new one written to ``workdir/syncer_token`` (readable by this user only). A token file or
+    ``$DILOCO_SERVE_TOKEN`` that disagrees with the folder's is refused in one line
+    (:func:`~diloco_jax.learners.credentials.configured_token`), never silently preferred."""
     text = credentials_lib.configured_token(token_file, environ, credentials)
     if text:
         return text
@@ -90,7 +92,8 @@ def serve(cfg: config_lib.Config, workdir: pathlib.Path):
     page = None
     if sy.status_port:
         page = StatusServer(server.syncer, host, sy.status_port, secret=secret, tls=tls,
-                            insecure=sy.insecure).start()  # fmt: skip
+                            mutual=sy.mutual_tls, insecure=sy.insecure,
+                            failures=server.failures).start()  # fmt: skip
         scheme = "https" if tls else "http"
         log.info("syncer status: %s://%s:%d/ (/status, /metrics; the operator's credential)",
                  scheme, host, page.port)  # fmt: skip
