@@ -131,8 +131,9 @@ def _panel(ax, rows: list[dict], x_key: str, styles: dict, labels: dict, *,
            y_key: str = "final_eval_loss") -> tuple[list, list]:  # fmt: skip
     """Scatter of ``y_key`` against ``x_key`` (log), a marker and colour per family, an error bar
     of one standard deviation where a run has several seeds; runs at x = 0 (nothing sent) as
-    horizontal lines. Returns the labels to place: ``(text, x, y, colour)`` per point and
-    ``(text, y)`` per line."""
+    horizontal lines. The y axis is log where the values span more than a decade
+    (:func:`~diloco_jax.watch.drawing.log_scale`; the caller's label says so). Returns the
+    labels to place: ``(text, x, y, colour)`` per point and ``(text, y)`` per line."""
     points, lines = [], []
     for row in rows:
         x, y = row[x_key], row[y_key]
@@ -147,6 +148,8 @@ def _panel(ax, rows: list[dict], x_key: str, styles: dict, labels: dict, *,
                     markeredgewidth=0.5)  # fmt: skip
         points.append((labels[row["run"]], x, y, colour))
     ax.set_xscale("log")
+    if log_scale([row[y_key] for row in rows]):
+        ax.set_yscale("log")
     ax.margins(x=0.08, y=0.1)
     ax.grid(alpha=0.3, which="both")
     return points, lines
@@ -245,6 +248,10 @@ def _place_point_label(canvas: _Canvas, point: tuple, radius: float, others: lis
                        arrowprops=leader if abs(dy) > h / 2 else None)  # fmt: skip
 
 
+def _log_note(ax) -> str:
+    return " (log scale)" if ax.get_yscale() == "log" else ""
+
+
 def _error_bar_note(rows: list[dict]) -> str:
     return "; bars: ± 1 std over seeds" if any(r.get("seeds", 1) > 1 for r in rows) else ""
 
@@ -254,14 +261,15 @@ def tradeoff(rows: list[dict], path: pathlib.Path, *, title: str = "", unit: str
     """The final ``metric`` (validation loss by default; ``label``: its name, as for
     :func:`curves`) against bytes each replica sent (log scale), a labelled point per run (a
     bar of ± one standard deviation where it has several seeds); runs that sent nothing are
-    drawn as horizontal lines labelled at the right edge."""
+    drawn as horizontal lines labelled at the right edge. The loss axis is log where the
+    losses span more than a decade."""
     plt = pyplot()
     with plt.rc_context(FONTS):
         fig, ax = plt.subplots(figsize=(WIDTH, 5.2), dpi=DPI)
         points, lines = _panel(ax, rows, "bytes_per_replica", _styles(rows), point_labels(rows),
                                y_key=f"final_{metric}")  # fmt: skip
         ax.set_xlabel("bytes sent per replica (log scale)")
-        ax.set_ylabel(f"final {metric_label(metric, unit, nats, label)}")
+        ax.set_ylabel(f"final {metric_label(metric, unit, nats, label)}" + _log_note(ax))
         ax.set_title((title or "loss against communication") + _error_bar_note(rows))
         fig.tight_layout()
         _place_labels(fig, ax, points, lines)
@@ -274,7 +282,8 @@ def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = ""
     the peak bytes of one sync (where streaming differs), for the runs within 0.2 nats of the
     best. A point per run, labelled with its method (its sweep, and its run where the sweep
     has several), a colour and marker per sweep, a bar of ± one standard deviation where it has
-    several seeds; each panel's title names its x axis."""
+    several seeds; each panel's title names its x axis; a panel's loss axis is log where its
+    losses span more than a decade."""
     plt = pyplot()
     styles, labels = _styles(rows), point_labels(rows)
     best = min(r["final_eval_loss"] for r in rows)
@@ -288,7 +297,7 @@ def tradeoff_two_panels(rows: list[dict], path: pathlib.Path, *, title: str = ""
         top.set_xlabel("bytes sent per replica over the run (log scale)")
         bottom.set_xlabel("peak bytes of one sync per replica (log scale)")
         for ax in (top, bottom):
-            ax.set_ylabel("final validation loss (nats/token)")
+            ax.set_ylabel("final validation loss (nats/token)" + _log_note(ax))
         top.set_title("every run, against the bytes sent over the run" + _error_bar_note(rows))
         bottom.set_title(f"the runs within 0.2 nats of the best ({best:.3f}), against the "
                          "peak bytes of one sync")  # fmt: skip

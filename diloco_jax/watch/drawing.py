@@ -1,4 +1,4 @@
-"""A run's sync diagnostics drawn from its ``metrics.jsonl`` (drift and cosine against outer
+"""A run's sync diagnostics drawn from its ``metrics.jsonl`` (drift and cosine against inner
 steps), with nothing but numpy and matplotlib.
 
 The module also runs as a script: a helper process that imports matplotlib while a run builds
@@ -19,6 +19,7 @@ import numpy as np
 MIN_PT = 9  # no text smaller: the figures are drawn at the width they are shown (7-8 in)
 DIAGNOSTICS = (("drift", "drift.png", "drift |anchor - params| at the sync"),
                ("cosine_to_mean", "cosine.png", "cosine to the mean pseudo-gradient"))  # fmt: skip
+BOUNDED = ("cosine_to_mean",)  # in [-1, 1]: a linear axis, whatever its values span
 
 
 def log_scale(values) -> bool:
@@ -38,12 +39,28 @@ def sync_events(metrics_path: pathlib.Path) -> list[dict]:
     return [e for e in events if e["event"] == "sync"]
 
 
+def sync_series(events: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps_S, values_SxR)`` of the diagnostic ``key`` over a run's :func:`sync_events`: the
+    inner step of each sync (so runs of different ``sync_every`` share an axis) and float
+    per-replica values, NaN where undefined. A replica whose drift is 0 moved nothing in the
+    round (the first sync of a warm-up from a learning rate of 0, for one): its cosine is
+    undefined (the step writes 0 for it), so NaN, a gap, never a cosine of 0."""
+    steps_S = np.array([e["step"] for e in events], float)
+    values_SxR = _rows(e[key] for e in events)
+    if key == "cosine_to_mean":
+        values_SxR = np.where(_rows(e["drift"] for e in events) == 0, np.nan, values_SxR)
+    return steps_S, values_SxR
+
+
 def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
                 per_replica: bool) -> list[str]:  # fmt: skip
-    """``drift.png`` and ``cosine.png`` in ``directory``: the sync diagnostics against outer
-    steps. ``runs[name]``: a run's :func:`sync_events`; ``per_replica``: one run, a line per
-    replica; else a line per run, the mean over its replicas (NaN, a left-out replica's cosine,
-    skipped). Returns the files written (none if no run synced)."""
+    """``drift.png`` and ``cosine.png`` in ``directory``: the sync diagnostics against inner
+    steps (:func:`sync_series`; undefined values are gaps). ``runs[name]``: a run's
+    :func:`sync_events`; ``per_replica``: one run, a line per replica; else a line per run, the
+    mean over its replicas (NaN, a left-out replica's cosine, skipped). The drift goes on a log
+    axis where its non-zero values span more than a decade (:func:`log_scale`), its zeros left
+    out (a log axis has no 0); a cosine's axis is linear. Returns the files written (none if no
+    run synced)."""
     runs = {name: events for name, events in runs.items() if events}
     if not runs:
         return []
@@ -52,20 +69,22 @@ def diagnostics(runs: dict[str, list[dict]], directory: pathlib.Path, *,
     for key, file, ylabel in DIAGNOSTICS:
         fig = Figure(figsize=(7, 4.5))
         ax = fig.add_subplot()
-        drawn = []
+        lines: list[tuple[np.ndarray, np.ndarray, str]] = []
         for name, events in runs.items():
-            outer = [e["outer_step"] for e in events]
-            values_SxR = _rows(e[key] for e in events)
+            steps_S, values_SxR = sync_series(events, key)
             if per_replica:
-                for r in range(values_SxR.shape[1]):
-                    ax.plot(outer, values_SxR[:, r], marker=".", label=f"replica {r}")
+                lines += [(steps_S, values_SxR[:, r], f"replica {r}")
+                          for r in range(values_SxR.shape[1])]  # fmt: skip
             else:
-                ax.plot(outer, _nanmean_rows(values_SxR), marker=".", label=name)
-            drawn.append(values_SxR)
-        if log_scale(np.concatenate([v.ravel() for v in drawn])):
+                lines.append((steps_S, _nanmean_rows(values_SxR), name))
+        drawn = np.concatenate([y for _, y, _ in lines])
+        log = key not in BOUNDED and log_scale(drawn[drawn != 0])
+        for steps_S, y, label in lines:
+            ax.plot(steps_S, np.where(y == 0, np.nan, y) if log else y, marker=".", label=label)
+        if log:
             ax.set_yscale("log")
-            ylabel += " (log scale)"
-        ax.set_xlabel("outer step", fontsize=MIN_PT + 1)
+            ylabel += " (log scale; 0 left out)" if (drawn == 0).any() else " (log scale)"
+        ax.set_xlabel("inner step", fontsize=MIN_PT + 1)
         ax.set_ylabel(ylabel, fontsize=MIN_PT + 1)
         ax.tick_params(labelsize=MIN_PT)
         ax.grid(alpha=0.3, which="both")
