@@ -794,3 +794,23 @@ MUTANTS += [
            "MAX_HEAD = 8192  #", "MAX_HEAD = 1 << 20  #",
            [T_PAGE + "test_a_trickled_or_oversized_request_is_cut_off"]),
 ]  # fmt: skip
+T_FIG = "tests/test_sweep_figures.py::"
+DRAWING = "diloco_jax/watch/drawing.py"
+MUTANTS += [  # issue 61, item 9: figures a reader can compare
+    Mutant("drift and cosine drawn against outer steps", "command line", DRAWING,
+           '    steps_S = np.array([e["step"] for e in events], float)',
+           '    steps_S = np.array([e["outer_step"] for e in events], float)',
+           [T_FIG + "test_a_sweeps_drift_and_cosine_share_inner_steps_across_sync_periods"]),
+    Mutant("drift's log axis decided with its zeros in", "command line", DRAWING,
+           "        log = key not in BOUNDED and log_scale(drawn[drawn != 0])",
+           "        log = key not in BOUNDED and log_scale(drawn)",
+           [T_FIG + "test_a_drift_spanning_a_decade_is_drawn_on_a_log_axis_without_its_zeros"]),
+    Mutant("an undefined cosine drawn as 0", "command line", DRAWING,
+           '        values_SxR = np.where(_rows(e["drift"] for e in events) == 0, np.nan, '
+           "values_SxR)",
+           "        values_SxR = np.nan_to_num(values_SxR)",
+           [T_FIG + "test_an_undefined_cosine_is_a_gap_never_0"]),
+    Mutant("tradeoff's loss axis linear over a decade", "command line", "sim/plots.py",
+           "    if log_scale([row[y_key] for row in rows]):", "    if False:",
+           [T_FIG + "test_tradeoffs_loss_axis_is_log_where_the_losses_span_a_decade"]),
+]  # fmt: skip
