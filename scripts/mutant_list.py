@@ -491,9 +491,9 @@ MUTANTS = [
            [T_SEC + "test_a_push_of_another_dtype_or_size_is_refused_before_its_data_is_read"]),
     Mutant("a damaged newest syncer checkpoint stops the syncer", "checkpoint",
            "diloco_jax/learners/store.py",
-           "            except Exception as e:  # noqa: BLE001 - any damage: the previous round's",
-           "            except checkpoint.SchemaError as e:  # noqa: BLE001 - any damage: the "
-           "previous round's",
+           "        return checkpoint.newest_readable(self.mngr, read, report, "
+           "fatal=(checkpoint.SchemaError,))",
+           "        return checkpoint.newest_readable(self.mngr, read, report, fatal=(Exception,))",
            [T_SEC + "test_a_damaged_newest_checkpoint_falls_back_to_the_round_before"]),
     Mutant("a partitioned learner is not admitted again", "faults",
            "diloco_jax/learners/syncer.py",
@@ -813,4 +813,11 @@ MUTANTS += [  # issue 61, item 9: figures a reader can compare
     Mutant("tradeoff's loss axis linear over a decade", "command line", "sim/plots.py",
            "    if log_scale([row[y_key] for row in rows]):", "    if False:",
            [T_FIG + "test_tradeoffs_loss_axis_is_log_where_the_losses_span_a_decade"]),
+]  # fmt: skip
+MUTANTS += [  # issue 65: a damaged checkpoint is one line, no orbax read outlives its restore
+    Mutant("orbax's reads left running on a closed loop after a failed restore", "checkpoint",
+           "diloco_jax/runtime/checkpoint.py", "    with _settled():\n",
+           "    with contextlib.nullcontext():\n",
+           ["tests/test_damaged_checkpoint.py::test_a_damaged_syncer_checkpoint_is_one_line_and_"
+            "nothing_after_it"]),
 ]  # fmt: skip

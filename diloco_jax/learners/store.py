@@ -32,12 +32,16 @@ class Store:
 
     def event(self, kind: str, rnd: int, **fields) -> None:
         """One line in the tape (and the log): ``kind``, the syncer's round, the Unix time."""
+        self.taped(kind, rnd, **fields)
+        # a caller's text (a push id, a leaf name) escaped: no forged lines in the log
+        log.info("syncer: %s %s", kind, " ".join(f"{k}={printable(v)}" for k, v in fields.items()))
+
+    def taped(self, kind: str, rnd: int, **fields) -> None:
+        """:meth:`event` in the tape alone (where the log has a line of its own about it)."""
         line = {"event": kind, "round": rnd, "time": time.time(), **fields}
         with self._writing:  # events come from the served calls' threads too
             self.tape.write(json.dumps(line) + "\n")
             self.tape.flush()
-        # a caller's text (a push id, a leaf name) escaped: no forged lines in the log
-        log.info("syncer: %s %s", kind, " ".join(f"{k}={printable(v)}" for k, v in fields.items()))
 
     def save(self, rnd: int, anchor: list, outer_state, meta: dict,
              sent: list | None = None) -> None:  # fmt: skip
@@ -50,23 +54,24 @@ class Store:
 
     def restore(self, like_of: Callable[[dict], Any]) -> tuple[int, dict, Any] | None:
         """``(round, meta, state)`` of the newest readable checkpoint (``like_of(meta)``: the
-        structure its state is restored into), or None where there is none."""
-        steps = sorted(self.mngr.all_steps(), reverse=True)
-        for step in steps:
-            try:
-                meta = checkpoint.saved_meta(self.mngr, step)["config"]
-                return step, meta, checkpoint.restore(self.mngr, like_of(meta), step)
-            except checkpoint.SchemaError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any damage: the previous round's checkpoint
-                where = self.mngr.directory / str(step)
-                log.warning("syncer: checkpoint %s is damaged (%s: %s); trying the previous one",
-                            where, type(e).__name__, str(e)[:160])  # fmt: skip
-                self.event("damaged_checkpoint", step, path=str(where), error=type(e).__name__)
-        if steps:
-            raise checkpoint.CheckpointError(f"no readable syncer checkpoint in "
-                                             f"{self.mngr.directory}")  # fmt: skip
-        return None
+        structure its state is restored into), or None where there is none. Each newer one that
+        is damaged is named in one line with the round started from, and recorded in the tape
+        (:func:`checkpoint.newest_readable`, shared with a run's resume)."""
+
+        def read(step: int) -> tuple[int, dict, Any]:
+            meta = checkpoint.saved_meta(self.mngr, step)["config"]
+            return step, meta, checkpoint.restore(self.mngr, like_of(meta), step)
+
+        def report(step: int, error: Exception, started: int | None) -> None:
+            where = self.mngr.directory / str(step)
+            then = ("no checkpoint before it was restored" if started is None
+                    else f"starting from round {started}")  # fmt: skip
+            log.warning("syncer: checkpoint %s is damaged (%s); %s", where,
+                        checkpoint.described(error, 160), then)  # fmt: skip
+            self.taped("damaged_checkpoint", step, path=str(where), error=type(error).__name__)
+
+        # any damage, a mismatch of its own parts included, means: the previous round's
+        return checkpoint.newest_readable(self.mngr, read, report, fatal=(checkpoint.SchemaError,))
 
     def close(self) -> None:
         self.mngr.wait_until_finished()

@@ -7,14 +7,20 @@ pipelines, ``data``: each replica's iterator state, :mod:`diloco_jax.tasks.pipel
 writes both into one temporary directory and renames it when complete, so they are saved
 atomically together. Schema 1 (before the config was saved) held only the state, under
 ``checkpoints/<step>/default``.
+
+Every read settles orbax's work before it returns (:func:`_settled`): a damaged checkpoint is
+reported in one line, never followed by tracebacks of reads it left behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import pathlib
-from typing import Any, NamedTuple
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
@@ -148,6 +154,65 @@ def _quiet_absl():
         logger.setLevel(level)
 
 
+# Orbax runs each read in an event loop of its own (``asyncio_utils.run_sync``) and closes it as
+# soon as one read fails, with the others still pending: they fail later, on a closed loop, and
+# write their tracebacks to stderr at garbage collection ("Task exception was never retrieved",
+# "Event loop is closed", "Exception ignored in: <coroutine ...>"), long after the damage was
+# reported. While :func:`_settled` is entered, such a loop lets them end first.
+_SETTLE_S = 60.0  # the longest wait for them (a read that hangs is cancelled after it)
+_settling = threading.RLock()  # the event loop policy is the process's: one swap at a time
+
+
+class _SettlingLoop(asyncio.SelectorEventLoop):
+    """An event loop whose ``close`` first lets the tasks still on it end (at most
+    :data:`_SETTLE_S` seconds, then cancels them) and takes their results, errors included."""
+
+    def close(self) -> None:
+        if not self.is_running() and not self.is_closed():
+            self.run_until_complete(self._settle())
+        super().close()
+
+    async def _settle(self) -> None:
+        # callbacks queued as the loop stopped run first: a gather marks its late children's
+        # errors as seen there
+        await asyncio.sleep(0)
+        left = asyncio.all_tasks(self) - {asyncio.current_task()}
+        if left:
+            _, hung = await asyncio.wait(left, timeout=_SETTLE_S)
+            for task in hung:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+
+
+class _SettlingPolicy(asyncio.DefaultEventLoopPolicy):
+    """asyncio's own policy, but that its new event loops are :class:`_SettlingLoop`."""
+
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _SettlingLoop()
+
+
+@contextlib.contextmanager
+def _settled():
+    """Every event loop made inside (orbax's) is a :class:`_SettlingLoop`: the reads of a
+    checkpoint have all ended when the call that made them returns or raises."""
+    with _settling:
+        before = asyncio.get_event_loop_policy()
+        asyncio.set_event_loop_policy(_SettlingPolicy())
+        try:
+            yield
+        finally:
+            asyncio.set_event_loop_policy(before)
+
+
+def described(error: BaseException, limit: int = 200) -> str:
+    """``error`` in one line: its type and the start of its message (orbax's span lines), or
+    its first cause's (orbax's error reading an array holds tensorstore's reason as its cause)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:limit]}" if text else type(error).__name__
+
+
 def _check_schema(path: pathlib.Path, version) -> None:
     if version != SCHEMA_VERSION:
         age = "another"
@@ -166,7 +231,7 @@ def _read(mngr: ocp.CheckpointManager, step: int) -> tuple[dict[str, tuple], dic
     path = mngr.directory / str(step)
     if (path / _LEGACY_STATE).is_dir() and not (path / _META).exists():
         _check_schema(path, 1)
-    with _quiet_absl():
+    with _quiet_absl(), _settled():
         meta = mngr.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
         with ocp.StandardCheckpointer() as ckptr:
             shapes = _shapes(ckptr.metadata(path / _STATE).item_metadata)
@@ -175,35 +240,69 @@ def _read(mngr: ocp.CheckpointManager, step: int) -> tuple[dict[str, tuple], dic
     return shapes, meta
 
 
+_T = TypeVar("_T")
+
+
+def newest_readable(
+    mngr: ocp.CheckpointManager,
+    read: Callable[[int], _T],
+    report: Callable[[int, Exception, int | None], None],
+    *,
+    fatal: tuple[type[Exception], ...] = (CheckpointError,),
+) -> _T | None:
+    """``read(step)`` of the newest checkpoint it can read, trying the steps from the newest
+    down; None where there is none. An error of a ``fatal`` type is raised; any other means
+    damage: the step before is tried, and once the outcome is known each damaged step is
+    reported, ``report(step, error, started)`` (``started``: the step read instead, None where
+    none was). With none readable, raises :class:`CheckpointError`. Nothing is deleted.
+
+    The run's resume (:func:`restore_latest`) and the syncer's (``learners.store``) both fall
+    back through this."""
+    steps = sorted(mngr.all_steps(), reverse=True)
+    damaged: list[tuple[int, Exception]] = []
+    started = None
+    try:
+        for step in steps:
+            try:
+                got = read(step)
+            except fatal:
+                raise
+            except Exception as e:  # noqa: BLE001 - any damage: try the one before
+                damaged.append((step, e))
+                continue
+            started = step
+            return got
+        if steps:
+            raise CheckpointError(
+                f"no readable checkpoint in {mngr.directory} (tried steps {steps})"
+            )
+        return None
+    finally:  # one line for each, naming where it went on from
+        for step, error in damaged:
+            report(step, error, started)
+
+
 def restore_latest(mngr: ocp.CheckpointManager, like, warn=print) -> Restored | None:
     """The newest readable checkpoint as :class:`Restored`, or None if there is none. One that
-    cannot be read (truncated, corrupt) is skipped with a warning and the one before it is tried;
-    one of another model raises :class:`MismatchError` naming the first mismatched parameter path
-    and both shapes, one of another schema :class:`CheckpointError`. Nothing is deleted."""
-    steps = sorted(mngr.all_steps(), reverse=True)
-    for step in steps:
-        path = mngr.directory / str(step)
-        try:
-            saved, meta = _read(mngr, step)
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any unreadable metadata means: try the previous
-            warn(f"checkpoint {path} is unreadable ({type(e).__name__}); trying the previous")
-            continue
+    cannot be read (truncated, corrupt) is skipped, named in one line (``warn``) with the step
+    restored instead; one of another model raises :class:`MismatchError` naming the first
+    mismatched parameter path and both shapes, one of another schema :class:`CheckpointError`.
+    Nothing is deleted."""
+
+    def read(step: int) -> Restored:
+        saved, meta = _read(mngr, step)
         if not saved:  # orbax reads truncated metadata as an empty tree
-            warn(f"checkpoint {path} has no readable metadata; trying the previous")
-            continue
-        _fits(path, step, saved, like)
-        try:
-            state = _restore_state(mngr, like, step)
-            return Restored(state, step, meta["config"], meta.get("controls", {}),
-                            meta.get("data"))  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - corrupt data: fall back to the previous one
-            warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
-                 "trying the previous one")  # fmt: skip
-    if steps:
-        raise CheckpointError(f"no readable checkpoint in {mngr.directory} (tried steps {steps})")
-    return None
+            raise ValueError("no readable metadata")
+        _fits(mngr.directory / str(step), step, saved, like)
+        state = _restore_state(mngr, like, step)
+        return Restored(state, step, meta["config"], meta.get("controls", {}), meta.get("data"))
+
+    def report(step: int, error: Exception, started: int | None) -> None:
+        then = ("no checkpoint before it was restored" if started is None
+                else f"restored step {started} instead")  # fmt: skip
+        warn(f"checkpoint {mngr.directory / str(step)} is unreadable ({described(error)}); {then}")
+
+    return newest_readable(mngr, read, report)
 
 
 def saved_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
@@ -246,7 +345,8 @@ def _fits(path: pathlib.Path, step: int, saved: dict[str, tuple], like) -> None:
 def _restore_state(mngr: ocp.CheckpointManager, like, step: int):
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     args = ocp.args.Composite(**{_STATE: _StateRestore(abstract)})
-    return mngr.restore(step, args=args)[_STATE]
+    with _settled():
+        return mngr.restore(step, args=args)[_STATE]
 
 
 def restore(mngr: ocp.CheckpointManager, like, step: int | None = None):
@@ -272,7 +372,7 @@ def load_params(path: pathlib.Path, like):
     if not path.is_dir():
         raise ValueError(f"no saved parameters at {path}")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    with ocp.StandardCheckpointer() as ckptr:
+    with ocp.StandardCheckpointer() as ckptr, _settled():
         try:
             return ckptr.restore(path, abstract)
         except (ValueError, KeyError, TypeError) as e:
