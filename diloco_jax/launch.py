@@ -17,7 +17,11 @@ restarts: each process gets its own folder, a learner its own credential); a
 learner that fails does not stop the others (``--max_restarts`` starts it again, resuming from
 its checkpoint; so does a syncer that fails, from its last round, while the learners retry),
 the syncer is stopped when every learner has ended, and a syncer that fails for good stops the
-learners.
+learners. The syncer's address is chosen at the first launch and kept in DIR/syncer_address:
+the same command again resumes the run (``--allow_config_change`` goes to the learners).
+Ctrl-C or SIGTERM: every learner saves at its next sync and ends, then the syncer stops (the
+launcher says so at once, and what a second Ctrl-C, which kills the learners, would lose); the
+learners still running after ``--grace`` are killed.
 """
 
 from __future__ import annotations
@@ -27,21 +31,16 @@ import math
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-from diloco_jax.base.access import TOKEN_ENV
 from diloco_jax.config.cli import ArgumentParser
+from diloco_jax.run import local_learners
+from diloco_jax.run.local_learners import free_port
 from diloco_jax.run.preemption import launcher_tie
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["child_env", "free_port", "main", "parse"]
 
 
 def _parser() -> ArgumentParser:
@@ -65,7 +64,8 @@ def _parser() -> ArgumentParser:
                         help="the module to run (default: %(default)s)")  # fmt: skip
     parser.add_argument(
         "--grace", type=float, default=30.0, metavar="SECONDS",
-        help="how long stopping processes get before SIGKILL (default: %(default)s)",
+        help="how long stopping processes get before SIGKILL (with --learners: the learners, "
+        "to reach their next sync and save; then the syncer) (default: %(default)s)",
     )  # fmt: skip
     return parser
 
@@ -165,157 +165,21 @@ class _Group:
         return first_failure or next((c for c in codes if c), 0)
 
 
-def split_workdir(rest: list[str]) -> tuple[str | None, list[str]]:
-    """``(the --workdir value or None, the flags without it)``."""
-    for i, arg in enumerate(rest):
-        if arg == "--workdir" and i + 1 < len(rest):
-            return rest[i + 1], rest[:i] + rest[i + 2 :]
-        if arg.startswith("--workdir="):
-            return arg.partition("=")[2], rest[:i] + rest[i + 1 :]
-    return None, rest
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, seconds: float = 120.0) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end and proc.poll() is None:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return True
-        time.sleep(0.2)
-    return False
-
-
-def _say(text: str) -> None:
-    print(f"launch: {text}", file=sys.stderr, flush=True)
-
-
-class _Learners:
-    """A syncer and its learners as child processes, each started again when it fails (up to
-    ``--max_restarts`` times); see the module's docstring."""
-
-    def __init__(self, opts: argparse.Namespace, workdir: str, rest: list[str]):
-        self.opts, self.workdir, self.count = opts, workdir, opts.learners
-        self.port = free_port()
-        # mutual TLS, as across networks: each learner shows its own certificate too
-        self.common = [*rest, f"--config.syncer.address=127.0.0.1:{self.port}",
-                       f"--config.syncer.learners={self.count}",
-                       "--config.syncer.mutual_tls=true"]  # fmt: skip
-        from diloco_jax.base import extras
-
-        extras.require("cryptography", "learners and a syncer")
-        from diloco_jax.learners import certs
-
-        self.credentials = pathlib.Path(workdir) / "credentials"
-        certs.make(self.credentials, self.count, list(certs.DEFAULT_HOSTS), log=lambda _: None)
-        env = dict(os.environ)
-        env.pop(TOKEN_ENV, None)  # each process's credential is in its own folder
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if "host_platform_device_count" not in f]  # fmt: skip
-        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count="
-                                             f"{opts.devices_per_process}"])  # fmt: skip
-        tie, self._die_with_launcher = launcher_tie(opts.grace)
-        self.env = {**env, **tie}
-        self.group = _Group([], opts.grace)
-        self.restarts = [0] * (self.count + 1)  # the last: the syncer's
-        self.ended: set[int] = set()
-        self.failure = 0
-
-    def _start(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", *args], env=self.env,
-                                start_new_session=True,
-                                preexec_fn=self._die_with_launcher)  # fmt: skip
-
-    def _learner(self, i: int) -> subprocess.Popen:
-        return self._start(
-            self.opts.module,
-            "--workdir",
-            f"{self.workdir}/learner_{i}",
-            *self.common,
-            f"--config.syncer.learner={i}",
-            f"--config.syncer.credentials={self.credentials / f'learner_{i}'}",
-        )
-
-    def _syncer(self) -> subprocess.Popen:
-        return self._start(
-            "diloco_jax.syncer",
-            "--workdir",
-            f"{self.workdir}/syncer",
-            *self.common,
-            f"--config.syncer.credentials={self.credentials / 'syncer'}",
-        )
-
-    def _again(self, slot: int, what: str, code: int) -> bool:
-        """Whether ``what`` (slot ``slot``) is to be started again after exiting with ``code``."""
-        if not code or self.group.deadline is not None:
-            return False
-        if self.restarts[slot] >= self.opts.max_restarts:
-            return False
-        self.restarts[slot] += 1
-        _say(f"{what} exited with status {code}; starting it again ({self.restarts[slot]} of "
-             f"{self.opts.max_restarts})")  # fmt: skip
-        return True
-
-    def _check(self) -> None:
-        """One look at every process: restarts, failures, the end of learners."""
-        procs = self.group.procs
-        if procs[0].poll() is not None and self.group.deadline is None:
-            code = procs[0].returncode
-            if self._again(self.count, "the syncer", code):  # the learners retry meanwhile
-                procs[0] = self._syncer()
-            else:
-                _say(f"the syncer exited with status {code}; stopping the learners")
-                self.failure = code or 1
-                self.group.stop()
-        for i in range(self.count):
-            code = procs[1 + i].poll()
-            if code is None or i in self.ended:
-                continue
-            if self._again(i, f"learner {i}", code):
-                procs[1 + i] = self._learner(i)
-                continue
-            self.ended.add(i)
-            if code and self.group.deadline is None:
-                self.failure = self.failure or code
-                _say(f"learner {i} exited with status {code}; the others go on")
-
-    def run(self) -> int:
-        group = self.group
-        previous = {sig: signal.signal(sig, group.on_signal)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
-        try:
-            group.procs.append(self._syncer())
-            if not _wait_for_port(self.port, group.procs[0]):
-                _say("the syncer did not start listening")
-                return group.procs[0].wait() or 1
-            _say(f"syncer at 127.0.0.1:{self.port} (workdir {self.workdir}/syncer), "
-                 f"{self.count} learners")  # fmt: skip
-            group.procs += [self._learner(i) for i in range(self.count)]
-            while len(self.ended) < self.count:
-                self._check()
-                if group.deadline is not None and time.monotonic() > group.deadline:
-                    group.send(signal.SIGKILL)
-                time.sleep(0.1)
-            group.stop()  # every learner has ended: the syncer's last round is already written
-            while group.procs[0].poll() is None:
-                if time.monotonic() > (group.deadline or 0.0):
-                    group.send(signal.SIGKILL)
-                time.sleep(0.1)
-            learners = group.procs[1:]
-            return self.failure or next((p.returncode for p in learners if p.returncode), 0)
-        finally:
-            group.send(signal.SIGKILL)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
 def run_learners(opts: argparse.Namespace, rest: list[str]) -> int:
-    """A syncer and ``opts.learners`` learners on this machine (see the module's docstring)."""
-    workdir, rest = split_workdir(rest)
+    """A syncer and ``opts.learners`` learners on this machine (see the module's docstring and
+    :mod:`diloco_jax.run.local_learners`)."""
+    given, rest = local_learners.split_flag(rest, "--workdir")
+    workdir = local_learners.value_of(given)
     if workdir is None:
         print("error: --learners needs --workdir DIR (DIR/syncer and DIR/learner_I)",
               file=sys.stderr)  # fmt: skip
         return 2
-    return _Learners(opts, workdir, rest).run()
+    try:
+        group = local_learners.LocalLearners(opts, pathlib.Path(workdir), rest)
+    except local_learners.LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return group.run()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -326,8 +326,8 @@ MUTANTS = [
             "nothing"]),
     Mutant("a learner never restarts from the syncer's anchor", "faults",
            "diloco_jax/run/loop.py",
-           "            state = r.learner.sync(state, last=step >= total)",
-           "            r.learner.sync(state, last=step >= total)",
+           "        return learner.sync(state, last=last), True",
+           "        return learner.sync(state, last=last) and state, True",
            ["tests/test_learners.py::test_a_learner_in_this_process_trains_what_one_replica_"
             "trains"]),
     Mutant("a quorum round closes at its quorum, without the grace window", "faults",

@@ -252,6 +252,8 @@ class SyncerConfig:
                        "next sync; 0: off")  # fmt: skip
     examples: int = _key(0, "the run's budget: once this many examples have been merged each "
                          "learner ends; 0: off")  # fmt: skip
+    stay: bool = _key(False, "the syncer serves on after every declared learner has left at the "
+                      "run's end; false: it exits 0")  # fmt: skip
     weigh_rounds: bool = _key(True, "the outer step takes the mean x the round's examples / a "
                               "full round's: thin rounds move less")  # fmt: skip
     late_weight: float = _key(0.5, "quorum rounds: a late push's merge weight x this per round "

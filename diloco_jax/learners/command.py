@@ -1,6 +1,7 @@
 """``python -m diloco_jax.syncer`` (``diloco-syncer``): serves the rounds of independent
-learners at ``syncer.address`` until stopped (SIGTERM or SIGINT: the last round is already
-written; a restarted syncer goes on from it).
+learners at ``syncer.address`` until every declared learner has finished (:func:`run_over`;
+with ``syncer.stay``, until stopped), or until stopped (SIGTERM or SIGINT: the last round is
+already written; a restarted syncer goes on from it).
 
     python -m diloco_jax.syncer --config tiny --workdir runs/syncer \\
         --config.syncer.address=127.0.0.1:50551 --config.syncer.learners=4
@@ -100,6 +101,20 @@ def serve(cfg: config_lib.Config, workdir: pathlib.Path):
     return server.start(), page
 
 
+def run_over(syncer: Syncer, total_steps: int, log_every: int) -> bool:
+    """Whether every declared learner has finished: each has left (a learner's last call) and
+    the run is at its end, the syncer's last round closed (``syncer.rounds``,
+    ``syncer.examples``) or as many rounds as ``train.total_steps`` holds syncs. A learner that
+    left earlier was stopped and may resume; one that died without leaving may come back. (The
+    syncer cannot tell a learner that lost rounds and was stopped at the run's last round from
+    one that finished: that one finds no syncer when it resumes.)"""
+    total = -(-total_steps // log_every) * log_every  # as the learners' loop rounds it up
+    with syncer.lock:
+        left = all(i in syncer.members and syncer.members[i].status == "left"
+                   for i in range(syncer.learners))  # fmt: skip
+        return left and (syncer.finished or syncer.round >= total // syncer.algorithm.plan.period)
+
+
 def make_certs(argv: list[str], prog: str) -> int:
     """``diloco-syncer certs DIR --learners N [--hosts NAMES] [--days D]``."""
     try:
@@ -167,7 +182,11 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.syn
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    t = cfg.train
+    while not stop.wait(0.5):
+        if not cfg.syncer.stay and run_over(server.syncer, t.total_steps, t.log_every):
+            log.info("every learner has finished: the syncer ends (syncer.stay=true serves on)")
+            break
     log.info("syncer stopping at round %d", server.syncer.round)
     server.stop()
     if page is not None:

@@ -73,6 +73,11 @@ SHARED_KEYS = ("algorithm", "outer.optimizer", "outer.learning_rate", "outer.mom
                "syncer.learners", "seed", "train.total_steps")  # fmt: skip
 
 
+# seconds a learner asked to stop keeps trying a syncer it cannot reach: then it saves and ends
+# (the launcher's --grace, 30 s by default, must leave it time to reach its sync and save)
+STOP_PATIENCE = 10.0
+
+
 def shared_keys(flat: dict[str, Any]) -> dict[str, Any]:
     """The values of :data:`SHARED_KEYS` in a flat config (``config.keys(cfg)``)."""
     return {k: flat[k] for k in SHARED_KEYS if k in flat}
@@ -400,6 +405,12 @@ class Learner:
         if f.get("restarted"):  # joined again: the answer is the syncer's anchor
             return self._restart(state, arrays)
         return self._take(state, arrays, fragment=fragment)
+
+    def stopping(self) -> None:
+        """The run is asked to stop (a signal, safe in its handler): from now on a call that
+        cannot reach the syncer gives up after :data:`STOP_PATIENCE` seconds, not the client's
+        whole patience (minutes), so that the run saves before whoever stopped it kills it."""
+        self.client.patience = min(self.client.patience, STOP_PATIENCE)
 
     def close(self) -> None:
         self.drain()

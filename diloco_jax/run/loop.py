@@ -17,6 +17,7 @@ import numpy as np
 from diloco_jax import config as config_lib
 from diloco_jax.base.progress import progress_bar
 from diloco_jax.learners import learner as learners
+from diloco_jax.learners import service
 from diloco_jax.run import distributed, placement, programs, resume
 from diloco_jax.run.live import Live
 from diloco_jax.run.preemption import Preemption, saving
@@ -323,27 +324,57 @@ def _syncer_done(r: Run) -> bool:
     return r.learner is not None and r.learner.finished
 
 
+def _learner_turn(s: Setup, r: Run, state, step: int, total: int, stop: Preemption):
+    """``(state, whether it synced)`` after a learner's call that ended at ``step``: the landing
+    due, then the sync due, the last where the run ends or every process agrees to stop (at a
+    sync, never mid-round: its round's work is in the anchor and its checkpoint, and a resume
+    trains nothing twice). A syncer it cannot reach is raised once ``state`` is saved at
+    ``step``: its steps, data and inner state are kept, not its work since its last sync."""
+    learner = r.learner
+    try:
+        if learner.landing(step):  # streaming's overlap tau
+            state = learner.land(state)
+        if not learner.due(step):
+            return state, False
+        last = step >= total or agree_to_stop(stop)
+        if stop.requested:  # a signal to another process of this learner
+            learner.stopping()
+        return learner.sync(state, last=last), True
+    except service.SyncerUnreachable:
+        if r.mngr is not None and r.mngr.latest_step() != step:
+            checkpoint.save(r.mngr, step, state, config_lib.to_dict(s.cfg),
+                            controls=r.live.changed, data=s.data_states())  # fmt: skip
+            r.runlog.write("checkpoint", step)
+            log.warning("the syncer cannot be reached: this learner saved its state at step %d "
+                        "before giving up (its work since its last sync is not in the anchor)",
+                        step)  # fmt: skip
+        raise
+
+
 def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
               phases: reporting.Phases, *, show_progress: bool) -> Calls:  # fmt: skip
     """Calls the compiled step (``train.log_every`` steps a call) until ``total`` steps or a
-    stop that every process agrees on; after each call the reports, the replication check, the
-    HTTP controls, and the evaluation and checkpoint that are due."""
+    stop that every process agrees on (a learner's at its next sync: :func:`_learner_turn`);
+    after each call the reports, the replication check, the HTTP controls, and the evaluation
+    and checkpoint that are due."""
     cfg, step = s.cfg, int(state.step)
     show = show_progress and r.lead and cfg.log.progress_bar  # TQDM_DISABLE: progress_bar
     bar = progress_bar(total, initial=step, enabled=show)
     eval_loss, train_start, call_seconds, host_seconds = None, time.time(), [], []
     evaluated_at = None
-    while step < total and not _syncer_done(r) and not agree_to_stop(stop):
+    between = True  # where the run may stop: any call's end; a learner's join or sync only
+    if r.learner is not None:
+        stop.hooks.append(r.learner.stopping)
+    while step < total and not _syncer_done(r) and not (between and agree_to_stop(stop)):
         control = chunk_control(cfg, s, step, r.live.outer_scale)
         tick = time.time()
         state, metrics_NxR = run(state, s.replicas_R, s.data(step), control)
         metrics_NxR = jax.device_get(metrics_NxR)
         call_seconds.append(time.time() - tick)
         step += cfg.train.log_every
-        if r.learner is not None and r.learner.landing(step):  # streaming's overlap tau
-            state = r.learner.land(state)
-        if r.learner is not None and r.learner.due(step):
-            state = r.learner.sync(state, last=step >= total)  # push, wait, restart
+        between = r.learner is None
+        if r.learner is not None:  # push, wait, restart
+            state, between = _learner_turn(s, r, state, step, total, stop)
         _report_chunk(s, r.runlog, bar, step, metrics_NxR, call_seconds[-1], r.learner)
         distributed.check_replicated(s, state, step)
         asked = r.live.agree(r.runlog, stop, step)  # HTTP controls, as every process agrees

@@ -1,6 +1,8 @@
 """Graceful preemption: SIGTERM or SIGINT asks the training loop to stop at the next call
 boundary, where it saves a checkpoint (unless ``train.checkpoint`` is off) and returns; a second
-signal exits at once.
+signal exits at once. A learner (``syncer.address``) stops at its next sync instead, so that its
+round's work is in the syncer's anchor and in its own checkpoint
+(:func:`~diloco_jax.run.loop.run_calls`).
 
 The processes that ``diloco_jax.launch`` starts are tied to it, so that they stop when it dies,
 however it dies (SIGKILL, the out-of-memory killer, a closed terminal): the launcher hands each
@@ -32,10 +34,13 @@ _PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2  # <linux/prctl.h>
 
 
 class Preemption:
-    """Context manager; ``requested`` holds the first signal's name once one arrived."""
+    """Context manager; ``requested`` holds the first signal's name once one arrived, and each
+    of ``hooks`` is called then (in the signal handler, so it only sets a flag or a number: a
+    learner's shorter patience for a syncer it cannot reach, say)."""
 
     def __init__(self):
         self.requested: str | None = None
+        self.hooks: list[Callable[[], None]] = []
         self._previous = {}
 
     def _handle(self, signum, frame):
@@ -43,6 +48,8 @@ class Preemption:
         if self.requested is not None:
             os._exit(128 + signum)  # second signal: at once, like an unhandled one
         self.requested = signal.Signals(signum).name
+        for hook in self.hooks:
+            hook()
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():  # handlers live there only
