@@ -821,3 +821,21 @@ MUTANTS += [  # issue 65: a damaged checkpoint is one line, no orbax read outliv
            ["tests/test_damaged_checkpoint.py::test_a_damaged_syncer_checkpoint_is_one_line_and_"
             "nothing_after_it"]),
 ]  # fmt: skip
+T_LAUNCH = "tests/test_launch_learners.py::"
+MUTANTS += [  # issue 61, items 1-2: a learners' run a person can stop and resume
+    Mutant("the launcher stops its syncer with its learners, not after them", "faults",
+           "diloco_jax/run/local_learners.py",
+           "        _send(self.learners, signal.SIGTERM)",
+           "        _send([self.syncer, *self.learners], signal.SIGTERM)",
+           [T_LAUNCH + "test_a_stop_lets_every_learner_save_before_the_syncer_stops"]),
+    Mutant("a second Ctrl-C counts every step as lost, saved or not", "command line",
+           "diloco_jax/run/local_learners.py",
+           "            worst = max(worst, trained - saved)",
+           "            worst = max(worst, trained)",
+           [T_LAUNCH + "test_a_second_signal_kills_the_learners_and_says_what_they_lose"]),
+    Mutant("a learner stops mid-round, not at its next sync", "faults", "diloco_jax/run/loop.py",
+           "    while step < total and not _syncer_done(r) and not (between and "
+           "agree_to_stop(stop)):",
+           "    while step < total and not _syncer_done(r) and not agree_to_stop(stop):",
+           [T_LAUNCH + "test_a_learner_signalled_mid_round_saves_at_its_next_sync"]),
+]  # fmt: skip
