@@ -60,7 +60,7 @@ def test_log_keys_are_validated(monkeypatch):
     with pytest.raises(config_lib.ConfigError, match="log.wandb_mode = 'cloud' is invalid"):
         config_lib.validate(tiny(**{"log.wandb_mode": "cloud"}))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(config_lib.ConfigError, match=r"log.wandb = True .*diloco-jax\[wandb\]"):
+    with pytest.raises(config_lib.ConfigError, match=r"log.wandb = True .*--extra wandb"):
         config_lib.validate(tiny(**{"log.wandb": "true"}))
 
 
