@@ -435,7 +435,7 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
     sy = cfg.syncer
     tls = credentials.tls_of(sy.credentials)
     client = service.Client(sy.address, credentials.credential(sy), tls=tls,
-                            timeout=sy.timeout * 4 + 60)  # fmt: skip
+                            timeout=sy.timeout * 4 + 60, credentials=sy.credentials)  # fmt: skip
     rows = cfg.data.batch_size * algorithm.plan.period  # a round's (streaming: a fragment's)
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),
                    rows_per_round=rows, heartbeat=sy.heartbeat, log=log,

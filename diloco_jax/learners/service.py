@@ -50,7 +50,7 @@ import numpy as np
 
 from diloco_jax.base import extras
 from diloco_jax.base.access import is_loopback
-from diloco_jax.learners import guard, identity, intake, wire
+from diloco_jax.learners import guard, identity, intake, unreachable, wire
 from diloco_jax.learners.syncer import Refused, Syncer
 
 log = logging.getLogger("diloco_jax")
@@ -355,18 +355,28 @@ class RefusedBySyncer(RuntimeError):
 
 
 class SyncerUnreachable(ConnectionError):
-    """The syncer could not be reached for the client's whole patience."""
+    """The syncer could not be reached: for the client's whole patience, or at all (a
+    misconfiguration, :mod:`.unreachable`). Its message is one line: the cause and the fix."""
+
+
+HOPELESS_TRIES = 3  # a misconfiguration is tried this many times, then given up
 
 
 class Client:
     """A learner's connection to the syncer at ``address`` (``HOST:PORT``). Calls retry with
-    backoff while the syncer cannot be reached (saying so), up to ``patience`` seconds."""
+    backoff while the syncer cannot be reached (saying why in words, :mod:`.unreachable`), up
+    to ``patience`` seconds; a misconfiguration that no retry can mend (the syncer's certificate
+    without this address's name or of another CA, a peer that is not a TLS gRPC server) is given
+    up after :data:`HOPELESS_TRIES` tries. ``credentials``: the folder ``tls`` was read from,
+    named in those errors."""
 
     def __init__(self, address: str, credential: str, *, timeout: float, tls=None,
-                 patience: float = 300.0, max_bytes: int = 1 << 34):  # fmt: skip
+                 patience: float = 300.0, max_bytes: int = 1 << 34,
+                 credentials: str = ""):  # fmt: skip
         grpc = _grpc()
         self.address, self.timeout, self.patience, self.max_bytes = (
             address, timeout, patience, max_bytes)  # fmt: skip
+        self._tls, self._credentials = tls is not None, credentials
         self._metadata = (("authorization", f"Bearer {credential}"),)
         if tls is None:
             self._channel = grpc.insecure_channel(address, options=_options(max_bytes))
@@ -382,9 +392,10 @@ class Client:
              ) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
         """One request; returns the reply's ``(fields, arrays)`` (and appends ``(bytes sent,
         bytes received)`` to ``counts``). Raises :class:`RefusedBySyncer` for a refusal,
-        ``SyncerUnreachable`` when the syncer stays unreachable for ``patience`` seconds."""
+        :class:`SyncerUnreachable` when the syncer stays unreachable for ``patience`` seconds
+        or cannot be reached as configured."""
         grpc = _grpc()
-        start, delay = time.monotonic(), 0.2
+        start, delay, hopeless = time.monotonic(), 0.2, 0
         while True:
             put: list[int] = []  # encoded as it is sent, again at each try: never held whole
             try:
@@ -407,13 +418,18 @@ class Client:
                     raise RefusedBySyncer(f"{name}: {e.details()}") from None
                 # unreachable, or the syncer stopped while answering: try again
                 # (or its lanes of this call are taken: a try before this one is still ending)
-                again = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                                 grpc.StatusCode.RESOURCE_EXHAUSTED)  # fmt: skip
-                if not again or time.monotonic() - start > self.patience:
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED):  # fmt: skip
                     raise SyncerUnreachable(f"syncer {self.address}: {name} failed: "
-                                          f"{code.name}: {e.details()}") from None  # fmt: skip
-                log.warning("the syncer at %s cannot be reached (%s); retrying in %.1fs",
-                            self.address, e.details(), delay)  # fmt: skip
+                                            f"{code.name}: {e.details()}") from None  # fmt: skip
+                why = unreachable.cause(e.details() or "", self.address, tls=self._tls,
+                                        credentials=self._credentials)  # fmt: skip
+                hopeless += not why.transient
+                spent = time.monotonic() - start
+                if hopeless >= HOPELESS_TRIES or spent > self.patience:
+                    waited = f" for {spent:.0f}s" if why.transient else ""
+                    raise SyncerUnreachable(f"{why.what}{waited}: {why.fix}") from None
+                log.warning("%s; retrying in %.1fs", why.what, delay)
                 time.sleep(delay * (1 + 0.2 * random.random()))
                 delay = min(delay * 2, 5.0)
 
