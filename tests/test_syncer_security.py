@@ -386,8 +386,9 @@ def test_failed_authentication_is_refused_at_once_and_logged_in_counted_lines(tm
     """Five wrong credentials from one peer: each refused, lines at the counts 1, 2 and 4 (and
     ``auth_failed`` events in the tape with them), no worker made to wait. Then the
     :class:`identity.Failures` alone on a test clock: 1100 failures of one peer make 11 lines
-    (1, 2, ..., 1024; the old slowdown overflowed at 1027); 100 peers make at most :data:`identity.LOG_LINES` lines in a window, and
-    the first line of the next window says how many were left out."""
+    (1, 2, ..., 1024; the old slowdown overflowed at 1027); 100 peers make at most
+    :data:`identity.LOG_LINES` lines in a window, and the first line of the next window says
+    how many were left out."""
     syncer = _syncer(tmp_path, _algorithm(), learners=1)
     server = service.Server(syncer, "127.0.0.1", 0, secret="s").start()
     wrong = service.Client(f"127.0.0.1:{server.port}", "learner.0.forged", timeout=10)
