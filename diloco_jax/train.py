@@ -56,14 +56,14 @@ def train(cfg: config_lib.Config, workdir: str | pathlib.Path, *, show_progress:
     r, start = loop.open_run(s, workdir, allow_config_change=allow_config_change, server=server)
     phases.seconds["start"] = since_start + time.perf_counter() - entered
     own_code = task is not None or given != user_optimizers.NONE  # not kept as a program
-    run, loaded = loop.compile_step(s, start.state, phases,
-                                    None if own_code else programs.material(s.cfg))  # fmt: skip
-    total = loop.total_steps(s.cfg)
-    user_task = task is not None or bool(s.cfg.task.factory)
-    if int(start.state.step) == 0 and loop.eval_at_start(s.cfg, user_task=user_task):
-        with phases("eval"):
-            loop.evaluate(s, r.runlog, start.state, 0, total)
-    with Preemption() as stop:
+    with Preemption(loop.stop_plan(s.cfg)) as stop:  # from the compile on: said at once
+        run, loaded = loop.compile_step(s, start.state, phases,
+                                        None if own_code else programs.material(s.cfg))  # fmt: skip
+        total = loop.total_steps(s.cfg)
+        user_task = task is not None or bool(s.cfg.task.factory)
+        if int(start.state.step) == 0 and loop.eval_at_start(s.cfg, user_task=user_task):
+            with phases("eval"):
+                loop.evaluate(s, r.runlog, start.state, 0, total)
         calls = loop.run_calls(s, r, run, start.state, total, stop, phases,
                                show_progress=show_progress)  # fmt: skip
         summary = loop.finish(s, calls, r.mngr, workdir, preempted=stop.requested,

@@ -377,20 +377,33 @@ def test_a_run_saves_by_time_at_the_first_sync_after_its_minutes(sync_every, sav
     assert [e["step"] for e in events(tmp_path) if e["event"] == "checkpoint"] == saved[:-1]
 
 
-def test_the_save_clock_waits_its_minutes_and_stretches_for_saves_that_block_long():
+def test_the_save_clock_saves_soon_after_the_start_then_ever_less_often_up_to_its_minutes():
+    """Issue 61 finding 5: a run killed 2.5 minutes after its start had no checkpoint. The
+    first save is due 15 s after training starts (an eighth of the default 2 minutes), each
+    later one twice as long after the one before, up to the 2 minutes; a save that blocks long
+    stretches the wait so that saving holds the loop at most 2% of the time."""
     now = [100.0]
     clock = loop.SaveClock(2.0, now=lambda: now[0])
-    now[0] += 119.9
-    assert not clock.due()
-    now[0] += 0.1
-    assert clock.due()
+    now[0] += 50.0  # the compile: not training time
+    clock.started()
+    waits = []
+    for _ in range(6):
+        waited = 0.0
+        while not clock.due():
+            now[0] += 0.5
+            waited += 0.5
+        waits.append(waited)
+        clock.saved(blocked_s=0.01)
+    assert waits == [15.0, 30.0, 60.0, 120.0, 120.0, 120.0]
     clock.saved(blocked_s=6.0)  # 6 s is 2% of 300 s: the next save waits 5 minutes
     now[0] += 299.9
     assert not clock.due()
     now[0] += 0.1
     assert clock.due()
     clock.saved(blocked_s=0.1)  # a quick save: back to every 2 minutes
-    now[0] += 120.0
+    now[0] += 119.9
+    assert not clock.due()
+    now[0] += 0.1
     assert clock.due()
     off = loop.SaveClock(0.0, now=lambda: now[0])
     now[0] += 1e9
@@ -400,6 +413,7 @@ def test_the_save_clock_waits_its_minutes_and_stretches_for_saves_that_block_lon
 def test_a_run_without_workdir_prints_the_command_that_continues_it(tmp_path, monkeypatch,
                                                                    capsys):  # fmt: skip
     monkeypatch.chdir(tmp_path)  # the default workdir, runs/<preset>-<time>, lands here
+    monkeypatch.delenv(commandline.UV_RUN, raising=False)  # started by plain python
     flags = ["--config", str(ROOT / "configs" / "tiny.py"), "--config.parallel.runtime=sim",
              "--config.train.sample_chars=0", "--config.train.total_steps=10"]  # fmt: skip
     assert main(flags) == 0
@@ -429,10 +443,26 @@ def test_the_command_of_a_run_names_its_program_as_typed_and_replaces_the_workdi
     ]
     assert commandline.program("-c", started(None)) == ["python", "-c"]
     args = ["--workdir", "old", "--config.train.sample_prompt=TWO WORDS", "--workdir=older"]
-    assert commandline.rerun(["diloco-train"], args, "runs/x") == (
+    assert commandline.rerun(["diloco-train"], args, "runs/x", environ={}) == (
         "diloco-train '--config.train.sample_prompt=TWO WORDS' --workdir runs/x"
     )
-    assert commandline.rerun(["diloco-train"], args) == "diloco-train " + shlex.join(args)
+    assert commandline.rerun(["diloco-train"], args, environ={}) == (
+        "diloco-train " + shlex.join(args))  # fmt: skip
+
+
+def test_the_command_of_a_run_started_by_uv_run_starts_with_uv_run():
+    """Issue 61 finding 6: printed without ``uv run``, the command of a run started by ``uv
+    run`` (the README's checkout flow) finds no jax in a shell that has not activated uv's
+    environment."""
+    under_uv = {commandline.UV_RUN: "1"}
+    prog = ["python", "-m", "diloco_jax.train"]
+    assert commandline.rerun(prog, ["--config", "tiny"], "runs/x", environ=under_uv) == (
+        "uv run python -m diloco_jax.train --config tiny --workdir runs/x")  # fmt: skip
+    assert commandline.rerun(prog, ["--config", "tiny"], "runs/x", environ={}) == (
+        "python -m diloco_jax.train --config tiny --workdir runs/x")  # fmt: skip
+    # a command typed as uv run already is not prefixed twice
+    assert commandline.rerun(["uv", "run", "diloco-train"], [], environ=under_uv) == (
+        "uv run diloco-train")  # fmt: skip
 
 
 def test_a_stopped_run_names_the_step_of_its_last_evaluation_and_times_its_checkpoint(
@@ -449,6 +479,7 @@ def test_a_stopped_run_names_the_step_of_its_last_evaluation_and_times_its_check
         return stop.requested is not None
 
     monkeypatch.setattr(loop, "agree_to_stop", agree_to_stop)
+    monkeypatch.delenv(commandline.UV_RUN, raising=False)  # started by plain python
     flags = ["--config", "configs/tiny.py", "--workdir", str(tmp_path), "--distributed", "off",
              "--config.parallel.runtime=sim", "--config.train.checkpoint_every=0"]  # fmt: skip
     assert main(flags) == 0
@@ -497,8 +528,9 @@ def test_a_run_killed_outright_continues_from_its_last_save_by_time_with_the_pri
             "train.checkpoint_minutes": 0.002, "parallel.runtime": "sim"}  # fmt: skip
     cmd = [sys.executable, "-m", "diloco_jax.train", "--config", str(ROOT / "configs" / "tiny.py"),
            *[f"--config.{k}={v}" for k, v in over.items()]]  # fmt: skip
+    plain = {k: v for k, v in os.environ.items() if k != commandline.UV_RUN}  # not uv run's
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, env=plain)  # fmt: skip
     deadline = time.time() + 120
 
     def saved():  # complete saves: orbax renames a finished one to its step

@@ -1165,6 +1165,10 @@ def test_a_learner_the_syncer_refuses_fails_in_one_line(tmp_path, monkeypatch, c
                                             "but 5 on the syncer")  # fmt: skip
     assert not any(line.startswith("error") for line in err[:-1])
     assert syncer.members == {}
+    # issue 61 finding 8: a learner's log lines say whose they are, as learners share terminals
+    logged = [line for line in err[:-1] if line[:2].isdigit()]  # HH:MM:SS then the message
+    assert logged and all(line.split(" ", 2)[1:2] == ["[learner"] for line in logged)
+    assert "[learner 0] " in logged[0]
 
 
 def test_a_learner_takes_an_accumulator_whole_and_refuses_it_what_needs_a_codec():

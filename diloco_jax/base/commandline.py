@@ -63,10 +63,15 @@ def program(argv0: str, main: object = None) -> list[str]:
     return [pathlib.Path(argv0).name]
 
 
-def rerun(prog: list[str], args: list[str], workdir: str | os.PathLike | None = None) -> str:
+UV_RUN = "UV_RUN_RECURSION_DEPTH"  # set by ``uv run`` in the process it starts
+
+
+def rerun(prog: list[str], args: list[str], workdir: str | os.PathLike | None = None,
+          environ=os.environ) -> str:  # fmt: skip
     """The command line, to paste into a shell, that runs ``prog`` with ``args`` again; with
     ``workdir``, in that workdir (any ``--workdir`` of ``args`` replaced), which a training
-    command continues from its newest checkpoint."""
+    command continues from its newest checkpoint. After ``uv run`` when ``uv run`` started this
+    process (``environ`` says so): its environment is uv's, which a shell has not activated."""
     kept, skip = [], False
     for arg in args:
         if skip:
@@ -76,7 +81,8 @@ def rerun(prog: list[str], args: list[str], workdir: str | os.PathLike | None = 
         elif workdir is None or not arg.startswith("--workdir="):
             kept.append(arg)
     where = [] if workdir is None else ["--workdir", str(workdir)]
-    return shlex.join([*prog, *kept, *where])
+    uv = ["uv", "run"] if environ.get(UV_RUN) and prog[:1] != ["uv"] else []
+    return shlex.join([*uv, *prog, *kept, *where])
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):

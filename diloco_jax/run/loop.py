@@ -144,6 +144,14 @@ def eval_at_start(cfg: config_lib.Config, *, user_task: bool) -> bool:
     return cfg.train.eval_at_start == "true" or (cfg.train.eval_at_start == "auto" and user_task)
 
 
+def stop_plan(cfg: config_lib.Config) -> str:
+    """What a run does on SIGTERM or SIGINT, as its acknowledgement says it at once."""
+    if cfg.syncer.address:
+        return "this learner stops at its next sync, saving once its round is merged"
+    then = saving(cfg.train.checkpoint)
+    return f"stopping at the next call boundary (every {cfg.train.log_every} steps) {then}"
+
+
 def agree_to_stop(stop: Preemption) -> bool:
     """Whether any process got SIGTERM/SIGINT; every process asks after the same call, so all
     stop at the same step (one tiny all-gather per call when there are several processes)."""
@@ -154,15 +162,24 @@ def agree_to_stop(stop: Preemption) -> bool:
 
 
 class SaveClock:
-    """When a checkpoint is due by time (``train.checkpoint_minutes``): that long after the
-    last save (or the run's start), stretched where saving blocks the loop for long, so that
-    the blocking part of saving stays within :data:`MAX_SHARE` of the time between saves."""
+    """When a checkpoint is due by time (``train.checkpoint_minutes``): the first soon after
+    training starts (:data:`FIRST` of the interval after :meth:`started`), each later one twice
+    as long after the one before it, up to the interval (a run killed early loses at most about
+    as much as it had trained before its newest save, never minutes of it); each stretched where
+    saving blocks the loop for long, so that the blocking part of saving stays within
+    :data:`MAX_SHARE` of the time between saves."""
 
     MAX_SHARE = 0.02
+    FIRST = 1 / 8  # 15 s of the default 2 minutes
 
     def __init__(self, minutes: float, now: Callable[[], float] = time.monotonic):
         self.every, self.now = 60.0 * minutes, now
-        self.interval, self.last = self.every, now()
+        self.started()
+
+    def started(self) -> None:
+        """Training starts now (after the compile): the ramp from :data:`FIRST` begins."""
+        self.base = self.interval = self.every * self.FIRST
+        self.last = self.now()
 
     def due(self) -> bool:
         return self.every > 0 and self.now() - self.last >= self.interval
@@ -170,8 +187,9 @@ class SaveClock:
     def saved(self, blocked_s: float) -> None:
         """A save that held the loop ``blocked_s`` seconds has just been started."""
         self.last = self.now()
-        stretched = max(self.every, blocked_s / self.MAX_SHARE)
-        if stretched > self.interval:
+        self.base = min(self.every, 2 * self.base)
+        stretched = max(self.base, blocked_s / self.MAX_SHARE)
+        if stretched > self.base and stretched > self.interval:
             log.info("a save blocked the loop %.1fs: saving every %.1f min or less often",
                      blocked_s, stretched / 60)  # fmt: skip
         self.interval = stretched
@@ -192,7 +210,8 @@ def open_run(s: Setup, workdir: pathlib.Path, *, allow_config_change: bool, serv
     """The run's logs, checkpoints and live view, and where it starts (resumed or not)."""
     cfg, t = s.cfg, s.cfg.train
     lead = jax.process_index() == 0
-    reporting.setup_logging(process=jax.process_index(), processes=jax.process_count())
+    party = f"learner {cfg.syncer.learner}" if cfg.syncer.address else ""  # prefixes its lines
+    reporting.setup_logging(process=jax.process_index(), processes=jax.process_count(), party=party)
     mngr = checkpoint.manager(workdir, max_to_keep=t.keep_checkpoints) if t.checkpoint else None
     start = resume.resume(mngr, s, workdir, allow_config_change=allow_config_change)
     s.resume_data(start)
@@ -365,6 +384,7 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
     between = True  # where the run may stop: any call's end; a learner's join or sync only
     if r.learner is not None:
         stop.hooks.append(r.learner.stopping)
+    r.clock.started()
     while step < total and not _syncer_done(r) and not (between and agree_to_stop(stop)):
         control = chunk_control(cfg, s, step, r.live.outer_scale)
         tick = time.time()

@@ -23,6 +23,7 @@ import ctypes
 import os
 import pathlib
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,27 +37,84 @@ _PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2  # <linux/prctl.h>
 class Preemption:
     """Context manager; ``requested`` holds the first signal's name once one arrived, and each
     of ``hooks`` is called then (in the signal handler, so it only sets a flag or a number: a
-    learner's shorter patience for a syncer it cannot reach, say)."""
+    learner's shorter patience for a syncer it cannot reach, say).
 
-    def __init__(self):
+    Python runs a signal's handler in the main thread between two bytecodes, which can be many
+    seconds away while that thread is in a compiled step, a compile or a save. So a thread,
+    woken through :func:`signal.set_wakeup_fd` as the signal arrives, says at once what will
+    happen (``plan``: "stopping at the next call boundary, with a checkpoint", say), and exits
+    the process at once on a second signal, saying what is lost."""
+
+    def __init__(self, plan: str = "stopping at the next call boundary", *, out=None):
         self.requested: str | None = None
         self.hooks: list[Callable[[], None]] = []
-        self._previous = {}
+        self.plan, self._out, self._signals = plan, out, 0
+        self._previous: dict = {}
+        self._wakeup: tuple | None = None  # (previous wakeup fd, our two sockets, the thread)
 
     def _handle(self, signum, frame):
         del frame
-        if self.requested is not None:
+        self._signals += 1
+        if self._signals > 1:
             os._exit(128 + signum)  # second signal: at once, like an unhandled one
-        self.requested = signal.Signals(signum).name
+        self.requested = self.requested or signal.Signals(signum).name
         for hook in self.hooks:
             hook()
+
+    def _say(self, line: str) -> None:
+        try:
+            print(line, file=self._out or sys.stderr, flush=True)
+        except (OSError, ValueError):  # a closed terminal or stream: the stop goes on
+            pass
+
+    def _acknowledge(self, reader: socket.socket) -> None:
+        """The thread that answers each signal as it arrives (the wakeup fd's bytes)."""
+        seen = 0
+        while True:
+            try:
+                got = reader.recv(64)
+            except OSError:
+                return
+            if not got:  # closed by __exit__
+                return
+            for signum in got:
+                if signum not in SIGNALS:
+                    continue
+                seen += 1
+                name = signal.Signals(signum).name
+                if seen == 1:
+                    self._say(f"{name}: {self.plan} (a second signal stops at once, without "
+                              "saving)")  # fmt: skip
+                else:
+                    self._say(f"{name} again: stopping at once, without saving: the steps "
+                              "since the last checkpoint are lost")  # fmt: skip
+                    os._exit(128 + signum)
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():  # handlers live there only
             self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            try:
+                previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            except ValueError:  # not the main thread of the main interpreter
+                reader.close()
+                writer.close()
+                return self
+            thread = threading.Thread(target=self._acknowledge, args=(reader,), daemon=True,
+                                      name="acknowledge-signals")  # fmt: skip
+            thread.start()
+            self._wakeup = (previous, reader, writer, thread)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._wakeup is not None:
+            previous, reader, writer, thread = self._wakeup
+            signal.set_wakeup_fd(previous)
+            writer.close()  # the thread's recv returns empty
+            thread.join(timeout=5)
+            reader.close()
+            self._wakeup = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

@@ -158,6 +158,12 @@ def resume(mngr, s, workdir: pathlib.Path, *, allow_config_change: bool = False)
         return Start(elastic(mngr, s, saved, e.step), e.step, path, changes,
                      meta.get("controls", {}))  # fmt: skip
     if restored is None:
+        where = workdir / "checkpoints"
+        if (workdir / "config.json").exists():  # started before: stopped before any save
+            log.warning("no checkpoint in %s: starting from step 0 (this workdir's earlier "
+                        "start saved none)", where)  # fmt: skip
+        else:
+            log.info("no checkpoint in %s: starting from step 0", where)
         return Start(s.state, 0)
     path = mngr.directory / str(restored.step)
     changes = check_config(s.cfg, restored.config, path, allow_change=allow_config_change)

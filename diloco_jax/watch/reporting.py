@@ -31,14 +31,17 @@ class _TqdmHandler(logging.Handler):
         tqdm.tqdm.write(self.format(record), file=sys.stderr)
 
 
-def setup_logging(level: int | None = None, *, process: int = 0, processes: int = 1) -> None:
+def setup_logging(level: int | None = None, *, process: int = 0, processes: int = 1,
+                  party: str = "") -> None:  # fmt: skip
     """Log lines to stderr (once). ``level`` None keeps a level set earlier (default INFO). In a
     run of several ``processes``, the others than process 0 log warnings and errors only, with
-    a ``[process i]`` prefix."""
+    a ``[process i]`` prefix; ``party`` (``learner 1``, ``syncer``) prefixes every line, where
+    several parties share a terminal (``[learner 1]``, ``[learner 1, process 2]``)."""
     if not log.handlers:
         log.addHandler(_TqdmHandler())
         log.propagate = False
-    prefix = f"[process {process}] " if processes > 1 else ""
+    names = [name for name in (party, f"process {process}" if processes > 1 else "") if name]
+    prefix = f"[{', '.join(names)}] " if names else ""
     for handler in log.handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
     if process != 0:
