@@ -514,9 +514,9 @@ MUTANTS = [
            "        if False:",
            [T_SEC + "test_the_syncer_refuses_to_listen_in_clear_off_loopback"]),
     Mutant("the status page takes a learner's credential", "command line",
-           "diloco_jax/learners/status.py",
-           "                if who is None or who.kind != identity.OPERATOR:",
-           "                if who is None:",
+           "diloco_jax/learners/answering.py",
+           "            if who is None or who.kind != identity.OPERATOR:",
+           "            if who is None:",
            ["tests/test_learners.py::test_the_status_page_and_metrics_show_the_learners_and_"
             "rounds"]),
 ]  # fmt: skip
@@ -780,10 +780,11 @@ MUTANTS += [
            "- 3600:",
            [T_PAGE + "test_idle_connections_hold_no_thread_and_are_closed_while_the_operator_"
             "gets_in"]),
-    Mutant("the status page does not count wrong credentials", "command line", STATUS,
-           '                    failures.failed(self.client_address[0], "a wrong credential on '
+    Mutant("the status page does not count wrong credentials", "command line",
+           "diloco_jax/learners/answering.py",
+           '                failures.failed(self.client_address[0], "a wrong credential on '
            'the status page")',
-           "                    pass",
+           "                pass",
            [T_PAGE + "test_wrong_credentials_are_counted_refused_at_once_and_logged_in_few_"
             "lines"]),
     Mutant("the status page under mutual TLS takes a client without a certificate",
@@ -838,4 +839,40 @@ MUTANTS += [  # issue 61, items 1-2: a learners' run a person can stop and resum
            "agree_to_stop(stop)):",
            "    while step < total and not _syncer_done(r) and not agree_to_stop(stop):",
            [T_LAUNCH + "test_a_learner_signalled_mid_round_saves_at_its_next_sync"]),
+]  # fmt: skip
+T_PAGE2 = "tests/test_syncer_page.py::"
+ANS = "diloco_jax/learners/answering.py"
+MUTANTS += [  # issue 61, item 4: the syncer's page in a browser
+    Mutant("a one-time link signs in again and again", "command line",
+           "diloco_jax/learners/sessions.py", "            del self._links.expiry[key]",
+           "            pass",
+           [T_PAGE2 + "test_a_one_time_link_signs_in_once_and_not_after_it_expires"]),
+    Mutant("a forged session cookie reads the syncer's page", "command line", ANS,
+           "if given is None and session is not None and sessions.valid(session):",
+           "if given is None and session is not None:",
+           [T_PAGE2 + "test_a_forged_or_expired_cookie_is_refused_and_counted"]),
+    Mutant("a push's training loss is not checked", "faults", "diloco_jax/learners/syncer.py",
+           "        if loss is None or (math.isfinite(loss) and abs(loss) <= guard.MAX_LOSS):",
+           "        if True:",
+           [T_PAGE2 + "test_a_push_whose_loss_is_not_a_finite_number_in_range_is_refused",
+            T_PAGE2 + "test_a_learner_pushes_its_rounds_mean_loss_and_a_bad_one_is_refused_"
+            "over_grpc"]),
+]  # fmt: skip
+MUTANTS += [  # issue 61, items 5 and 6: stops said at once; the command under uv run
+    Mutant("a signal acknowledged only between bytecodes", "faults",
+           "diloco_jax/run/preemption.py",
+           "previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)",
+           "previous = signal.set_wakeup_fd(-1)",
+           ["tests/test_preemption.py::test_a_signal_is_acknowledged_and_a_second_stops_at_once_"
+            "while_a_step_runs"]),
+    Mutant("the first save by time waits the whole interval", "checkpoint",
+           "diloco_jax/run/loop.py", "    FIRST = 1 / 8  #", "    FIRST = 1.0  #",
+           ["tests/test_checkpoint.py::test_the_save_clock_saves_soon_after_the_start_then_ever_"
+            "less_often_up_to_its_minutes"]),
+    Mutant("the command to continue forgets uv run", "command line",
+           "diloco_jax/base/commandline.py",
+           '    uv = ["uv", "run"] if environ.get(UV_RUN) and prog[:1] != ["uv"] else []',
+           "    uv = []",
+           ["tests/test_checkpoint.py::test_the_command_of_a_run_started_by_uv_run_starts_with_"
+            "uv_run"]),
 ]  # fmt: skip

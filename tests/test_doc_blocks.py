@@ -8,9 +8,10 @@ How each block is checked, by its language:
   a page's end that tests/test_readme.py runs and checks on their own (found by their
   ``<!-- name -->``: the README's task example, the library and grain examples) are left to it.
 - ``bash`` (``sh``, ``shell``, ``console``): every block passes ``bash -n``. A block that
-  trains (a command of train, sim, launch or the syncer) runs as written in a slow test; in the
-  default suite its commands are parsed by their own parsers instead: the presets, keys and
-  values they name exist. Any other block runs as written in the default suite.
+  trains (a command of train, sim, launch or the syncer, or a ``scripts/bench_*.py``) runs as
+  written in a slow test; in the default suite its commands are parsed by their own parsers
+  instead: the presets, keys and values they name exist (a benchmark's flags, in its source).
+  Any other block runs as written in the default suite.
 - ``json``, ``toml``: parsed. No language, or another: not code (output, a folder layout); such
   a block with a line that starts like a shell command fails, to be tagged ``bash``.
 Whatever runs, no run it starts may be one that never syncs (the run's one-line notice).
@@ -63,6 +64,7 @@ FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 SHORTER = "--config.train.total_steps=100"
 # the entry points whose commands train (run by the slow tests, parsed by the default suite)
 TRAINING = ("diloco_jax.train", "diloco_jax.launch", "diloco_jax.syncer", "sim")
+BENCH = re.compile(r"scripts/bench_\w+\.py")  # benchmarks: they train too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,11 +161,17 @@ def entry_point(words: list[str]) -> tuple[str, list[str]] | None:
         return "diloco_jax.launch", ["-n", *words[1:]]
     if len(words) >= 3 and re.fullmatch(r"(.*/)?python3?", words[0]) and words[1] == "-m":
         return words[2], words[3:]
+    if len(words) >= 2 and re.fullmatch(r"(.*/)?python3?", words[0]) and BENCH.fullmatch(words[1]):
+        return words[1], words[2:]  # a benchmark: it trains, for a minute or more
     return None
 
 
+def _training(module: str) -> bool:
+    return module in TRAINING or bool(BENCH.fullmatch(module))
+
+
 def trains(block: Block) -> bool:
-    return any((e := entry_point(w)) and e[0] in TRAINING for w in commands(block.code))
+    return any((e := entry_point(w)) and _training(e[0]) for w in commands(block.code))
 
 
 # --- the files a page assumes its reader has ------------------------------------------------
@@ -491,6 +499,11 @@ def test_the_commands_of_a_training_shell_block_parse(block, tmp_path, monkeypat
     parsed = [e for words in commands(code) if (e := entry_point(words))]
     assert parsed, f"{block.where}: no command of an entry point found"
     for module, argv in parsed:
+        if BENCH.fullmatch(module):  # its flags are its argparse's (read from its source)
+            source = (ROOT / module).read_text()
+            for flag in (a.split("=")[0] for a in argv if a.startswith("--")):
+                assert f'"{flag}"' in source, f"{block.where}: {module} has no flag {flag}"
+            continue
         if module not in TRAINING:
             continue
         try:

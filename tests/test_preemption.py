@@ -5,6 +5,7 @@ signal then stops at once. And a run whose workdir holds no checkpoint says so a
 
 from __future__ import annotations
 
+import logging
 import queue
 import shutil
 import signal
@@ -17,11 +18,14 @@ import time
 from diloco_jax.train import train
 from tests.test_checkpoint import tiny
 
-# a child whose main thread sits in one compiled call of minutes (a loop XLA cannot fold)
+# a child whose main thread sits in one compiled call that never ends (2^62 steps of a loop XLA
+# cannot fold: 2^31 alone took 2 s on a fast core, short enough to end between two signals)
 CHILD = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from diloco_jax.run.preemption import Preemption
-    spin = jax.jit(lambda x: jax.lax.fori_loop(0, 2**31 - 1, lambda i, v: jnp.sin(v) + x, x))
+    def inner(i, v):
+        return jax.lax.fori_loop(0, 2**31 - 1, lambda j, w: jnp.sin(w) + 0.5, v)
+    spin = jax.jit(lambda x: jax.lax.fori_loop(0, 2**31 - 1, inner, x))
     compiled = spin.lower(jnp.float32(0.5)).compile()
     with Preemption("stopping at the next call boundary, with a checkpoint"):
         print("computing", flush=True)
@@ -76,9 +80,11 @@ def test_a_signal_is_acknowledged_and_a_second_stops_at_once_while_a_step_runs()
     assert out.wait_for("computed", timeout=5) == ""  # it did not wait for the call to end
 
 
-def test_a_rerun_whose_workdir_holds_no_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
+def test_a_rerun_whose_workdir_holds_no_checkpoint_says_it_starts_from_step_0(tmp_path, capsys,
+                                                                              caplog):  # fmt: skip
     """A run killed before its first save leaves its config.json and no checkpoint: the rerun
     warns that it starts from step 0; a first start says it as news."""
+    caplog.set_level(logging.INFO, logger="diloco_jax")  # an earlier test may have raised it
     cfg = tiny(**{"train.total_steps": 5, "train.log_every": 5, "train.eval_every": 5,
                   "train.checkpoint_every": 0})  # fmt: skip
     train(cfg, tmp_path, show_progress=False)

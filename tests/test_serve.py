@@ -122,8 +122,10 @@ def test_reads_are_open_on_loopback(server):
     history = json.loads(body)
     assert code == 200 and [p[0] for p in history["sync"]] == [1, 2]
     code, body = _request(server.port, "GET", "/")
-    assert code == 200 and b"dashboard.js" in body
+    assert code == 200 and b"dashboard.js" in body and b"chart.js" in body
     code, body = _request(server.port, "GET", "/dashboard.js")
+    assert code == 200 and b"render" in body
+    code, body = _request(server.port, "GET", "/chart.js")  # the charts, shared with the syncer's
     assert code == 200 and b"polyline" in body
     code, body = _request(server.port, "GET", "/metrics")
     assert code == 200 and b"diloco_syncs_total 2.0" in body

@@ -22,6 +22,7 @@ import os
 import pathlib
 import secrets
 import signal
+import socket
 import sys
 import threading
 
@@ -32,7 +33,7 @@ from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, recipe
 from diloco_jax.learners import credentials as credentials_lib
 from diloco_jax.learners import learner as learner_lib
-from diloco_jax.learners import service
+from diloco_jax.learners import service, sessions
 from diloco_jax.learners.status import StatusServer
 from diloco_jax.learners.syncer import Syncer
 from diloco_jax.watch import reporting
@@ -95,10 +96,20 @@ def serve(cfg: config_lib.Config, workdir: pathlib.Path):
         page = StatusServer(server.syncer, host, sy.status_port, secret=secret, tls=tls,
                             mutual=sy.mutual_tls, insecure=sy.insecure,
                             failures=server.failures).start()  # fmt: skip
-        scheme = "https" if tls else "http"
-        log.info("syncer status: %s://%s:%d/ (/status, /metrics; the operator's credential)",
-                 scheme, host, page.port)  # fmt: skip
+        address = page_address(host, page.port, tls is not None)
+        certificate = " with the operator's certificate," if sy.mutual_tls else ""
+        log.info("syncer status page: %s/ (in a browser%s sign in with the operator's "
+                 "credential, or open this link once within %d min: %s; scripts: /status, "
+                 "/history, /metrics with the credential as a Bearer header)", address,
+                 certificate, sessions.LINK_SECONDS // 60, page.link(address))  # fmt: skip
     return server.start(), page
+
+
+def page_address(host: str, port: int, tls: bool) -> str:
+    """The status page's address as a browser opens it (``SCHEME://HOST:PORT``; a wildcard
+    ``host`` that listens on every address: this host's name)."""
+    shown = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+    return f"{'https' if tls else 'http'}://{f'[{shown}]' if ':' in shown else shown}:{port}"
 
 
 def run_over(syncer: Syncer, total_steps: int, log_every: int) -> bool:

@@ -1,7 +1,7 @@
 """What keeps one caller of the syncer from taking more than its share: the calls it may have in
 flight (:class:`Lanes`), how long a call may go without a message (:class:`Watchdog`), and the
 fields of a request checked before anything else is read (:func:`push_fields`,
-:func:`join_fields`).
+:func:`push_loss`, :func:`join_fields`).
 
 gRPC's synchronous server gives each call a worker thread for as long as its handler runs, so a
 caller that opens calls and never finishes them would hold every worker (a learner whose
@@ -27,6 +27,8 @@ IDLE = 60.0  # seconds a call may go without a message either way (not while it 
 SPARE_WORKERS = 16  # workers beyond the lanes: for refusals, which hold one for microseconds
 PUSH_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 MAX_INDEX = 1 << 40  # rounds, generations: far beyond any run, far below float64's integers
+# a push's training loss, in absolute value (beyond: a learner leaves it out, the syncer refuses)
+MAX_LOSS = 1e12
 
 
 class Lanes:
@@ -184,6 +186,22 @@ def push_fields(fields: dict) -> tuple[int, int, float, str, int | None]:
         raise BadField(f"push id {_shown(push_id)} is not 1-64 characters of [0-9A-Za-z_-]")
     holds = None if fields.get("holds") is None else integer(fields, "holds", -1)
     return generation, base, float(weight), push_id, holds
+
+
+def push_loss(fields: dict) -> float | None:
+    """A push's training loss from its header (the learner's mean over the round; None where
+    it says none): a number, or :class:`BadField`. Whether it is finite and within
+    :data:`MAX_LOSS` is the syncer's rule, which counts the refusal on the learner
+    (:meth:`~.syncer.Syncer.admit`)."""
+    loss = fields.get("loss")
+    if loss is None:
+        return None
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        raise BadField(f"loss must be a number, not {_shown(loss)}")
+    try:
+        return float(loss)
+    except OverflowError:  # a JSON integer of hundreds of digits: refused as out of range
+        return math.inf
 
 
 def join_fields(fields: dict) -> tuple[list, dict, list[int] | None, float | None]:

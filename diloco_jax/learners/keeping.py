@@ -32,7 +32,7 @@ import numpy as np
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.learners import answers
 from diloco_jax.learners.ledger import Ledger
-from diloco_jax.learners.rounds import Member, Push, merge, sha256
+from diloco_jax.learners.rounds import Member, Push, charted, merge, sha256
 from diloco_jax.learners.store import Store
 
 log = logging.getLogger("diloco_jax")
@@ -52,6 +52,7 @@ class Keeper:
     ``syncer.*`` keys of the same names (see :mod:`diloco_jax.learners.syncer`)."""
 
     HISTORY = 8  # rounds the adaptive grace window remembers
+    ROUNDS_SHOWN = 256  # closed rounds the status page charts (in each checkpoint too)
 
     def __init__(self, algorithm, workdir: pathlib.Path, *, keys: dict, learners: int,
                  timeout: float, dead_after: float, quorum: int = 0, grace: float = 10.0,
@@ -107,6 +108,9 @@ class Keeper:
         self.bytes_in = self.bytes_out = 0
         self.waited = 0.0  # seconds rounds stood open
         self._opened: float | None = None
+        # the last closed rounds as the status page charts them (:func:`.rounds.charted`)
+        self.past: deque[dict] = deque(maxlen=self.ROUNDS_SHOWN)
+        self._bytes_at = (0, 0)  # bytes in and out when the last round closed
         self.ledger = Ledger()  # pushes by id: on their way, merged (exactly once)
         self._closing: str | None = None  # a round being merged and written, off the lock
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="close")
@@ -146,6 +150,7 @@ class Keeper:
         for i, generation in meta.get("members", {}).items():
             self.members[int(i)] = Member(int(generation), step, self.clock())
         self.capacity = {int(i): float(c) for i, c in meta.get("capacity", {}).items()}
+        self.past.extend(meta.get("past_rounds", []))  # none in a checkpoint of before issue 61
         self.event("restored", anchor=self.anchor_sha[:16], members=sorted(self.members))
 
     def _like(self, meta: dict) -> dict:
@@ -204,7 +209,8 @@ class Keeper:
         members = {str(i): self.members[i].generation for i in self.present()}
         meta = {"leaves": described, "keys": self.keys, "round": rnd, "members": members,
                 "merged": self.merged, "pushes": self.ledger.to_meta(),
-                "capacity": {str(i): c for i, c in sorted(self.capacity.items())}}  # fmt: skip
+                "capacity": {str(i): c for i, c in sorted(self.capacity.items())},
+                "past_rounds": list(self.past)}  # fmt: skip
         if self.fragments > 1:
             meta["fragments"] = self.assignment
         return meta
@@ -256,21 +262,26 @@ class Keeper:
         advance and the new anchor go out."""
         order = sorted(self.pending)
         pushes = [self.pending[i] for i in order]
-        self.waited += self.clock() - (self._opened or self.clock())
+        now = self.clock()
+        waited = 0.0 if self._opened is None else now - self._opened  # (a test clock's 0.0 too)
+        self.waited += waited
+        shown = charted(self.round, order, pushes, waited, self.bytes_in - self._bytes_at[0],
+                        self.bytes_out - self._bytes_at[1])  # fmt: skip
+        self._bytes_at = (self.bytes_in, self.bytes_out)
         if self._quorum_at is not None:
             self._history.append(max(self._lags, default=0.0))
         self.pending, self.deadline, self._opened = {}, None, None
         self.expected, self._quorum_at, self._lags = set(), None, []
         self._closing = why
         if not self.background:
-            self._finish_close(order, pushes, why, locked=True)
+            self._finish_close(order, pushes, why, shown, locked=True)
             return
-        self._writer.submit(self._finish_close, order, pushes, why)
+        self._writer.submit(self._finish_close, order, pushes, why, shown)
 
-    def _finish_close(self, order: list[int], pushes: list[Push], why: str,
+    def _finish_close(self, order: list[int], pushes: list[Push], why: str, shown: dict,
                       locked: bool = False) -> None:  # fmt: skip
         try:
-            self._commit(order, pushes, why, locked)
+            self._commit(order, pushes, why, shown, locked)
         except Exception as e:  # noqa: BLE001 - said; the round's pushes are lost
             log.exception("syncer: closing round %d failed", self.round)
             self.event("close_failed", error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -278,9 +289,11 @@ class Keeper:
                 self._closing = None
                 self.lock.notify_all()
 
-    def _commit(self, order: list[int], pushes: list[Push], why: str, locked: bool) -> None:
+    def _commit(self, order: list[int], pushes: list[Push], why: str, shown: dict,
+                locked: bool) -> None:  # fmt: skip
         """Merges ``pushes`` (of learners ``order``), takes the outer step, writes the
-        checkpoint and advances the round. The old anchor and outer state are let go as soon as
+        checkpoint (``shown``: the round as the status page charts it, in :attr:`past`) and
+        advances the round. The old anchor and outer state are let go as soon as
         the new ones exist (nothing reads them while a round closes), so the checkpoint is
         written with the model held about three times: anchor, outer state, and what the write
         itself takes."""
@@ -315,6 +328,7 @@ class Keeper:
             self.ledger.merged(dict(zip(order, pushes, strict=True)), closed,
                                closed - self.max_late - 1)  # fmt: skip
             self.merged += examples
+            self.past.append(shown)
             meta = self._meta(closed + 1, anchor)
         try:
             self._save(closed + 1, anchor, outer, meta,  # before anyone sees the new anchor

@@ -10,9 +10,10 @@ At a sync boundary (between calls; ``outer.sync_every`` a multiple of ``train.lo
    out) and their mean weight.
 2. The mean goes to the syncer, encoded with the run's codec (:mod:`.payload`; with DCT
    momentum and SparseLoCo, the replicas' own messages: their accumulators stay here), with the
-   learner's weight (its examples this round: replicas contributing x batch rows x steps) and
-   the round it is for; the reply is the anchor of the next round, once every learner of the
-   round has pushed (or the round's rule closed it without them).
+   learner's weight (its examples this round: replicas contributing x batch rows x steps), its
+   mean training loss over the round (:meth:`Learner.observe`: what the syncer's status page
+   charts) and the round it is for; the reply is the anchor of the next round, once every
+   learner of the round has pushed (or the round's rule closed it without them).
 3. ``restart``: each replica restarts from that anchor as a sync lands in the core
    (:meth:`~diloco_jax.algorithm.Diloco.restart`); the inner optimizer's state is kept.
 
@@ -56,7 +57,7 @@ from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.base.axes import LOCAL_REPLICA, REPLICA
 from diloco_jax.config import recipe
-from diloco_jax.learners import answers, credentials, payload, service, wire
+from diloco_jax.learners import answers, credentials, guard, payload, service, wire
 from diloco_jax.runtime import fsdp, parallel
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
@@ -120,6 +121,7 @@ class Learner:
         self.finished = False  # the syncer has closed the run's last round (syncer.rounds)
         self.lost_rounds = 0
         self.last: dict = {}  # the last round, as the run's ``round`` event reports it
+        self._loss_sum, self._loss_count = 0.0, 0  # the finite training losses since the sync
         self.mesh = mesh  # the learner's own mesh (None: the simulator's layout)
         self.replicas = replicas  # the learner's replicas, on every process together
         self.lead = jax.process_index() == 0  # the one process of the learner that calls
@@ -273,6 +275,24 @@ class Learner:
 
     # ---- a sync -----------------------------------------------------------------------------
 
+    def observe(self, loss_NxR) -> None:
+        """Takes a call's training losses (each step's, each replica's) into the round's mean
+        that the next push carries; a loss that is not finite is left out (as its replica's
+        pseudo-gradient is)."""
+        loss = np.asarray(loss_NxR, np.float64)
+        finite = loss[np.isfinite(loss)]
+        self._loss_sum += float(finite.sum())
+        self._loss_count += int(finite.size)
+
+    def _round_loss(self) -> float | None:
+        """The mean of the losses observed since the last sync (then forgotten); None where
+        there are none, or where the mean is beyond what the syncer takes
+        (:data:`~.guard.MAX_LOSS`): the push is merged all the same, without a loss."""
+        total, count = self._loss_sum, self._loss_count
+        self._loss_sum, self._loss_count = 0.0, 0
+        mean = total / count if count else None
+        return mean if mean is not None and abs(mean) <= guard.MAX_LOSS else None
+
     def sync(self, state, last: bool = False):
         """The round at a sync boundary: push, wait, restart (see the module's docstring);
         overlapped, the push goes on in the background and the restart takes the anchor of the
@@ -288,6 +308,9 @@ class Learner:
         fields = {"learner": self.learner, "generation": self.generation, "round": self.round,
                   "weight": total_w * replicas * self.rows_per_round,
                   "push": uuid.uuid4().hex}  # fmt: skip
+        loss = self._round_loss()
+        if loss is not None:  # what the syncer's status page charts
+            fields["loss"] = loss
         names = wire.leaf_names(state.anchor)
         if fragment is not None:  # its leaves alone
             names = [n for n, f in zip(names, self.assignment, strict=True) if f == fragment]

@@ -27,7 +27,8 @@ class Merged:
 class Ticket(NamedTuple):
     """A push admitted by the syncer: ``kind`` ``"new"`` (its data awaited), ``"again"`` (a copy
     of a push already in: answered with ``joined``'s result, or, where that is None, once the
-    first copy is in) or ``"finished"`` (the run is over)."""
+    first copy is in) or ``"finished"`` (the run is over); ``loss``: the learner's training
+    loss its header said (None: not said)."""
 
     kind: str
     learner: int
@@ -35,6 +36,7 @@ class Ticket(NamedTuple):
     base: int
     id: str
     joined: int | None = None
+    loss: float | None = None
 
 
 class Ledger:

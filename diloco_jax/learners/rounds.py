@@ -21,6 +21,8 @@ class Member:
     status: str = "present"  # present | dropped | left
     pushes: int = 0
     late: int = 0  # pushes merged into a later round than the one they were computed for
+    refused: int = 0  # pushes refused (stale, a conflict, a weight or loss out of range, ...)
+    loss: float | None = None  # the training loss its last push carried (None: none yet)
 
 
 @dataclasses.dataclass
@@ -32,6 +34,7 @@ class Push:
     late: int = 0  # rounds behind the one it joins
     id: str = ""  # the learner's id for it: a push is merged once, whatever the retries
     base: int = 0  # the round whose anchor it was computed against
+    loss: float | None = None  # the learner's mean training loss over the round (None: not said)
 
     def leaves(self) -> list:
         return self.mean if isinstance(self.mean, list) else self.mean.leaves()
@@ -41,6 +44,19 @@ class Push:
 
     def count(self) -> int:
         return len(self.mean) if isinstance(self.mean, list) else len(self.mean.layout)
+
+
+def charted(rnd: int, order: list[int], pushes: list[Push], waited: float, bytes_in: int,
+            bytes_out: int) -> dict[str, Any]:  # fmt: skip
+    """Round ``rnd`` as the status page charts it (JSON): the seconds it stood open, the bytes
+    in and out since the round before closed, its learners (``order``: each of ``pushes``'),
+    the late ones, and each learner's training loss as its push said (by learner, a string)."""
+    return {
+        "round": rnd, "waited": round(waited, 3), "bytes_in": bytes_in, "bytes_out": bytes_out,
+        "learners": order, "late": [i for i, p in zip(order, pushes, strict=True) if p.late],
+        "losses": {str(i): p.loss for i, p in zip(order, pushes, strict=True)
+                   if p.loss is not None},
+    }  # fmt: skip
 
 
 def sha256(leaves: list) -> str:

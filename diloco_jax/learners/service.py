@@ -273,11 +273,12 @@ class Server:
         header, it = self._opened(requests, context, who)
         try:
             generation, base, weight, push_id, holds = guard.push_fields(header.fields)
+            loss = guard.push_loss(header.fields)
         except guard.BadField as e:
             raise Abort("INVALID_ARGUMENT", f"refused: a push whose {e}") from None
         sy, learner, alive = self.syncer, int(header.fields["learner"]), context.is_active
         admit = lambda: sy.admit(learner, generation, base, push_id, header.leaves,  # noqa: E731
-                                 weight=weight)  # fmt: skip
+                                 weight=weight, loss=loss)  # fmt: skip
         ticket = _refusing(admit)
         if ticket.kind == "again":  # a copy: answered with the first one's round, not merged
             with watched.waiting():

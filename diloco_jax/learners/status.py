@@ -1,9 +1,14 @@
-"""The syncer's status over HTTP (``syncer.status_port``): ``/`` a page a person reads,
-``/status`` the same as JSON, ``/metrics`` for Prometheus. Every read needs the operator's
-credential (``Authorization: Bearer CREDENTIAL``, :func:`.identity.operator_credential`), on
-loopback too; any other is refused at once and counted per address (:class:`.identity.Failures`).
-With the syncer's certificate the page is HTTPS (with ``mutual``, the operator's client
-certificate is needed too); off loopback it must be, unless ``insecure``.
+"""The syncer's status over HTTP (``syncer.status_port``): ``/`` a page a person reads in a
+browser (the rounds, the learners and their losses, bytes, waits, late and refused pushes, with
+charts over the last rounds: :mod:`.view`), ``/status`` as JSON, ``/history`` the last rounds'
+series as JSON, ``/metrics`` for Prometheus. Every read needs the operator: its credential
+(``Authorization: Bearer CREDENTIAL``, :func:`.identity.operator_credential`), on loopback too,
+or a browser's session (:mod:`.sessions`), opened by the sign-in form of ``/login`` or by a
+one-time link (:meth:`StatusServer.link`: the syncer logs one as it starts); anything else is
+refused at once and counted per address (:class:`.identity.Failures`). Who may read what, and
+each path's answer, is :mod:`.answering`'s. With the syncer's certificate the page is HTTPS
+(with ``mutual``, the operator's client certificate is needed too, whatever else is shown); off
+loopback it must be, unless ``insecure``.
 
 Anyone who reaches the port can hold connections, so they are bounded (issue 60): ``max_open``
 at once (one more evicts a connection that has sent no request yet, of the address with the most
@@ -19,9 +24,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import html
-import io
-import json
 import logging
 import pathlib
 import selectors
@@ -29,15 +31,11 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
 from concurrent import futures
-from http.server import BaseHTTPRequestHandler
-from typing import Any
-
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from diloco_jax.base.access import is_loopback
-from diloco_jax.learners import identity
+from diloco_jax.learners import answering, identity
+from diloco_jax.learners.sessions import Sessions
 from diloco_jax.learners.syncer import Syncer
 
 log = logging.getLogger("diloco_jax")
@@ -47,78 +45,6 @@ MAX_HEAD = 8192  # bytes of request line and headers (a browser's or curl's are 
 TIMEOUT = 5.0  # seconds a connection has to send its request, and each write to take
 POLL = 0.1  # seconds between the serving thread's looks at deadlines and stop()
 LOUD = ("full", "evicted")  # closings that say the page is flooded: warned at counts 1, 2, 4, ...
-STATUSES = ("present", "dropped", "left")
-
-
-def _registry(syncer: Syncer) -> tuple[CollectorRegistry, Callable[[], dict]]:
-    registry = CollectorRegistry()
-    gauges = {
-        "round": Gauge("diloco_syncer_round", "rounds closed", registry=registry),
-        "learners": Gauge(
-            "diloco_syncer_learners", "learners by status", ["status"], registry=registry
-        ),  # fmt: skip
-        "pending": Gauge(
-            "diloco_syncer_pending_pushes", "pushes in the open round", registry=registry
-        ),  # fmt: skip
-        "bytes_in": Gauge("diloco_syncer_bytes_in", "array bytes received", registry=registry),
-        "bytes_out": Gauge("diloco_syncer_bytes_out", "array bytes sent", registry=registry),
-        "waited": Gauge(
-            "diloco_syncer_waited_seconds", "seconds rounds stood open", registry=registry
-        ),  # fmt: skip
-        "timeout": Gauge(
-            "diloco_syncer_round_timeout_seconds",
-            "a round's deadline after its first push",
-            registry=registry,
-        ),  # fmt: skip
-        "quorum": Gauge(
-            "diloco_syncer_quorum", "pushes a round needs (0: every learner)", registry=registry
-        ),  # fmt: skip
-        "grace": Gauge(
-            "diloco_syncer_grace_seconds",
-            "the grace window in force after a quorum",
-            registry=registry,
-        ),  # fmt: skip
-        "late": Gauge(
-            "diloco_syncer_late_pushes", "pushes merged into a later round", registry=registry
-        ),  # fmt: skip
-    }
-
-    def update() -> dict:
-        st = syncer.status()
-        gauges["round"].set(st["round"])
-        for status in STATUSES:
-            count = sum(m["status"] == status for m in st["members"].values())
-            gauges["learners"].labels(status).set(count)
-        gauges["pending"].set(len(st["pending"]))
-        gauges["bytes_in"].set(st["bytes_in"])
-        gauges["bytes_out"].set(st["bytes_out"])
-        gauges["waited"].set(st["waited_seconds"])
-        gauges["timeout"].set(st["timeout"])
-        gauges["quorum"].set(st["quorum"])
-        gauges["grace"].set(st["grace_in_force"])
-        gauges["late"].set(sum(m["late"] for m in st["members"].values()))
-        return st
-
-    return registry, update
-
-
-def page(st: dict) -> str:
-    """The status as a small HTML page."""
-    rows = "".join(
-        f"<tr><td>{i}</td><td>{html.escape(m['status'])}</td><td>{m['generation']}</td>"
-        f"<td>{m['joined_round']}</td><td>{m['pushes']}</td><td>{m['late']}</td></tr>"
-        for i, m in st["members"].items()
-    )
-    grace = f", grace {st['grace_in_force']}s (at most {st['grace']}s)" if st["quorum"] else ""
-    return (
-        "<!doctype html><title>diloco-jax syncer</title><h1>syncer</h1>"
-        f"<p>round {st['round']}, {st['learners']} learners declared, mode {st['mode']}{grace}, "
-        f"timeout {st['timeout']}s, dead after {st['dead_after']}s; {len(st['pending'])} "
-        f"pushes in, waiting for {st['waiting_for']}; {st['bytes_in']:,} bytes in, "
-        f"{st['bytes_out']:,} out</p><table><tr><th>learner</th><th>status</th>"
-        "<th>generation</th><th>joined at round</th><th>pushes</th><th>late</th></tr>"
-        f"{rows}</table>"
-    )
 
 
 def _canned(status: str, body: bytes = b"") -> bytes:
@@ -148,13 +74,6 @@ class _Conn:
         return b"\r\n\r\n" in self.head or b"\n\n" in self.head or len(self.head) > MAX_HEAD
 
 
-def _common_name(sock: socket.socket) -> str | None:
-    """The common name of the client certificate ``sock``'s peer showed (None: no TLS or none)."""
-    cert: Any = sock.getpeercert() if isinstance(sock, ssl.SSLSocket) else None
-    names = [v for rdn in (cert or {}).get("subject", ()) for k, v in rdn if k == "commonName"]
-    return names[0] if len(names) == 1 else None
-
-
 def _reason(e: OSError) -> str:
     """A closing's reason as :attr:`StatusServer.closed` counts it (few distinct values)."""
     if isinstance(e, TimeoutError):
@@ -170,11 +89,13 @@ class StatusServer:
     :class:`~.certs.Tls` (None: plain HTTP, refused off loopback unless ``insecure``);
     ``mutual``: a client certificate of the run's CA naming the operator is needed too;
     ``timeout``, ``max_open``: the bounds of the module's docstring; ``failures``: where wrong
-    credentials are counted (default: a count of the page's own, into the syncer's tape)."""
+    credentials are counted (default: a count of the page's own, into the syncer's tape);
+    ``sessions``: the browsers' sessions and one-time links (a test's, on its own clock)."""
 
     def __init__(self, syncer: Syncer, host: str, port: int, *, secret: str, tls=None,
                  mutual: bool = False, insecure: bool = False, timeout: float = TIMEOUT,
-                 max_open: int = MAX_OPEN, failures: identity.Failures | None = None):  # fmt: skip
+                 max_open: int = MAX_OPEN, failures: identity.Failures | None = None,
+                 sessions: Sessions | None = None):  # fmt: skip
         if tls is None and not is_loopback(host) and not insecure:
             from diloco_jax.learners.service import plaintext_refusal
 
@@ -182,7 +103,7 @@ class StatusServer:
         if mutual and tls is None:
             raise ValueError("syncer.mutual_tls needs TLS: set syncer.credentials")
         self.failures = identity.Failures(syncer.event) if failures is None else failures
-        self._answerer = self._handler(secret, mutual, *_registry(syncer))
+        self.sessions = Sessions() if sessions is None else sessions
         self._context = None if tls is None else _context(tls, mutual)
         self.timeout, self.max_open = timeout, max_open
         self.closed: collections.Counter[str] = collections.Counter()  # closings by reason
@@ -191,6 +112,9 @@ class StatusServer:
         self._listener = socket.create_server((host, port), family=family, backlog=128)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
+        self._answerer = answering.handler(syncer, secret=secret, mutual=mutual,
+                                           failures=self.failures, sessions=self.sessions,
+                                           port=self.port, secure=tls is not None)  # fmt: skip
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._waiting: dict[_Conn, None] = {}  # accepted, request not read yet: oldest first
@@ -203,6 +127,11 @@ class StatusServer:
         self._thread.start()
         return self
 
+    def link(self, address: str) -> str:
+        """A new one-time link to the page at ``address`` (``https://HOST:PORT``): it signs a
+        browser in once, within :data:`.sessions.LINK_SECONDS`."""
+        return f"{address}/login?once={self.sessions.link()}"
+
     def stop(self) -> None:
         self._stopping = True
         if self._thread.is_alive():
@@ -212,57 +141,6 @@ class StatusServer:
         self._selector.close()
         self._listener.close()
         self._workers.shutdown(wait=True)
-
-    def _handler(self, secret: str, mutual: bool, registry: CollectorRegistry,
-                 update: Callable[[], dict]) -> Callable[[_Conn], object]:  # fmt: skip
-        """The class that answers one request whose head has been read: the operator's credential
-        (and, with ``mutual``, certificate) or a 401, counted in :attr:`failures`."""
-        failures = self.failures
-
-        class Handler(BaseHTTPRequestHandler):
-            def version_string(self) -> str:  # no Python version for a prober
-                return "diloco-jax"
-
-            def __init__(self, conn: _Conn):  # http.server's machinery without its socket reads
-                self.request = self.connection = conn.sock
-                self.client_address = (conn.peer, 0)
-                self.rfile, self.wfile = io.BytesIO(bytes(conn.head)), conn.sock.makefile("wb")
-                try:
-                    self.handle()
-                finally:
-                    self.wfile.close()
-
-            def log_message(self, format, *args):  # noqa: A002 - the base class's name
-                log.debug("syncer status page: %s %s", self.client_address[0],
-                          identity.printable(format % args))  # fmt: skip
-
-            def _send(self, code: int, body: bytes, kind: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):  # noqa: N802 - http.server's name
-                given = self.headers.get("Authorization", "").removeprefix("Bearer ")
-                who = identity.identify(secret, given)
-                if mutual and _common_name(self.connection) != identity.OPERATOR:
-                    who = None  # the operator's credential on another party's certificate
-                if who is None or who.kind != identity.OPERATOR:
-                    failures.failed(self.client_address[0], "a wrong credential on the status page")
-                    return self._send(401, b'{"error": "the operator\'s credential is needed"}',
-                                      "application/json")  # fmt: skip
-                path = self.path.split("?")[0]
-                if path == "/metrics":
-                    update()
-                    return self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
-                if path == "/status":
-                    return self._send(200, json.dumps(update()).encode(), "application/json")
-                if path == "/":
-                    return self._send(200, page(update()).encode(), "text/html; charset=utf-8")
-                return self._send(404, b'{"error": "not found"}', "application/json")
-
-        return Handler
 
     def _serve(self) -> None:
         """The serving thread: accepts, moves connections on, closes the expired ones."""
@@ -361,7 +239,7 @@ class StatusServer:
             if conn.refusal is not None:
                 conn.sock.sendall(conn.refusal)
             else:
-                self._answerer(conn)
+                self._answerer(conn.sock, conn.peer, bytes(conn.head))
         except OSError as e:  # the client went away, or reads too slowly
             self._say(_reason(e), conn.peer)
         except Exception as e:  # noqa: BLE001 - the page's own fault: a line, the syncer goes on

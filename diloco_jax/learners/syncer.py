@@ -39,6 +39,10 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
 - a learner silent for ``syncer.dead_after`` seconds (no push, no heartbeat) is dropped at the
   next check; a dropped learner's push is refused until it joins again.
 - a push whose values are not all finite is left out of the round (the core's NaN guard).
+- a push may say its learner's mean training loss over the round (what the status page shows
+  and charts, :attr:`past`); one that is not a finite number within ``guard.MAX_LOSS`` of 0
+  is refused (a learner leaves such a loss out). Every refused push of a member is counted on
+  it (``refused``).
 - with ``syncer.weigh_rounds`` (the default), the merged mean is multiplied by the round's
   examples over a full round's (:meth:`Syncer.full_round`: every declared learner's largest
   push) before the outer step: the absent learners count as pseudo-gradients of zero, so the
@@ -75,7 +79,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax.learners import answers, payload, wire
+from diloco_jax.learners import answers, guard, payload, wire
 from diloco_jax.learners.keeping import Keeper
 from diloco_jax.learners.ledger import Ticket
 from diloco_jax.learners.rounds import Member, Push, sha256
@@ -166,16 +170,19 @@ class Syncer(Keeper):
             self._advance()
 
     def push(self, learner: int, generation: int, base_round: int, weight: float,
-             mean: dict[str, np.ndarray], push_id: str = "") -> int:  # fmt: skip
+             mean: dict[str, np.ndarray], push_id: str = "", loss: float | None = None,
+             ) -> int:  # fmt: skip
         """Adds ``learner``'s mean pseudo-gradient against the anchor of ``base_round`` to the
         open round; returns how many rounds late it is (0: on time; the learner's answer is the
         anchor after round ``base_round + late``). ``push_id``: the push's id (a copy of a push
-        already in changes nothing; empty: a new id). Raises :class:`Refused` (stale, dropped,
-        old generation, wrong leaves, a conflict). The network's pushes take :meth:`admit` and
-        :meth:`enter` themselves, their data streamed to a file between the two."""
+        already in changes nothing; empty: a new id); ``loss``: the learner's mean training
+        loss over the round (None: not said). Raises :class:`Refused` (stale, dropped, old
+        generation, wrong leaves, a conflict, a loss out of range). The network's pushes take
+        :meth:`admit` and :meth:`enter` themselves, their data streamed to a file between the
+        two."""
         described = [[n, list(a.shape), str(a.dtype)] for n, a in mean.items()]
         ticket = self.admit(learner, generation, base_round, push_id or uuid.uuid4().hex,
-                            described, weight)  # fmt: skip
+                            described, weight, loss)  # fmt: skip
         if ticket.kind != "new":
             return 0 if ticket.joined is None else ticket.joined - ticket.base
         try:
@@ -187,14 +194,16 @@ class Syncer(Keeper):
         return self.enter(ticket, weight, leaves, finite)
 
     def admit(self, learner: int, generation: int, base_round: int, push_id: str,
-              leaves: list[list] | None = None, weight: float | None = None) -> Ticket:  # fmt: skip
+              leaves: list[list] | None = None, weight: float | None = None,
+              loss: float | None = None) -> Ticket:  # fmt: skip
         """The first half of a push, before its data: refuses one that cannot enter the open
         round (stale, dropped, old generation, a conflict, or arrays ``leaves`` ``[[name,
         shape, dtype], ...]`` that do not fit the anchor and codec, or a ``weight`` that is not
         finite, is negative or is more than the learner can train in a round: its capacity,
-        from its join), and recognises a copy of a
+        from its join, or a training ``loss`` that is not finite or beyond
+        :data:`~.guard.MAX_LOSS`), and recognises a copy of a
         push already in (kind ``"again"``); a new push holds its learner's slot until
-        :meth:`enter` or :meth:`release`."""
+        :meth:`enter` or :meth:`release`. Each refusal of a member's push is counted on it."""
         with self.lock:
             self._settle()
             again = self._copy_of(learner, push_id)
@@ -204,13 +213,14 @@ class Syncer(Keeper):
             member.last_seen = self.clock()
             if weight is not None:
                 self._check_weight(learner, weight)
+            self._check_loss(learner, loss)
             if self.finished:  # the run is over: the learner gets the final anchor and ends
                 return Ticket("finished", learner, generation, base_round, push_id, base_round)
             self._check_late(learner, base_round)
             taken = self.ledger.slot(learner, generation, base_round, self.pending)
             if taken:
-                self.event("conflict", learner=learner, base_round=base_round, taken=taken,
-                           refused=push_id)  # fmt: skip
+                self._refused(learner, "conflict", base_round=base_round, taken=taken,
+                              refused=push_id)  # fmt: skip
                 raise Refused(f"conflict: learner {learner} already pushed for round "
                               f"{base_round} (push {taken[:12]}); a different push "
                               f"({push_id[:12]}) for the same slot is refused")  # fmt: skip
@@ -218,9 +228,9 @@ class Syncer(Keeper):
                 try:
                     payload.check_leaves(self._described(base_round), leaves, self.codec)
                 except wire.WireError as e:
-                    self.event("refused", learner=learner, reason=str(e)[:200])
+                    self._refused(learner, reason=str(e)[:200])
                     raise Refused(str(e)) from None
-            ticket = Ticket("new", learner, generation, base_round, push_id)
+            ticket = Ticket("new", learner, generation, base_round, push_id, loss=loss)
             self.ledger.receiving[learner] = ticket
             return ticket
 
@@ -238,8 +248,25 @@ class Syncer(Keeper):
             )
         else:
             return
-        self.event("refused", learner=learner, reason="weight", weight=str(weight))
+        self._refused(learner, reason="weight", weight=str(weight))
         raise Refused(f"a push of learner {learner} refused: {why}")
+
+    def _check_loss(self, learner: int, loss: float | None) -> None:
+        """Refuses a push whose training loss (None: not said) is not a finite number within
+        :data:`~.guard.MAX_LOSS` of 0: what the status page shows is a number a learner's
+        loop can have logged (a learner leaves a loss out rather than send such a one)."""
+        if loss is None or (math.isfinite(loss) and abs(loss) <= guard.MAX_LOSS):
+            return
+        self._refused(learner, reason="loss", loss=str(loss))
+        raise Refused(f"a push of learner {learner} refused: its training loss {loss} is not "
+                      f"a finite number within {guard.MAX_LOSS:g} of 0")  # fmt: skip
+
+    def _refused(self, learner: int, kind: str = "refused", **fields) -> None:
+        """A push of ``learner`` refused: a line in the tape, one more on its membership."""
+        member = self.members.get(learner)
+        if member is not None:
+            member.refused += 1
+        self.event(kind, learner=learner, **fields)
 
     def release(self, ticket: Ticket) -> None:
         """Gives up an admitted push whose data did not arrive whole (its copy may come again)."""
@@ -284,7 +311,9 @@ class Syncer(Keeper):
                 if not self.quorum and self.round == 0:  # a synchronous run starts together:
                     self.expected |= set(range(self.learners))  # every declared learner
             self.pending[learner] = Push(generation, float(weight), leaves, finite, late,
-                                         ticket.id, ticket.base)  # fmt: skip
+                                         ticket.id, ticket.base, ticket.loss)  # fmt: skip
+            if ticket.loss is not None:
+                member.loss = ticket.loss
             if finite:
                 self.full_push[learner] = max(self.full_push.get(learner, 0.0), float(weight))
             member.pushes += 1
@@ -294,7 +323,7 @@ class Syncer(Keeper):
             elif self.quorum and sum(not p.late for p in self.pending.values()) >= self.quorum:
                 self._quorum_at, self._grace_now = now, self.grace_in_force()
             self.event("pushed", learner=learner, generation=generation, weight=weight,
-                       finite=finite, late=late, push=ticket.id)  # fmt: skip
+                       finite=finite, late=late, push=ticket.id, loss=ticket.loss)  # fmt: skip
             self._advance()
             self._settle()
             return late
@@ -318,7 +347,7 @@ class Syncer(Keeper):
                 if not self.quorum
                 else f"more than syncer.max_late = {self.max_late} rounds behind"
             )
-            self.event("refused", learner=learner, reason="stale", base_round=base_round)
+            self._refused(learner, reason="stale", base_round=base_round)
             raise Refused(f"stale: computed against round {base_round}, the syncer is at "
                           f"round {self.round} ({rule}); restart from its anchor")  # fmt: skip
         return late
@@ -444,8 +473,14 @@ class Syncer(Keeper):
                 "grace_in_force": round(self.grace_in_force(), 3) if self.quorum else 0.0,
                 "timeout": self.timeout, "dead_after": self.dead_after,
                 "members": {i: dataclasses.asdict(m) for i, m in sorted(self.members.items())},
+                "refused": sum(m.refused for m in self.members.values()),
                 "pending": sorted(self.pending), "waiting_for": sorted(self.expected - set(
                     self.pending)), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "waited_seconds": round(self.waited, 3),
                 "closing": bool(self._closing),
             }  # fmt: skip
+
+    def past_rounds(self) -> list[dict[str, Any]]:
+        """The last closed rounds (:attr:`past`) as the status page charts them, oldest first."""
+        with self.lock:
+            return list(self.past)

@@ -317,6 +317,18 @@ class LocalLearners:
                 _send([self.syncer], signal.SIGKILL)
             time.sleep(0.1)
 
+    def say_page(self) -> None:
+        """Says where the syncer's status page is, where ``--config.syncer.status_port`` asks
+        for one (mutual TLS, as the learners': a browser shows the operator's certificate)."""
+        port = value_of(split_flag(self.common, "--config.syncer.status_port")[0])
+        if not port or not port.isdigit() or not int(port):
+            return
+        host = host_port(self.address)[0]
+        host, operator = f"[{host}]" if ":" in host else host, self.credentials / "operator"
+        _say(f"the syncer's status page: https://{host}:{port}/ in a browser holding the "
+             f"operator's certificate ({operator}); sign in with the one-time link in the "
+             f"syncer's log, or with the credential in {operator}/token")  # fmt: skip
+
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self.on_signal) for sig in SIGNALS}
         try:
@@ -327,6 +339,7 @@ class LocalLearners:
             if not self.signals:
                 _say(f"syncer at {self.address} (workdir {self.workdir}/syncer), {self.count} "
                      "learners")  # fmt: skip
+                self.say_page()
                 self.learners = [self._start(self.learner_argv(i)) for i in range(self.count)]
             while len(self.ended) < len(self.learners):
                 self._check()

@@ -394,6 +394,7 @@ def run_calls(s: Setup, r: Run, run, state, total: int, stop: Preemption,
         step += cfg.train.log_every
         between = r.learner is None
         if r.learner is not None:  # push, wait, restart
+            r.learner.observe(metrics_NxR["loss"])  # the round's mean loss goes with its push
             state, between = _learner_turn(s, r, state, step, total, stop)
         _report_chunk(s, r.runlog, bar, step, metrics_NxR, call_seconds[-1], r.learner)
         distributed.check_replicated(s, state, step)

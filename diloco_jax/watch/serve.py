@@ -46,6 +46,7 @@ from diloco_jax.watch.reporting import log
 MAX_BODY = 4096  # bytes of a control request's body
 ACTIONS = ("checkpoint", "stop", "eval", "outer_lr")
 _ASSETS = {"/": ("index.html", "text/html; charset=utf-8"),
+           "/chart.js": ("chart.js", "text/javascript; charset=utf-8"),  # the syncer's page too
            "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8")}  # fmt: skip
 
 
