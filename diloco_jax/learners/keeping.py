@@ -32,7 +32,7 @@ import numpy as np
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.learners import answers
 from diloco_jax.learners.ledger import Ledger
-from diloco_jax.learners.rounds import Member, Push, charted, merge, sha256
+from diloco_jax.learners.rounds import Decision, Member, Push, charted, merge, sha256
 from diloco_jax.learners.store import Store
 
 log = logging.getLogger("diloco_jax")
@@ -273,15 +273,18 @@ class Keeper:
         self.pending, self.deadline, self._opened = {}, None, None
         self.expected, self._quorum_at, self._lags = set(), None, []
         self._closing = why
+        # what the merge reads besides the values: a full round's examples counted now (no
+        # push enters while the round closes), the rest from the pushes
+        decision = Decision.of(self.round, order, pushes, self.full_round())
         if not self.background:
-            self._finish_close(order, pushes, why, shown, locked=True)
+            self._finish_close(decision, pushes, why, shown, locked=True)
             return
-        self._writer.submit(self._finish_close, order, pushes, why, shown)
+        self._writer.submit(self._finish_close, decision, pushes, why, shown)
 
-    def _finish_close(self, order: list[int], pushes: list[Push], why: str, shown: dict,
+    def _finish_close(self, decision: Decision, pushes: list[Push], why: str, shown: dict,
                       locked: bool = False) -> None:  # fmt: skip
         try:
-            self._commit(order, pushes, why, shown, locked)
+            self._commit(decision, pushes, why, shown, locked)
         except Exception as e:  # noqa: BLE001 - said; the round's pushes are lost
             log.exception("syncer: closing round %d failed", self.round)
             self.event("close_failed", error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -289,17 +292,18 @@ class Keeper:
                 self._closing = None
                 self.lock.notify_all()
 
-    def _commit(self, order: list[int], pushes: list[Push], why: str, shown: dict,
+    def _commit(self, decision: Decision, pushes: list[Push], why: str, shown: dict,
                 locked: bool) -> None:  # fmt: skip
-        """Merges ``pushes`` (of learners ``order``), takes the outer step, writes the
-        checkpoint (``shown``: the round as the status page charts it, in :attr:`past`) and
-        advances the round. The old anchor and outer state are let go as soon as
+        """Merges ``pushes`` as ``decision`` says (its learners' order, weights, lateness,
+        finiteness and full round: :class:`~.rounds.Decision`), takes the outer step, writes
+        the checkpoint (``shown``: the round as the status page charts it, in :attr:`past`)
+        and advances the round. The old anchor and outer state are let go as soon as
         the new ones exist (nothing reads them while a round closes), so the checkpoint is
         written with the model held about three times: anchor, outer state, and what the write
         itself takes."""
         timer = time.perf_counter()
-        examples = sum(p.weight for p in pushes if p.finite)
-        full = self.full_round()
+        order, full = list(decision.learners), decision.full
+        examples = sum(w for w, ok in zip(decision.weights, decision.finite, strict=True) if ok)
 
         def finish(leaf: np.ndarray, total_w: float) -> jax.Array:
             if self.weigh_rounds:  # a thin round moves the anchor less, one with late work more
@@ -307,8 +311,9 @@ class Keeper:
                 leaf *= share  # in place: the same rounding as share * leaf
             return jnp.asarray(leaf)  # on the device leaf by leaf: the mean is held once
 
-        mean, total_w = merge([dataclasses.replace(p, weight=p.weight * self.late_weight**p.late)
-                               for p in pushes], finish)  # fmt: skip
+        weights = decision.merge_weights(self.late_weight)
+        mean, total_w = merge([dataclasses.replace(p, weight=w, finite=ok) for p, w, ok in zip(
+            pushes, weights, decision.finite, strict=True)], finish)  # fmt: skip
         merged_s = time.perf_counter() - timer
         # eager: the mean is kept for the answers (a copy: the step takes the mean's buffers)
         kept = [np.array(m, np.float32) for m in mean] if self.answer_mean else None
@@ -349,8 +354,8 @@ class Keeper:
             if self.finished:
                 self.event("finished", rounds=self.round, examples=self.merged)
             self.event("closed", closed=closed, learners=order, why=why,
-                       late=[i for i, p in zip(order, pushes, strict=True) if p.late],
-                       weights=[p.weight for p in pushes], total_weight=total_w,
+                       late=[i for i, k in zip(order, decision.late, strict=True) if k],
+                       weights=list(decision.weights), total_weight=total_w,
                        anchor=anchor_sha[:16], merge_s=round(merged_s, 4),
                        step_s=round(step_s, 4), checkpoint_s=round(saved_s, 4))  # fmt: skip
             self._closing = None

@@ -46,6 +46,47 @@ class Push:
         return len(self.mean) if isinstance(self.mean, list) else len(self.mean.layout)
 
 
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """How round ``round`` closed, as data: everything its merge reads besides the pushes'
+    values. The pushes of ``learners`` (ascending: the merge's order), known by their ``ids``,
+    each with its ``weights`` (its examples), ``late`` (rounds behind: the merge multiplies its
+    weight by ``syncer.late_weight`` that many times) and ``finite``; ``full``: a full round's
+    examples when it closed (:meth:`~diloco_jax.learners.keeping.Keeper.full_round`, by which
+    ``syncer.weigh_rounds`` scales the mean). With syncer shards (issue 62) the shard that
+    decides sends it to the others, which merge exactly these pushes, in this order, with
+    these weights: the same round on every shard."""
+
+    round: int
+    learners: tuple[int, ...]
+    ids: tuple[str, ...]
+    weights: tuple[float, ...]
+    late: tuple[int, ...]
+    finite: tuple[bool, ...]
+    full: float
+
+    @classmethod
+    def of(cls, rnd: int, order: list[int], pushes: list[Push], full: float) -> Decision:
+        return cls(rnd, tuple(order), tuple(p.id for p in pushes),
+                   tuple(float(p.weight) for p in pushes), tuple(p.late for p in pushes),
+                   tuple(bool(p.finite) for p in pushes), float(full))  # fmt: skip
+
+    def merge_weights(self, late_weight: float) -> list[float]:
+        """Each push's weight in the merge: its examples x ``late_weight`` per round late."""
+        return [w * late_weight**k for w, k in zip(self.weights, self.late, strict=True)]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, fields: dict[str, Any]) -> Decision:
+        return cls(int(fields["round"]), tuple(int(i) for i in fields["learners"]),
+                   tuple(str(i) for i in fields["ids"]),
+                   tuple(float(w) for w in fields["weights"]),
+                   tuple(int(k) for k in fields["late"]),
+                   tuple(bool(f) for f in fields["finite"]), float(fields["full"]))  # fmt: skip
+
+
 def charted(rnd: int, order: list[int], pushes: list[Push], waited: float, bytes_in: int,
             bytes_out: int) -> dict[str, Any]:  # fmt: skip
     """Round ``rnd`` as the status page charts it (JSON): the seconds it stood open, the bytes
