@@ -425,8 +425,8 @@ MUTANTS = [
            ["tests/test_learners.py::test_a_learner_of_two_processes_trains_what_two_replicas_"
             "train"]),
     Mutant("a late push's merge weight ignores syncer.late_weight", "faults",
-           "diloco_jax/learners/keeping.py", "weight=p.weight * self.late_weight**p.late",
-           "weight=p.weight",
+           "diloco_jax/learners/rounds.py", "return [w * late_weight**k for w, k in zip(",
+           "return [w for w, k in zip(",
            ["tests/test_learners.py::test_quorum_rounds_wait_the_grace_then_merge_a_late_push_by_"
             "its_weight"]),
     Mutant("a learner's streamed batches are drawn as replicas 0.., not its own", "data",
@@ -875,4 +875,23 @@ MUTANTS += [  # issue 61, items 5 and 6: stops said at once; the command under u
            "    uv = []",
            ["tests/test_checkpoint.py::test_the_command_of_a_run_started_by_uv_run_starts_with_"
             "uv_run"]),
+]  # fmt: skip
+T_SHARD = "tests/test_shards.py::"
+MUTANTS += [  # issue 62, steps 1-2: shards that follow the deciding shard's rounds
+    Mutant("a following shard merges every push it holds, not the decision's", "faults",
+           "diloco_jax/learners/keeping.py",
+           "        order = sorted(self.pending) if decided is None else list(decided.learners)",
+           "        order = sorted(self.pending)",
+           [T_SHARD + "test_shards_in_quorum_rounds_merge_a_late_push_where_one_syncer_does"]),
+    Mutant("a shard judges a push finite by its own leaves alone", "faults",
+           "diloco_jax/learners/syncer.py",
+           "            finite = whole_finite  # every shard leaves it out alike",
+           "            pass",
+           [T_SHARD + "test_shards_in_quorum_rounds_merge_a_late_push_where_one_syncer_does"]),
+    Mutant("shards assigned in the leaves' order, not by size", "faults",
+           "diloco_jax/learners/shards.py",
+           "    for name in sorted(names, key=lambda n: (-sizes[n], n)):",
+           "    for name in names:",
+           [T_SHARD + "test_every_leaf_goes_to_one_shard_and_the_order_of_the_leaves_does_not_"
+            "matter"]),
 ]  # fmt: skip

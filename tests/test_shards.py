@@ -4,13 +4,17 @@ longest-processing-time rule (checked against the best split, found by brute for
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from diloco_jax.learners import shards, wire
+from diloco_jax.learners.syncer import Refused
 from tests.helpers import tiny_model
+from tests.test_learners import _algorithm, _Clock, _syncer
 
 
 def _model_described() -> list[list]:
@@ -69,3 +73,157 @@ def test_bad_shard_counts_and_duplicate_names_are_refused():
         shards.assign(_model_described(), 0)
     with pytest.raises(ValueError, match="two leaves of one name"):
         shards.assign([["a", [2], "float32"], ["a", [3], "float32"]], 2)
+
+
+# ---- shards that follow the deciding shard's rounds (issue 62 step 2, in one process) -------
+
+KEYS = {"outer.sync_every": 3}
+# a model of leaves of many sizes, so that 2 and 4 shards each hold several
+MODEL = {f"w{i}": np.random.default_rng(i).standard_normal(size).astype(np.float32)
+         for i, size in enumerate([700, 300, 260, 120, 90, 64, 33, 8, 3])}  # fmt: skip
+
+
+class _Sharded:
+    """One syncer of the whole model beside ``count`` shards of it (shard 0 decides, the
+    others follow its decisions), every one given the same pushes on the same test clock."""
+
+    def __init__(self, tmp_path, count: int, learners: int, **kw):
+        self.clock = _Clock()
+        self.owner = dict(zip(MODEL, shards.assign(wire.describe(MODEL), count), strict=True))
+        self.one = _syncer(tmp_path / "one", _algorithm(), learners=learners, clock=self.clock,
+                           **kw)  # fmt: skip
+        self.shards = [_syncer(tmp_path / f"shard{k}", _algorithm(), learners=learners,
+                               clock=self.clock, decides=k == 0, **kw)
+                       for k in range(count)]  # fmt: skip
+        for i in range(learners):
+            self.one.join(i, wire.describe(MODEL), KEYS, wire.named(MODEL))
+            for k, shard in enumerate(self.shards):
+                part = self.part(MODEL, k)
+                shard.join(i, wire.describe(part), KEYS, wire.named(part))
+
+    def part(self, tree: dict, k: int) -> dict:
+        return {n: x for n, x in tree.items() if self.owner[n] == k}
+
+    def push(self, learner: int, base: int, weight: float, mean: dict, push_id: str) -> None:
+        """As a learner pushes: the shards that follow first, the deciding shard last, each
+        told whether the whole mean is finite (it sees its own leaves only)."""
+        self.one.push(learner, 1, base, weight, wire.named(mean), push_id=push_id)
+        finite = all(bool(np.isfinite(x).all()) for x in mean.values())
+        for k in [*range(1, len(self.shards)), 0]:
+            part = wire.named(self.part(mean, k))
+            self.shards[k].push(learner, 1, base, weight, part, push_id=push_id,
+                                whole_finite=finite)  # fmt: skip
+
+    def follow(self) -> None:
+        """Every decision shard 0 has taken, given to the others in order, their closes done."""
+        self.shards[0].tick()
+        for rnd in sorted(self.shards[0].decisions):
+            for shard in self.shards[1:]:
+                assert shard.follow(self.shards[0].decisions[rnd], timeout=5.0) == []
+                shard.wait(rnd, timeout=30.0)
+
+    def assert_same(self) -> None:
+        """Every shard at the one syncer's round, with its anchor's leaves to the last bit."""
+        self.one.tick()
+        held = {}
+        for shard in self.shards:
+            assert shard.round == self.one.round
+            held.update(zip(shard.names, shard.anchor, strict=True))
+        mine = dict(zip(self.one.names, self.one.anchor, strict=True))
+        assert held.keys() == mine.keys()
+        for name, leaf in mine.items():
+            np.testing.assert_array_equal(np.asarray(held[name]), np.asarray(leaf), err_msg=name)
+
+    def close(self) -> None:
+        for syncer in [self.one, *self.shards]:
+            syncer.close()
+
+
+def _mean(rng, scale=1.0) -> dict:
+    return {n: (scale * rng.standard_normal(x.shape)).astype(np.float32) for n, x in MODEL.items()}
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_shards_in_synchronous_rounds_hold_what_one_syncer_holds(tmp_path, count):
+    """Three learners of unequal weights, four synchronous rounds: every shard's anchor equals
+    the one syncer's leaves bitwise, round after round; a round closes on a following shard
+    only once its decision comes."""
+    rng = np.random.default_rng(0)
+    s = _Sharded(tmp_path, count, learners=3)
+    try:
+        for rnd in range(4):
+            for i in range(3):
+                s.push(i, rnd, 1.0 + i, _mean(rng), f"r{rnd}l{i}")
+            s.shards[1].tick()
+            assert s.shards[1].round == rnd  # all its pushes in, but no decision yet
+            s.follow()
+            s.assert_same()
+    finally:
+        s.close()
+
+
+def test_shards_in_quorum_rounds_merge_a_late_push_where_one_syncer_does(tmp_path):
+    """Quorum 2 of 3 on a test clock: learner 2's push of round 0 reaches the following shards
+    before round 0's decision, yet it is merged in round 1, late, as on the one syncer; a
+    non-finite push is left out alike."""
+    rng = np.random.default_rng(1)
+    s = _Sharded(tmp_path, 2, learners=3, quorum=2, grace=1.0, adaptive_grace=False,
+                 max_late=2, late_weight=0.5)  # fmt: skip
+    try:
+        s.clock.t = 1.0
+        s.push(0, 0, 1.0, _mean(rng), "a")
+        s.push(1, 0, 2.0, _mean(rng), "b")  # the quorum: the grace runs to t = 2.0
+        s.clock.t = 2.5
+        s.shards[0].tick()
+        s.one.tick()
+        assert s.one.round == 1 and s.shards[0].round == 1
+        # learner 2's round-0 push reached shard 1 first, before round 0's decision did
+        late = _mean(rng)
+        s.shards[1].push(2, 1, 0, 3.0, wire.named(s.part(late, 1)), push_id="c",
+                         whole_finite=True)  # fmt: skip
+        s.follow()
+        assert 2 in s.shards[1].pending  # left for the round the decision will put it in
+        s.one.push(2, 1, 0, 3.0, wire.named(late), push_id="c")
+        s.shards[0].push(2, 1, 0, 3.0, wire.named(s.part(late, 0)), push_id="c",
+                         whole_finite=True)  # fmt: skip
+        bad = _mean(rng)
+        bad["w3"][5] = np.nan
+        s.push(0, 1, 1.0, bad, "d")
+        s.push(1, 1, 2.0, _mean(rng), "e")
+        s.clock.t = 4.0
+        s.shards[0].tick()
+        decision = s.shards[0].decisions[1]
+        assert decision.learners == (0, 1, 2) and decision.late == (0, 0, 1)
+        s.follow()
+        s.assert_same()
+    finally:
+        s.close()
+
+
+def test_a_following_shard_names_the_pushes_it_lacks_and_refuses_a_decision_ahead(tmp_path):
+    rng = np.random.default_rng(2)
+    s = _Sharded(tmp_path, 2, learners=2)
+    try:
+        mean = _mean(rng)
+        s.shards[0].push(0, 1, 0, 1.0, wire.named(s.part(mean, 0)), push_id="x")
+        s.shards[0].push(1, 1, 0, 1.0, wire.named(s.part(mean, 0)), push_id="y")
+        s.shards[1].push(0, 1, 0, 1.0, wire.named(s.part(mean, 1)), push_id="x")
+        s.shards[0].tick()
+        decision = s.shards[0].decisions[0]
+        assert s.shards[1].follow(decision) == [1]  # learner 1's slice has not come
+        assert s.shards[1].round == 0
+        ahead = dataclasses.replace(decision, round=1)
+        with pytest.raises(Refused, match="a decision of round 1, but this shard is at round 0"):
+            s.shards[1].follow(ahead)
+        with pytest.raises(Refused, match="this shard decides its rounds"):
+            s.shards[0].follow(decision)
+        lying = {n: np.full_like(x, np.nan) for n, x in s.part(mean, 1).items()}
+        with pytest.raises(Refused, match="says its mean is finite, but its leaves on this"):
+            s.shards[1].push(1, 1, 0, 1.0, wire.named(lying), push_id="y", whole_finite=True)
+        s.shards[1].push(1, 1, 0, 1.0, wire.named(s.part(mean, 1)), push_id="y")
+        assert s.shards[1].follow(decision) == []
+        s.shards[1].wait(0, timeout=30.0)
+        assert s.shards[1].follow(decision) == []  # again: already closed, nothing more
+        assert s.shards[1].round == 1
+    finally:
+        s.close()

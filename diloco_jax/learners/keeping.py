@@ -60,8 +60,12 @@ class Keeper:
                  examples: float = 0.0, outer_scale: float = 1.0, codec=None,
                  weigh_rounds: bool = False, late_weight: float = 1.0,
                  answer_mean: bool = False, compress_answers: bool = False,
-                 clock=time.monotonic):  # fmt: skip
+                 clock=time.monotonic, decides: bool = True):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
+        # a shard that does not decide (issue 62) closes a round only as the deciding shard's
+        # decision says (:meth:`Syncer.follow`); the recent decisions, by round
+        self.decides = decides
+        self.decisions: dict[int, Decision] = {}
         self.fragments = algorithm.plan.fragments  # Streaming DiLoCo's F (1: plain DiLoCo)
         self.codec = codec  # how pushes travel (:mod:`.payload`; None: float32; or DctConfig)
         self.weigh_rounds = weigh_rounds
@@ -256,12 +260,14 @@ class Keeper:
         while self._closing:
             self.lock.wait(0.05)
 
-    def _close(self, why: str) -> None:
+    def _close(self, why: str, decided: Decision | None = None) -> None:
         """Closes the open round: its pushes leave ``pending`` now; the merge, outer step and
         checkpoint follow off the lock (:meth:`_finish_close`), and only then does the round
-        advance and the new anchor go out."""
-        order = sorted(self.pending)
+        advance and the new anchor go out. ``decided``: the deciding shard's decision, whose
+        pushes alone leave (the others wait for a later round, as there)."""
+        order = sorted(self.pending) if decided is None else list(decided.learners)
         pushes = [self.pending[i] for i in order]
+        rest = {i: p for i, p in self.pending.items() if i not in order}
         now = self.clock()
         waited = 0.0 if self._opened is None else now - self._opened  # (a test clock's 0.0 too)
         self.waited += waited
@@ -270,12 +276,14 @@ class Keeper:
         self._bytes_at = (self.bytes_in, self.bytes_out)
         if self._quorum_at is not None:
             self._history.append(max(self._lags, default=0.0))
-        self.pending, self.deadline, self._opened = {}, None, None
+        self.pending, self.deadline, self._opened = rest, None, None
         self.expected, self._quorum_at, self._lags = set(), None, []
         self._closing = why
         # what the merge reads besides the values: a full round's examples counted now (no
         # push enters while the round closes), the rest from the pushes
-        decision = Decision.of(self.round, order, pushes, self.full_round())
+        decision = decided or Decision.of(self.round, order, pushes, self.full_round())
+        self.decisions = {r: d for r, d in self.decisions.items() if r >= self.round - 8}
+        self.decisions[self.round] = decision
         if not self.background:
             self._finish_close(decision, pushes, why, shown, locked=True)
             return

@@ -8,11 +8,18 @@ longest-processing-time rule: leaves by size, largest first (ties by name), each
 that holds the fewest bytes so far (ties: the lowest index). The busiest shard then holds at
 most the mean share plus the largest leaf, and at most 4/3 of the best split's busiest.
 
-Leaves stay whole. A leaf is the unit of everything a push and an answer carry: its name, the
-codec's blocks and its ``min_size`` rule, a streaming fragment, the NaN check. Cutting one in
-two would change what a blockwise codec encodes at the cut, and with it the bits a shard
-merges, which must equal one syncer's. The price is balance where one leaf outweighs a shard's
-share (an embedding table of a large vocabulary at many shards): :func:`busiest` says how much.
+Leaves stay whole: what a push without a codec carries is each leaf under its own name, and
+the outer step reads a leaf alone (every outer optimizer built here works leaf by leaf), so a
+shard of whole leaves merges and steps exactly what one syncer does for them. The price is
+balance where one leaf outweighs a shard's share (an embedding table of a large vocabulary at
+many shards): :func:`busiest` says how much.
+
+With a codec this is not enough. A push's leaves of at least ``codec.min_size`` values travel
+as one flat vector, encoded block by block (:func:`diloco_jax.learners.payload.encode`, the
+core's exchange), and a block may hold the end of one leaf and the start of the next. A shard's
+part must then be a range of whole blocks of that vector, not a set of leaves, for its bits to
+equal one syncer's (a block's scale is its own); top-k codecs choose over the whole vector and
+cannot be cut at all. That plan is issue 62's next step.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ import numpy as np
 from diloco_jax.learners import answers, guard, payload, wire
 from diloco_jax.learners.keeping import Keeper
 from diloco_jax.learners.ledger import Ticket
-from diloco_jax.learners.rounds import Member, Push, sha256
+from diloco_jax.learners.rounds import Decision, Member, Push, sha256
 
 log = logging.getLogger("diloco_jax")
 
@@ -171,13 +171,16 @@ class Syncer(Keeper):
 
     def push(self, learner: int, generation: int, base_round: int, weight: float,
              mean: dict[str, np.ndarray], push_id: str = "", loss: float | None = None,
-             ) -> int:  # fmt: skip
+             whole_finite: bool | None = None) -> int:  # fmt: skip
         """Adds ``learner``'s mean pseudo-gradient against the anchor of ``base_round`` to the
         open round; returns how many rounds late it is (0: on time; the learner's answer is the
         anchor after round ``base_round + late``). ``push_id``: the push's id (a copy of a push
         already in changes nothing; empty: a new id); ``loss``: the learner's mean training
-        loss over the round (None: not said). Raises :class:`Refused` (stale, dropped, old
-        generation, wrong leaves, a conflict, a loss out of range). The network's pushes take
+        loss over the round (None: not said); ``whole_finite``: with shards, whether the
+        learner's whole mean is finite (this shard sees its own leaves only; None: they are the
+        whole). Raises :class:`Refused` (stale, dropped, old generation, wrong leaves, a
+        conflict, a loss out of range, leaves not finite in a mean said to be). The network's
+        pushes take
         :meth:`admit` and :meth:`enter` themselves, their data streamed to a file between the
         two."""
         described = [[n, list(a.shape), str(a.dtype)] for n, a in mean.items()]
@@ -191,6 +194,12 @@ class Syncer(Keeper):
             self.release(ticket)
             raise Refused(str(e)) from None
         finite = all(bool(np.isfinite(x).all()) for x in leaves)
+        if whole_finite is not None:
+            if whole_finite and not finite:  # the decision would merge them on this shard
+                self.release(ticket)
+                raise Refused(f"a push of learner {learner} says its mean is finite, but its "
+                              "leaves on this shard are not")  # fmt: skip
+            finite = whole_finite  # every shard leaves it out alike
         return self.enter(ticket, weight, leaves, finite)
 
     def admit(self, learner: int, generation: int, base_round: int, push_id: str,
@@ -399,6 +408,33 @@ class Syncer(Keeper):
             self.lock.wait(min(left, 0.05))
             self._advance()
 
+    def follow(self, decision: Decision, timeout: float = 0.0) -> list[int]:
+        """Closes the open round as the deciding shard did (a shard that does not decide,
+        ``decides=False``: issue 62): its pushes (``decision.learners``, by their ids), merged
+        with its weights, lateness, finiteness and full round, the other pushes left for a
+        later round. Returns the learners whose pushes this shard has not received (waited
+        for up to ``timeout`` seconds; [] once the round is closed, or was before). Raises
+        :class:`Refused` for a decision of a round this shard has not reached."""
+        if self.decides:
+            raise Refused("this shard decides its rounds: it follows no other's")
+        with self.lock:
+            end = self.clock() + timeout
+            while True:
+                self._settle()
+                if decision.round < self.round:
+                    return []
+                if decision.round > self.round:
+                    raise Refused(f"a decision of round {decision.round}, but this shard is at "
+                                  f"round {self.round}")  # fmt: skip
+                missing = [i for i, push_id in zip(decision.learners, decision.ids, strict=True)
+                           if i not in self.pending or self.pending[i].id != push_id]  # fmt: skip
+                if not missing:
+                    self._close("decided", decision)
+                    return []
+                if self.clock() >= end:
+                    return missing
+                self.lock.wait(min(0.05, end - self.clock()))
+
     def tick(self) -> None:
         """Applies the rules that time alone sets off (a silent learner dropped, a grace window
         or a deadline past), as a waiting learner's call does every 50 ms."""
@@ -439,7 +475,10 @@ class Syncer(Keeper):
         return min(self.grace, max(0.1 * self.grace, 1.5 * max(self._history)))
 
     def _advance(self) -> None:
-        """Drops silent learners and closes the open round when one of its rules says so."""
+        """Drops silent learners and closes the open round when one of its rules says so (on
+        the shard that decides: another closes a round only as its decision says)."""
+        if not self.decides:
+            return
         now = self.clock()
         for i in self.present():
             m = self.members[i]
