@@ -888,6 +888,17 @@ MUTANTS += [  # issue 62, steps 1-2: shards that follow the deciding shard's rou
            "            finite = whole_finite  # every shard leaves it out alike",
            "            pass",
            [T_SHARD + "test_shards_in_quorum_rounds_merge_a_late_push_where_one_syncer_does"]),
+    Mutant("a shard's cut takes the blocks one row late", "faults",
+           "diloco_jax/learners/shards.py", "            out[name] = message[name][first:end]",
+           "            out[name] = message[name][first + 1 : end + 1]",
+           [T_SHARD + "test_a_push_cut_into_block_ranges_decodes_on_each_shard_to_the_whole_"
+            "pushs_bits"]),
+    Mutant("a short last block range is kept, too small for the codec", "faults",
+           "diloco_jax/learners/shards.py",
+           "        edges[held[-1]] = blocks  # a short last range joins the one before it",
+           "        pass",
+           [T_SHARD + "test_a_push_cut_into_block_ranges_decodes_on_each_shard_to_the_whole_"
+            "pushs_bits"]),
     Mutant("shards assigned in the leaves' order, not by size", "faults",
            "diloco_jax/learners/shards.py",
            "    for name in sorted(names, key=lambda n: (-sizes[n], n)):",

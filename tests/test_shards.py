@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import time
 
 import numpy as np
 import pytest
 
-from diloco_jax.learners import shards, wire
+from diloco_jax.algorithm import compress
+from diloco_jax.learners import payload, shards, wire
 from diloco_jax.learners.syncer import Refused
 from tests.helpers import tiny_model
 from tests.test_learners import _algorithm, _Clock, _syncer
@@ -120,7 +122,7 @@ class _Sharded:
         for rnd in sorted(self.shards[0].decisions):
             for shard in self.shards[1:]:
                 assert shard.follow(self.shards[0].decisions[rnd], timeout=5.0) == []
-                shard.wait(rnd, timeout=30.0)
+                _past(shard, rnd)
 
     def assert_same(self) -> None:
         """Every shard at the one syncer's round, with its anchor's leaves to the last bit."""
@@ -137,6 +139,16 @@ class _Sharded:
     def close(self) -> None:
         for syncer in [self.one, *self.shards]:
             syncer.close()
+
+
+def _past(shard, rnd: int) -> None:
+    """Waits (real seconds, at most 30: the rules run on a test clock) for ``shard`` to close
+    round ``rnd``; fails if it does not."""
+    end = time.monotonic() + 30.0
+    while shard.round <= rnd and time.monotonic() < end:
+        time.sleep(0.01)
+    shard.tick()
+    assert shard.round > rnd, f"round {rnd} did not close on this shard"
 
 
 def _mean(rng, scale=1.0) -> dict:
@@ -222,8 +234,63 @@ def test_a_following_shard_names_the_pushes_it_lacks_and_refuses_a_decision_ahea
             s.shards[1].push(1, 1, 0, 1.0, wire.named(lying), push_id="y", whole_finite=True)
         s.shards[1].push(1, 1, 0, 1.0, wire.named(s.part(mean, 1)), push_id="y")
         assert s.shards[1].follow(decision) == []
-        s.shards[1].wait(0, timeout=30.0)
+        _past(s.shards[1], 0)
         assert s.shards[1].follow(decision) == []  # again: already closed, nothing more
         assert s.shards[1].round == 1
     finally:
         s.close()
+
+
+# ---- a push through a blockwise codec, cut into shards by block ranges (step 3a) -----------
+
+
+def _flat(described: list[list], decoded: list, codec) -> np.ndarray:
+    """The flat vector of the large leaves, as the codec sees it."""
+    sizes = [int(np.prod(s)) for _, s, _ in described]
+    big = payload._big(sizes, codec)
+    return np.concatenate([np.asarray(decoded[i]).reshape(-1) for i in big])
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8", "bf16"])
+@pytest.mark.parametrize(("count", "min_size"), [(1, 20), (2, 20), (3, 20), (4, 20), (4, 80)])
+def test_a_push_cut_into_block_ranges_decodes_on_each_shard_to_the_whole_pushs_bits(
+    name, count, min_size
+):
+    """A push of leaves of many sizes (small ones float32, large ones one flat vector encoded
+    in blocks of 8 that span the leaves' ends), encoded whole as a learner encodes it: each
+    shard's cut decodes to its whole leaves and its range of the flat vector, bit for bit what
+    decoding the whole push gives; the ranges tile the vector, each at least min_size values
+    (at min_size 80 the last of 4 would hold 43: it joins the one before it)."""
+    codec = compress.Codec(name, block=8, min_size=min_size)
+    rng = np.random.default_rng(3)
+    tree = {f"w{i}": rng.standard_normal(n).astype(np.float32)
+            for i, n in enumerate([203, 61, 45, 30, 21, 19, 7, 3])}  # fmt: skip
+    described_all = wire.describe(tree)
+    names = [n for n, _, _ in described_all]
+    leaves = [tree[k] for k in sorted(tree)]  # the describe order: by name
+    message = payload.encode(names, leaves, codec)
+    whole = payload.decode(described_all, message, codec)
+    flat = _flat(described_all, whole, codec)
+    parts = shards.plan(described_all, count, codec)
+    small = [i for i, (_, shape, _) in enumerate(described_all) if shape[0] < min_size]
+    assert sorted(i for p in parts for i in p.leaves) == small  # whole, each in one shard
+    assert parts[0].values[0] == 0 and parts[-1].values[1] == flat.size
+    for before, after in zip(parts, parts[1:], strict=False):
+        assert before.values[1] == after.values[0] and before.blocks[1] == after.blocks[0]
+    for part in parts:
+        assert part.size == 0 or part.size >= codec.min_size
+        mine = shards.described(described_all, part)
+        got = payload.decode(mine, shards.cut(message, described_all, part, codec), codec)
+        want = [whole[i] for i in part.leaves]
+        if part.size:
+            want.append(flat[part.values[0] : part.values[1]])
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g).reshape(-1), np.asarray(w).reshape(-1))
+
+
+def test_codecs_that_choose_over_the_whole_vector_cannot_be_cut():
+    described = wire.describe({"w": np.zeros(100, np.float32)})
+    with pytest.raises(ValueError, match="codec topk chooses what it sends over the whole"):
+        shards.plan(described, 2, compress.Codec("topk", topk_fraction=0.1))
+    assert shards.plan(described, 2, None) == shards.plan(described, 2, compress.Codec())

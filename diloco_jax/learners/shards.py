@@ -19,14 +19,23 @@ as one flat vector, encoded block by block (:func:`diloco_jax.learners.payload.e
 core's exchange), and a block may hold the end of one leaf and the start of the next. A shard's
 part must then be a range of whole blocks of that vector, not a set of leaves, for its bits to
 equal one syncer's (a block's scale is its own); top-k codecs choose over the whole vector and
-cannot be cut at all. That plan is issue 62's next step.
+cannot be cut at all. :func:`plan` cuts so: each shard a range of whole blocks of that vector,
+the ranges contiguous and as equal as whole blocks allow (each at least ``codec.min_size``
+values, so that the shard's codec encodes it too), and the small leaves, whole, onto the
+lightest shards; :func:`cut` takes a shard's part out of a push encoded whole, its blocks
+bit for bit those of the whole push.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+
+from diloco_jax.learners import payload
+
+FLAT = "blocks"  # the name of a shard's range of the large leaves' flat vector
 
 
 def leaf_bytes(shape: Sequence[int], dtype: str) -> int:
@@ -65,3 +74,81 @@ def busiest(describe: Sequence[Sequence], shards: int) -> float:
     """The busiest shard's bytes over the mean share (1.0: perfectly balanced)."""
     held = loads(describe, assign(describe, shards), shards)
     return max(held) * shards / max(sum(held), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One shard's share of the anchor and of every push: whole ``leaves`` (indices into the
+    model's description) and, with a blockwise codec, the blocks ``[first, end)`` of the flat
+    vector of the large leaves, which ``values`` of that vector hold."""
+
+    leaves: tuple[int, ...]
+    blocks: tuple[int, int] = (0, 0)
+    values: tuple[int, int] = (0, 0)
+
+    @property
+    def size(self) -> int:
+        """How many values of the flat vector the shard holds."""
+        return self.values[1] - self.values[0]
+
+
+def plan(describe: Sequence[Sequence], shards: int, codec=None) -> list[Part]:
+    """Each of ``shards``' :class:`Part` of a model described by ``describe`` whose pushes
+    travel through ``codec`` (None or ``none``: whole leaves, :func:`assign`; a blockwise
+    codec: block ranges and the small leaves, see the module's docstring). Raises ValueError
+    for a codec that chooses over the whole vector (``topk``, DCT momentum, SparseLoCo)."""
+    name = getattr(codec, "name", None)
+    if codec is None or name == "none":
+        owner = assign(describe, shards)
+        return [Part(tuple(i for i, s in enumerate(owner) if s == k)) for k in range(shards)]
+    if shards < 1:
+        raise ValueError(f"syncer.shards must be at least 1, not {shards}")
+    if name not in ("bf16", "int8", "fp8", "int4"):
+        kind = name or type(codec).__name__
+        raise ValueError(f"codec {kind} chooses what it sends over the whole vector: a push "
+                         "through it cannot be cut into syncer shards")  # fmt: skip
+    sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in describe]
+    big = set(payload._big(sizes, codec))
+    total = sum(sizes[i] for i in big)
+    blocks = -(-total // codec.block)
+    # as equal as whole blocks allow, each non-empty range at least min_size values
+    least = -(-max(codec.min_size, 1) // codec.block)
+    per = max(-(-blocks // shards), least) if blocks else 0
+    edges = [min(k * per, blocks) for k in range(shards)] + [blocks]
+    held = [k for k in range(shards) if edges[k] < edges[k + 1]]
+    if len(held) > 1 and total - edges[held[-1]] * codec.block < codec.min_size:
+        edges[held[-1]] = blocks  # a short last range joins the one before it
+    load = [4 * (min(edges[k + 1] * codec.block, total) - min(edges[k] * codec.block, total))
+            for k in range(shards)]  # fmt: skip
+    whole: list[list[int]] = [[] for _ in range(shards)]
+    small = [i for i in range(len(describe)) if i not in big]
+    for i in sorted(small, key=lambda i: (-sizes[i], str(describe[i][0]))):
+        k = min(range(shards), key=lambda s: (load[s], s))
+        whole[k].append(i)
+        load[k] += leaf_bytes(describe[i][1], describe[i][2])
+    return [Part(tuple(sorted(whole[k])), (edges[k], edges[k + 1]),
+                 (min(edges[k] * codec.block, total), min(edges[k + 1] * codec.block, total)))
+            for k in range(shards)]  # fmt: skip
+
+
+def cut(
+    message: dict[str, np.ndarray], describe: Sequence[Sequence], part: Part, codec
+) -> dict[str, np.ndarray]:
+    """Shard ``part``'s message out of ``message``, a push of the whole model (described by
+    ``describe``) encoded through ``codec`` (:func:`~diloco_jax.learners.payload.encode`): its
+    whole leaves by name, and the rows of its blocks of every encoded array (a block per row),
+    under the names they have there. Decoded against :func:`described` it gives the shard's
+    leaves and its range of the flat vector, bit for bit those of the whole push."""
+    out = {str(describe[i][0]): message[str(describe[i][0])] for i in part.leaves}
+    if part.size:
+        first, end = part.blocks
+        for name in payload._names(codec):
+            out[name] = message[name][first:end]
+    return out
+
+
+def described(describe: Sequence[Sequence], part: Part) -> list[list]:
+    """The ``[name, shape, dtype]`` of what shard ``part`` holds: its whole leaves, then its
+    range of the flat vector (float32, named :data:`FLAT`), if any."""
+    mine = [[str(describe[i][0]), list(describe[i][1]), str(describe[i][2])] for i in part.leaves]
+    return [*mine, [FLAT, [part.size], "float32"]] if part.size else mine

@@ -73,6 +73,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 import uuid
 from typing import Any
 
@@ -418,7 +419,7 @@ class Syncer(Keeper):
         if self.decides:
             raise Refused("this shard decides its rounds: it follows no other's")
         with self.lock:
-            end = self.clock() + timeout
+            end = time.monotonic() + timeout  # real seconds, whatever clock the rules run on
             while True:
                 self._settle()
                 if decision.round < self.round:
@@ -431,9 +432,9 @@ class Syncer(Keeper):
                 if not missing:
                     self._close("decided", decision)
                     return []
-                if self.clock() >= end:
+                if time.monotonic() >= end:
                     return missing
-                self.lock.wait(min(0.05, end - self.clock()))
+                self.lock.wait(min(0.05, end - time.monotonic()))
 
     def tick(self) -> None:
         """Applies the rules that time alone sets off (a silent learner dropped, a grace window
