@@ -49,14 +49,15 @@ class Preemption:
         self.requested: str | None = None
         self.hooks: list[Callable[[], None]] = []
         self.plan, self._out, self._signals = plan, out, 0
+        self._exiting = threading.Lock()  # one says the second signal's line, and exits
         self._previous: dict = {}
         self._wakeup: tuple | None = None  # (previous wakeup fd, our two sockets, the thread)
 
     def _handle(self, signum, frame):
         del frame
         self._signals += 1
-        if self._signals > 1:
-            os._exit(128 + signum)  # second signal: at once, like an unhandled one
+        if self._signals > 1:  # second signal: at once, like an unhandled one
+            self._stop_now(signum)
         self.requested = self.requested or signal.Signals(signum).name
         for hook in self.hooks:
             hook()
@@ -64,8 +65,16 @@ class Preemption:
     def _say(self, line: str) -> None:
         try:
             print(line, file=self._out or sys.stderr, flush=True)
-        except (OSError, ValueError):  # a closed terminal or stream: the stop goes on
-            pass
+        except (OSError, ValueError, RuntimeError):  # a closed stream, or one mid-write in the
+            pass  # main thread that a handler interrupted: the stop goes on
+
+    def _stop_now(self, signum: int) -> None:
+        """Ends the process on a second signal, saying what is lost; the thread or Python's
+        handler, whichever comes first (the other waits here until the exit)."""
+        with self._exiting:
+            self._say(f"{signal.Signals(signum).name} again: stopping at once, without saving: "
+                      "the steps since the last checkpoint are lost")  # fmt: skip
+            os._exit(128 + signum)
 
     def _acknowledge(self, reader: socket.socket) -> None:
         """The thread that answers each signal as it arrives (the wakeup fd's bytes)."""
@@ -86,9 +95,7 @@ class Preemption:
                     self._say(f"{name}: {self.plan} (a second signal stops at once, without "
                               "saving)")  # fmt: skip
                 else:
-                    self._say(f"{name} again: stopping at once, without saving: the steps "
-                              "since the last checkpoint are lost")  # fmt: skip
-                    os._exit(128 + signum)
+                    self._stop_now(signum)
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():  # handlers live there only
