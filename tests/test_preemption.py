@@ -99,3 +99,22 @@ def test_a_rerun_whose_workdir_holds_no_checkpoint_says_it_starts_from_step_0(tm
     again = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines()
              if "no checkpoint in" in line]  # fmt: skip
     assert again == [f"{said} (this workdir's earlier start saved none)"]
+
+
+def test_the_first_signal_delivered_twice_within_a_second_counts_once(monkeypatch):
+    """``timeout`` (or a kill of the process group) signals uv's child and uv forwards the same
+    SIGTERM: one stop, not a second signal that exits without saving. Another signal, or the
+    same one a second later, is a second."""
+    from diloco_jax.run import preemption
+
+    now = [100.0]
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: now[0])
+    count = preemption._Count()
+    assert count.add(signal.SIGTERM) == 1
+    now[0] += 0.2
+    assert count.add(signal.SIGTERM) == 0  # the echo
+    assert count.add(signal.SIGINT) == 2
+    later = preemption._Count()
+    later.add(signal.SIGTERM)
+    now[0] += 1.5
+    assert later.add(signal.SIGTERM) == 2

@@ -34,6 +34,27 @@ LAUNCHER_ENV = "DILOCO_LAUNCHER"  # "PID GRACE", set by the launcher in each pro
 _PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2  # <linux/prctl.h>
 
 
+class _Count:
+    """Signals counted as a person sends them: the first one again within :data:`ECHO` seconds
+    is the same one delivered twice (``uv run`` forwards a SIGTERM that a kill of the process
+    group, ``timeout``'s say, also sends its child), not a second. :meth:`add` returns the
+    count, 0 for such an echo."""
+
+    ECHO = 1.0
+
+    def __init__(self):
+        self.count, self.first, self.at = 0, None, 0.0
+
+    def add(self, signum: int) -> int:
+        now = time.monotonic()
+        if self.count == 1 and signum == self.first and now - self.at < self.ECHO:
+            return 0
+        self.count += 1
+        if self.count == 1:
+            self.first, self.at = signum, now
+        return self.count
+
+
 class Preemption:
     """Context manager; ``requested`` holds the first signal's name once one arrived, and each
     of ``hooks`` is called then (in the signal handler, so it only sets a flag or a number: a
@@ -48,15 +69,18 @@ class Preemption:
     def __init__(self, plan: str = "stopping at the next call boundary", *, out=None):
         self.requested: str | None = None
         self.hooks: list[Callable[[], None]] = []
-        self.plan, self._out, self._signals = plan, out, 0
+        self.plan, self._out = plan, out
+        self._signals = _Count()  # as Python's handler sees them (the thread keeps its own)
         self._exiting = threading.Lock()  # one says the second signal's line, and exits
         self._previous: dict = {}
         self._wakeup: tuple | None = None  # (previous wakeup fd, our two sockets, the thread)
 
     def _handle(self, signum, frame):
         del frame
-        self._signals += 1
-        if self._signals > 1:  # second signal: at once, like an unhandled one
+        count = self._signals.add(signum)
+        if count == 0:  # the first one delivered again
+            return
+        if count > 1:  # second signal: at once, like an unhandled one
             self._stop_now(signum)
         self.requested = self.requested or signal.Signals(signum).name
         for hook in self.hooks:
@@ -78,7 +102,7 @@ class Preemption:
 
     def _acknowledge(self, reader: socket.socket) -> None:
         """The thread that answers each signal as it arrives (the wakeup fd's bytes)."""
-        seen = 0
+        seen = _Count()
         while True:
             try:
                 got = reader.recv(64)
@@ -89,9 +113,11 @@ class Preemption:
             for signum in got:
                 if signum not in SIGNALS:
                     continue
-                seen += 1
+                count = seen.add(signum)
                 name = signal.Signals(signum).name
-                if seen == 1:
+                if count == 0:  # the first one again: an echo
+                    continue
+                if count == 1:
                     self._say(f"{name}: {self.plan} (a second signal stops at once, without "
                               "saving)")  # fmt: skip
                 else:
