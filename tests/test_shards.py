@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from diloco_jax.algorithm import compress
-from diloco_jax.learners import payload, shards, wire
+from diloco_jax.learners import answers, payload, shards, wire
 from diloco_jax.learners.syncer import Refused
 from tests.helpers import tiny_model
 from tests.test_learners import _algorithm, _Clock, _syncer
@@ -87,33 +87,45 @@ MODEL = {f"w{i}": np.random.default_rng(i).standard_normal(size).astype(np.float
 
 class _Sharded:
     """One syncer of the whole model beside ``count`` shards of it (shard 0 decides, the
-    others follow its decisions), every one given the same pushes on the same test clock."""
+    others follow its decisions), every one given the same pushes on the same test clock:
+    each shard its part of the push a learner encodes whole (:func:`shards.cut`), as its
+    piece of the anchor (:func:`shards.split`) holds, through ``codec`` (None: float32)."""
 
-    def __init__(self, tmp_path, count: int, learners: int, **kw):
-        self.clock = _Clock()
-        self.owner = dict(zip(MODEL, shards.assign(wire.describe(MODEL), count), strict=True))
+    def __init__(self, tmp_path, count: int, learners: int, codec=None, **kw):
+        self.clock, self.codec = _Clock(), codec
+        self.describe = wire.describe(MODEL)
+        self.parts = shards.plan(self.describe, count, codec)
         self.one = _syncer(tmp_path / "one", _algorithm(), learners=learners, clock=self.clock,
-                           **kw)  # fmt: skip
+                           codec=codec, **kw)  # fmt: skip
         self.shards = [_syncer(tmp_path / f"shard{k}", _algorithm(), learners=learners,
-                               clock=self.clock, decides=k == 0, **kw)
+                               clock=self.clock, decides=k == 0, codec=codec, **kw)
                        for k in range(count)]  # fmt: skip
+        pieces = shards.split(wire.named(MODEL), self.describe, self.parts, codec)
         for i in range(learners):
-            self.one.join(i, wire.describe(MODEL), KEYS, wire.named(MODEL))
+            self.one.join(i, self.describe, KEYS, wire.named(MODEL))
             for k, shard in enumerate(self.shards):
-                part = self.part(MODEL, k)
-                shard.join(i, wire.describe(part), KEYS, wire.named(part))
+                mine = shards.described(self.describe, self.parts[k], codec)
+                shard.join(i, mine, KEYS, pieces[k])
 
-    def part(self, tree: dict, k: int) -> dict:
-        return {n: x for n, x in tree.items() if self.owner[n] == k}
+    def message(self, mean: dict) -> dict:
+        """The push a learner sends for ``mean`` (by name), encoded whole."""
+        named = wire.named(mean)
+        if self.codec is None:
+            return named
+        names = [n for n, _, _ in self.describe]
+        return payload.encode(names, [named[n] for n in names], self.codec)
+
+    def cut(self, mean: dict, k: int) -> dict:
+        """Shard ``k``'s part of the push of ``mean``."""
+        return shards.cut(self.message(mean), self.describe, self.parts[k], self.codec)
 
     def push(self, learner: int, base: int, weight: float, mean: dict, push_id: str) -> None:
         """As a learner pushes: the shards that follow first, the deciding shard last, each
         told whether the whole mean is finite (it sees its own leaves only)."""
-        self.one.push(learner, 1, base, weight, wire.named(mean), push_id=push_id)
+        self.one.push(learner, 1, base, weight, self.message(mean), push_id=push_id)
         finite = all(bool(np.isfinite(x).all()) for x in mean.values())
         for k in [*range(1, len(self.shards)), 0]:
-            part = wire.named(self.part(mean, k))
-            self.shards[k].push(learner, 1, base, weight, part, push_id=push_id,
+            self.shards[k].push(learner, 1, base, weight, self.cut(mean, k), push_id=push_id,
                                 whole_finite=finite)  # fmt: skip
 
     def follow(self) -> None:
@@ -124,13 +136,16 @@ class _Sharded:
                 assert shard.follow(self.shards[0].decisions[rnd], timeout=5.0) == []
                 _past(shard, rnd)
 
+    def gathered(self, pieces: list[dict]) -> dict:
+        return shards.gather(pieces, self.describe, self.parts, self.codec)
+
     def assert_same(self) -> None:
-        """Every shard at the one syncer's round, with its anchor's leaves to the last bit."""
+        """Every shard at the one syncer's round, its anchor's values to the last bit."""
         self.one.tick()
-        held = {}
         for shard in self.shards:
             assert shard.round == self.one.round
-            held.update(zip(shard.names, shard.anchor, strict=True))
+        held = self.gathered([dict(zip(shard.names, shard.anchor, strict=True))
+                              for shard in self.shards])  # fmt: skip
         mine = dict(zip(self.one.names, self.one.anchor, strict=True))
         assert held.keys() == mine.keys()
         for name, leaf in mine.items():
@@ -191,12 +206,12 @@ def test_shards_in_quorum_rounds_merge_a_late_push_where_one_syncer_does(tmp_pat
         assert s.one.round == 1 and s.shards[0].round == 1
         # learner 2's round-0 push reached shard 1 first, before round 0's decision did
         late = _mean(rng)
-        s.shards[1].push(2, 1, 0, 3.0, wire.named(s.part(late, 1)), push_id="c",
+        s.shards[1].push(2, 1, 0, 3.0, s.cut(late, 1), push_id="c",
                          whole_finite=True)  # fmt: skip
         s.follow()
         assert 2 in s.shards[1].pending  # left for the round the decision will put it in
         s.one.push(2, 1, 0, 3.0, wire.named(late), push_id="c")
-        s.shards[0].push(2, 1, 0, 3.0, wire.named(s.part(late, 0)), push_id="c",
+        s.shards[0].push(2, 1, 0, 3.0, s.cut(late, 0), push_id="c",
                          whole_finite=True)  # fmt: skip
         bad = _mean(rng)
         bad["w3"][5] = np.nan
@@ -212,14 +227,85 @@ def test_shards_in_quorum_rounds_merge_a_late_push_where_one_syncer_does(tmp_pat
         s.close()
 
 
+@pytest.mark.parametrize("count", [2, 4])
+def test_shards_through_int8_with_compressed_answers_rebuild_one_syncers_anchor(tmp_path, count):
+    """int8 pushes (blocks of 32, leaves of 64 values or more in one flat vector cut into
+    block ranges) and compressed answers (each shard's change through the codec, its error
+    kept on the shard): after each of three rounds, the anchor a learner rebuilds from its
+    shards' answers, each checked by its own checksum, is the one syncer's answer bit for bit,
+    and so are the shards' true anchors (every answer a change, each shard's of its part)."""
+    codec = compress.Codec("int8", block=32, min_size=64)
+    rng = np.random.default_rng(4)
+    s = _Sharded(tmp_path, count, learners=2, codec=codec, compress_answers=True)
+    try:
+        assert sum(bool(p.size) for p in s.parts) == count  # every shard holds a block range
+        one = answers.Held(codec)
+        one.joined(0, s.one.held())
+        held = [answers.Held(codec) for _ in s.shards]
+        for h, shard in zip(held, s.shards, strict=True):
+            h.joined(0, shard.held())
+        for rnd in range(3):
+            for i in range(2):
+                s.push(i, rnd, 1.0 + i, _mean(rng, 0.1), f"r{rnd}l{i}")
+            s.follow()
+            s.assert_same()
+            rnd_one, got, _, how = s.one.reply(rnd, 1.0, holds=one.round)
+            want = one.took({**how, "round": rnd_one}, got)
+            assert how["answer"] == "delta"  # the change from the round each learner holds
+            pieces = []
+            for h, shard in zip(held, s.shards, strict=True):
+                rnd_k, arrays, _, how_k = shard.reply(rnd, 1.0, holds=h.round)
+                assert rnd_k == rnd + 1 and how_k["answer"] == how["answer"]
+                pieces.append(h.took({**how_k, "round": rnd_k}, arrays))
+            rebuilt = s.gathered(pieces)
+            assert rebuilt.keys() == want.keys()
+            for name, leaf in want.items():
+                assert rebuilt[name].tobytes() == leaf.tobytes(), name
+    finally:
+        s.close()
+
+
+def test_a_shard_restarted_mid_round_keeps_its_members_and_follows_the_decision(tmp_path):
+    """A following shard closed while round 1 is open (its pushes in memory lost) and started
+    again from its checkpoint: its members are back without a join, the pushes come again
+    under their ids, and it closes round 1 as shard 0's decision says; a restarted shard 0
+    still holds its recent decisions (in its checkpoints)."""
+    rng = np.random.default_rng(5)
+    s = _Sharded(tmp_path, 2, learners=2)
+    try:
+        for i in range(2):
+            s.push(i, 0, 1.0 + i, _mean(rng), f"r0l{i}")
+        s.follow()
+        means = [_mean(rng) for _ in range(2)]
+        for i in range(2):
+            s.push(i, 1, 1.0 + i, means[i], f"r1l{i}")
+        s.shards[0].tick()
+        decision = s.shards[0].decisions[1]
+        s.shards[1].close()
+        s.shards[1] = _syncer(tmp_path / "shard1", _algorithm(), learners=2, clock=s.clock,
+                              decides=False)  # fmt: skip
+        assert s.shards[1].round == 1 and sorted(s.shards[1].members) == [0, 1]
+        assert s.shards[1].follow(decision) == [0, 1]  # its pushes were lost with it
+        for i in range(2):
+            s.shards[1].push(i, 1, 1, 1.0 + i, s.cut(means[i], 1), push_id=f"r1l{i}",
+                             whole_finite=True)  # fmt: skip
+        s.follow()
+        s.assert_same()
+        s.shards[0].close()
+        s.shards[0] = _syncer(tmp_path / "shard0", _algorithm(), learners=2, clock=s.clock)
+        assert s.shards[0].decisions[1] == decision and sorted(s.shards[0].decisions) == [0, 1]
+    finally:
+        s.close()
+
+
 def test_a_following_shard_names_the_pushes_it_lacks_and_refuses_a_decision_ahead(tmp_path):
     rng = np.random.default_rng(2)
     s = _Sharded(tmp_path, 2, learners=2)
     try:
         mean = _mean(rng)
-        s.shards[0].push(0, 1, 0, 1.0, wire.named(s.part(mean, 0)), push_id="x")
-        s.shards[0].push(1, 1, 0, 1.0, wire.named(s.part(mean, 0)), push_id="y")
-        s.shards[1].push(0, 1, 0, 1.0, wire.named(s.part(mean, 1)), push_id="x")
+        s.shards[0].push(0, 1, 0, 1.0, s.cut(mean, 0), push_id="x")
+        s.shards[0].push(1, 1, 0, 1.0, s.cut(mean, 0), push_id="y")
+        s.shards[1].push(0, 1, 0, 1.0, s.cut(mean, 1), push_id="x")
         s.shards[0].tick()
         decision = s.shards[0].decisions[0]
         assert s.shards[1].follow(decision) == [1]  # learner 1's slice has not come
@@ -229,10 +315,10 @@ def test_a_following_shard_names_the_pushes_it_lacks_and_refuses_a_decision_ahea
             s.shards[1].follow(ahead)
         with pytest.raises(Refused, match="this shard decides its rounds"):
             s.shards[0].follow(decision)
-        lying = {n: np.full_like(x, np.nan) for n, x in s.part(mean, 1).items()}
+        lying = {n: np.full_like(x, np.nan) for n, x in s.cut(mean, 1).items()}
         with pytest.raises(Refused, match="says its mean is finite, but its leaves on this"):
-            s.shards[1].push(1, 1, 0, 1.0, wire.named(lying), push_id="y", whole_finite=True)
-        s.shards[1].push(1, 1, 0, 1.0, wire.named(s.part(mean, 1)), push_id="y")
+            s.shards[1].push(1, 1, 0, 1.0, lying, push_id="y", whole_finite=True)
+        s.shards[1].push(1, 1, 0, 1.0, s.cut(mean, 1), push_id="y")
         assert s.shards[1].follow(decision) == []
         _past(s.shards[1], 0)
         assert s.shards[1].follow(decision) == []  # again: already closed, nothing more
@@ -279,7 +365,7 @@ def test_a_push_cut_into_block_ranges_decodes_on_each_shard_to_the_whole_pushs_b
         assert before.values[1] == after.values[0] and before.blocks[1] == after.blocks[0]
     for part in parts:
         assert part.size == 0 or part.size >= codec.min_size
-        mine = shards.described(described_all, part)
+        mine = shards.described(described_all, part, codec)
         got = payload.decode(mine, shards.cut(message, described_all, part, codec), codec)
         want = [whole[i] for i in part.leaves]
         if part.size:
@@ -294,3 +380,26 @@ def test_codecs_that_choose_over_the_whole_vector_cannot_be_cut():
     with pytest.raises(ValueError, match="codec topk chooses what it sends over the whole"):
         shards.plan(described, 2, compress.Codec("topk", topk_fraction=0.1))
     assert shards.plan(described, 2, None) == shards.plan(described, 2, compress.Codec())
+
+
+def test_an_anchor_split_into_pieces_gathers_back_and_a_bad_piece_is_named():
+    codec = compress.Codec("int8", block=32, min_size=64)
+    describe = wire.describe(MODEL)
+    parts = shards.plan(describe, 3, codec)
+    named = wire.named(MODEL)
+    pieces = shards.split(named, describe, parts, codec)
+    back = shards.gather(pieces, describe, parts, codec)
+    assert list(back) == list(named)
+    for name, leaf in named.items():
+        assert back[name].tobytes() == leaf.tobytes() and back[name].shape == leaf.shape
+    short = [dict(p) for p in pieces]
+    short[1][shards.FLAT] = short[1][shards.FLAT][:-1]
+    with pytest.raises(ValueError, match="syncer shard 1's answer holds"):
+        shards.gather(short, describe, parts, codec)
+    lacking = [dict(p) for p in pieces]
+    lacking[2].pop(next(n for n in lacking[2] if n != shards.FLAT))
+    with pytest.raises(ValueError, match="syncer shard 2's answer lacks"):
+        shards.gather(lacking, describe, parts, codec)
+    mixed = wire.describe({**MODEL, "w0": MODEL["w0"].astype(np.float16)})
+    with pytest.raises(ValueError, match=r"large leaves are of several dtypes \(float16, float"):
+        shards.plan(mixed, 2, codec)

@@ -155,6 +155,8 @@ class Keeper:
             self.members[int(i)] = Member(int(generation), step, self.clock())
         self.capacity = {int(i): float(c) for i, c in meta.get("capacity", {}).items()}
         self.past.extend(meta.get("past_rounds", []))  # none in a checkpoint of before issue 61
+        # how the recent rounds closed: a restarted deciding shard answers its followers
+        self.decisions = {d.round: d for d in map(Decision.from_json, meta.get("decisions", []))}
         self.event("restored", anchor=self.anchor_sha[:16], members=sorted(self.members))
 
     def _like(self, meta: dict) -> dict:
@@ -214,7 +216,8 @@ class Keeper:
         meta = {"leaves": described, "keys": self.keys, "round": rnd, "members": members,
                 "merged": self.merged, "pushes": self.ledger.to_meta(),
                 "capacity": {str(i): c for i, c in sorted(self.capacity.items())},
-                "past_rounds": list(self.past)}  # fmt: skip
+                "past_rounds": list(self.past),
+                "decisions": [d.to_json() for _, d in sorted(self.decisions.items())]}  # fmt: skip
         if self.fragments > 1:
             meta["fragments"] = self.assignment
         return meta

@@ -23,7 +23,10 @@ cannot be cut at all. :func:`plan` cuts so: each shard a range of whole blocks o
 the ranges contiguous and as equal as whole blocks allow (each at least ``codec.min_size``
 values, so that the shard's codec encodes it too), and the small leaves, whole, onto the
 lightest shards; :func:`cut` takes a shard's part out of a push encoded whole, its blocks
-bit for bit those of the whole push.
+bit for bit those of the whole push. A shard's anchor holds its range as one leaf
+(:data:`FLAT`, in the large leaves' one dtype): :func:`split` cuts an anchor into each shard's
+piece, :func:`gather` puts the pieces back. The outer step is elementwise and a compressed
+answer blockwise, so a shard's step and its answer's blocks are one syncer's, value for value.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ def plan(describe: Sequence[Sequence], shards: int, codec=None) -> list[Part]:
                          "through it cannot be cut into syncer shards")  # fmt: skip
     sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in describe]
     big = set(payload._big(sizes, codec))
+    _flat_dtype(describe, codec)  # one, or refused
     total = sum(sizes[i] for i in big)
     blocks = -(-total // codec.block)
     # as equal as whole blocks allow, each non-empty range at least min_size values
@@ -147,8 +151,75 @@ def cut(
     return out
 
 
-def described(describe: Sequence[Sequence], part: Part) -> list[list]:
+def described(describe: Sequence[Sequence], part: Part, codec=None) -> list[list]:
     """The ``[name, shape, dtype]`` of what shard ``part`` holds: its whole leaves, then its
-    range of the flat vector (float32, named :data:`FLAT`), if any."""
+    range of the flat vector (named :data:`FLAT`, in the large leaves' dtype), if any."""
     mine = [[str(describe[i][0]), list(describe[i][1]), str(describe[i][2])] for i in part.leaves]
-    return [*mine, [FLAT, [part.size], "float32"]] if part.size else mine
+    if not part.size:
+        return mine
+    return [*mine, [FLAT, [part.size], _flat_dtype(describe, codec)]]
+
+
+def _large(describe: Sequence[Sequence], codec) -> list[int]:
+    """The leaves whose values travel in the codec's flat vector, in its order."""
+    return payload._big([int(np.prod(s, dtype=np.int64)) for _, s, _ in describe], codec)
+
+
+def _flat_dtype(describe: Sequence[Sequence], codec) -> str:
+    """The one dtype of the large leaves (an anchor's range of them is held in it, so that a
+    shard's outer step is a single syncer's, value for value). Raises ValueError for several."""
+    dtypes = sorted({str(describe[i][2]) for i in _large(describe, codec)})
+    if len(dtypes) > 1:
+        raise ValueError(f"the large leaves are of several dtypes ({', '.join(dtypes)}): "
+                         "syncer shards hold ranges of them in one")  # fmt: skip
+    return dtypes[0] if dtypes else "float32"
+
+
+def split(named: dict[str, np.ndarray], describe: Sequence[Sequence], parts: Sequence[Part],
+          codec=None) -> list[dict[str, np.ndarray]]:  # fmt: skip
+    """Each shard's piece of the whole-model arrays ``named`` (an anchor, by name; described by
+    ``describe``): its whole leaves by name and its range of the large leaves' flat vector
+    (:data:`FLAT`), as :func:`described` says. :func:`gather` is its inverse."""
+    big = _large(describe, codec) if any(p.size for p in parts) else []
+    flat = None
+    if big:
+        dtype = _flat_dtype(describe, codec)
+        flat = np.concatenate([np.asarray(named[str(describe[i][0])]).reshape(-1) for i in big])
+        flat = flat.astype(dtype, copy=False)
+    pieces = []
+    for part in parts:
+        piece = {str(describe[i][0]): named[str(describe[i][0])] for i in part.leaves}
+        if part.size:
+            assert flat is not None
+            piece[FLAT] = flat[part.values[0] : part.values[1]]
+        pieces.append(piece)
+    return pieces
+
+
+def gather(pieces: Sequence[dict[str, np.ndarray]], describe: Sequence[Sequence],
+           parts: Sequence[Part], codec=None) -> dict[str, np.ndarray]:  # fmt: skip
+    """The whole model's arrays by name, in ``describe``'s order, from every shard's piece
+    (:func:`split`'s inverse: the anchor a learner rebuilds from its shards' answers). Raises
+    ValueError for a piece without a leaf or a range of another size than its part's."""
+    out: dict[str, np.ndarray] = {}
+    for k, (piece, part) in enumerate(zip(pieces, parts, strict=True)):
+        for i in part.leaves:
+            name = str(describe[i][0])
+            if name not in piece:
+                raise ValueError(f"syncer shard {k}'s answer lacks {name}")
+            out[name] = piece[name]
+        got = np.shape(piece[FLAT]) if FLAT in piece else None
+        if part.size and got != (part.size,):
+            raise ValueError(f"syncer shard {k}'s answer holds {got} values of the large "
+                             f"leaves, not ({part.size},)")  # fmt: skip
+    big = _large(describe, codec) if any(p.size for p in parts) else []
+    if big:
+        flat = np.concatenate([piece[FLAT] for piece, p in zip(pieces, parts, strict=True)
+                               if p.size])  # fmt: skip
+        at = 0
+        for i in big:
+            name, shape, dtype = describe[i]
+            size = int(np.prod(shape, dtype=np.int64))
+            out[str(name)] = flat[at : at + size].reshape(shape).astype(dtype, copy=False)
+            at += size
+    return {str(n): out[str(n)] for n, _, _ in describe}
