@@ -277,7 +277,7 @@ MUTANTS = [
            "    path = None\n    if path is None:", ["tests/test_compile_cache.py"]),
     Mutant("a sweep's server never shows a run as done", "runtime", "sim/sweep.py",
            "            server.sweep.finished(name, rows[-1])", "            pass",
-           ["tests/test_sim.py::test_sweep_cli_end_to_end_and_rerun_skips"]),
+           ["tests/test_sim.py::test_the_sweep_command_around_faked_runs_serves_tables_and_reruns_nothing"]),
     Mutant("a shape-changing key declared free of the kept program", "runtime",
            "diloco_jax/run/programs.py", '    "seed",  # an input of the step',
            '    "seed", "data.batch_size",  # an input of the step',

@@ -3,6 +3,7 @@ routing, error feedback, every exchange the same on every layout (virtual replic
 decoders that add replicas in order without duplicate scatter indices, and the mesh's
 collectives carrying encoded bytes."""
 
+import functools
 import re
 
 import chex
@@ -172,6 +173,11 @@ EXCHANGES = {
                                                 dct=False, bits=2)),
 }  # fmt: skip
 SHAPES = [(40, 30), (50,), (7, 9), (3, 100)]  # encoded, float32, float32, encoded
+# the exchanges each layout runs in the default suite, one of each mechanism: a block scale with
+# error feedback (int8, and int4's packing two values to a byte), top-k's positions and their
+# scatter, the DCT's chunks and SparseLoCo's; the slow set runs the others (bf16's and fp8's
+# casts, and each codec with and without error feedback)
+MECHANISMS = ("int8_ef", "int4_ef", "topk", "dct", "sparseloco")
 
 
 def _syncs():
@@ -216,6 +222,7 @@ def _every_exchange(axis_name, names):
     return syncs
 
 
+@functools.cache  # the layout tests share their compiled programs
 def _exchanges_fn(layout, names=tuple(EXCHANGES)):
     """The syncs of :func:`_every_exchange`, jitted, run by ``layout`` as the train step is
     (vmap; shard_map of vmap); arguments as :func:`_syncs` returns them."""
@@ -253,16 +260,22 @@ def _assert_layout_agrees(name, got, want, delta, msg=""):
                                             msg=f"{msg}{name}: ")  # fmt: skip
 
 
-def test_every_exchange_is_the_same_on_every_layout():
+@pytest.mark.parametrize("names", [
+    MECHANISMS,
+    # ~10 s more (a program of 7 exchanges on each layout); stand-in: the mechanisms above
+    pytest.param(tuple(n for n in EXCHANGES if n not in MECHANISMS), marks=pytest.mark.slow),
+], ids=["mechanisms", "the others"])  # fmt: skip
+def test_every_exchange_is_the_same_on_every_layout(names):
     """Given the same pseudo-gradients, every exchange computes the same means and per-replica
     state (residuals, DCT momentum, SparseLoCo's accumulator) on every layout: each replica,
     virtual or not, encodes, drops or restarts as a replica on its own device would, and sums
     run in replica order."""
     args = _syncs()
-    sim = _exchanges_fn(helpers.sim(4))(*args)
+    sim = _exchanges_fn(helpers.sim(4), names)(*args)
+    assert sorted(sim) == sorted(names)
     for layout_name in DISTINCT:
-        mesh = _exchanges_fn(LAYOUTS[layout_name])(*args)
-        for name in EXCHANGES:
+        mesh = _exchanges_fn(LAYOUTS[layout_name], names)(*args)
+        for name in names:
             _assert_layout_agrees(name, mesh[name], sim[name], args[0], f"{layout_name}: ")
     delta, w_TxR, _ = args
     exact = [np.einsum("r,r...->...", w_TxR[0], d[0]) / 3.5 for d in delta]
@@ -278,8 +291,9 @@ def test_the_layout_comparison_fails_a_planted_bug():
     its residual, fails them, the DCT's share bound and int8's alike."""
     delta, w_TxR, finite_TxR = _syncs()
     names = ("int8_ef", "dct", "sparseloco")
-    sim = _exchanges_fn(helpers.sim(4), names)(delta, w_TxR, finite_TxR)
-    mesh = _exchanges_fn(LAYOUTS["2 devices x 2 virtual"], names)
+    # the programs of the test above (compiled once): it runs these among its mechanisms
+    sim = _exchanges_fn(helpers.sim(4), MECHANISMS)(delta, w_TxR, finite_TxR)
+    mesh = _exchanges_fn(LAYOUTS["2 devices x 2 virtual"], MECHANISMS)
     swapped = [d[:, [1, 0, 2, 3]] for d in delta]
     got = mesh(swapped, w_TxR, finite_TxR)
     for name in names:

@@ -1,9 +1,11 @@
 """The run's HTTP view and control (issue 16): the board against hand-fed events, the server's
 answers (status, metrics, dashboard, 401, 400, 413, 404) in process, a stalled client, and a live
-tiny run in a subprocess steered over HTTP (eval, checkpoint, stop with exit 0 and a checkpoint)."""
+tiny run steered over HTTP (eval, checkpoint, stop with exit 0 and a checkpoint): the command's
+main in this process by default, the command in a child process in the slow set."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -11,6 +13,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -232,32 +235,26 @@ def _events(workdir) -> list[dict]:
     return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_live_run_is_steered_over_http(tmp_path):
+LIVE_FLAGS = ["--config", "tiny", "--config.train.total_steps=40000",
+              "--config.train.eval_every=10000", "--config.train.sample_chars=0"]  # fmt: skip
+
+
+def _steer(port, run, workdir) -> int:
     """A tiny run that would take 40000 steps: an eval and a checkpoint asked over HTTP happen at
     the next call boundary; an outer learning rate set over HTTP is logged; a stop ends the run
-    there with a checkpoint and exit 0; the same command resumes with that learning rate."""
-    port, workdir = free_port(), tmp_path / "run"
-    env = {**os.environ, serve.TOKEN_ENV: TOKEN, "TQDM_DISABLE": "1"}
-    command = [sys.executable, "-m", "diloco_jax.train", "--config", "tiny", "--workdir",
-               str(workdir), f"--config.serve.port={port}", "--config.train.total_steps=40000",
-               "--config.train.eval_every=10000", "--config.train.sample_chars=0"]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        status = _wait_for(port, proc, lambda s: s["step"] >= 10)
-        assert status["state"] == "running" and len(status["replica_state"]) == 4
-        for action in ("eval", "checkpoint"):
-            assert _request(port, "POST", f"/control/{action}", "{}", _auth())[0] == 202
-        status = _wait_for(port, proc, lambda s: len(s["controls"]) == 2
-                           and s["last_checkpoint"] is not None)  # fmt: skip
-        done = {c["action"]: c["step"] for c in status["controls"]}
-        assert status["last_checkpoint"] == done["checkpoint"] and done["eval"] % 10000 != 0
-        assert _request(port, "POST", "/control/outer_lr", '{"value": 0.35}', _auth())[0] == 202
-        _wait_for(port, proc, lambda s: s["outer_lr"] == 0.35)
-        out = _stop(port, proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    there with a checkpoint. ``run``: the run, something with ``poll()`` and ``communicate()``
+    (:func:`_stop`); returns the step it stopped at."""
+    status = _wait_for(port, run, lambda s: s["step"] >= 10)
+    assert status["state"] == "running" and len(status["replica_state"]) == 4
+    for action in ("eval", "checkpoint"):
+        assert _request(port, "POST", f"/control/{action}", "{}", _auth())[0] == 202
+    status = _wait_for(port, run, lambda s: len(s["controls"]) == 2
+                       and s["last_checkpoint"] is not None)  # fmt: skip
+    done = {c["action"]: c["step"] for c in status["controls"]}
+    assert status["last_checkpoint"] == done["checkpoint"] and done["eval"] % 10000 != 0
+    assert _request(port, "POST", "/control/outer_lr", '{"value": 0.35}', _auth())[0] == 202
+    _wait_for(port, run, lambda s: s["outer_lr"] == 0.35)
+    out = _stop(port, run)
     assert "stopped by POST /control/stop" in out
     events = _events(workdir)
     controls = {a: e["step"] for e in events if e["event"] == "control" for a in e["actions"]}
@@ -266,13 +263,98 @@ def test_a_live_run_is_steered_over_http(tmp_path):
     assert (workdir / "checkpoints" / str(done["checkpoint"])).is_dir()
     assert (workdir / "checkpoints" / str(controls["stop"])).is_dir() and controls["stop"] < 40000
     assert [e["outer_lr"] for e in events if "outer_lr" in e.get("actions", ())] == [0.35]
-    # the same command resumes at the stop with the outer learning rate set over HTTP
+    return controls["stop"]
+
+
+def _resumed(port, run, stopped: int) -> None:
+    """The same command resumes at the stop with the outer learning rate set over HTTP."""
+    status = _wait_for(port, run, lambda s: s["step"] > stopped)
+    assert status["outer_lr"] == 0.35
+    _stop(port, run)
+
+
+class _InThisProcess:
+    """``python -m diloco_jax.train``'s ``main(argv)`` run in this process's main thread (its
+    signal handlers need it) while ``steer(self)`` runs in another thread and reads it as it
+    would read a child process: :meth:`poll` is None until ``main`` returns, then its exit
+    status; :meth:`communicate` waits for that and gives what it printed."""
+
+    def __init__(self, argv, capsys, port):
+        self.argv, self.capsys, self.port, self.returncode = argv, capsys, port, None
+        self.ended = threading.Event()
+
+    def poll(self):
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        assert self.ended.wait(timeout), "the run did not end"
+        return self.out, self.err
+
+    def run(self, steer):
+        from diloco_jax.train import main
+
+        failed = []
+
+        def steering():
+            try:
+                steer(self)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+                failed.append(e)
+                with contextlib.suppress(OSError):  # the run ends at its next call boundary
+                    _request(self.port, "POST", "/control/stop", "{}", _auth())
+
+        thread = threading.Thread(target=steering, daemon=True)
+        self.capsys.readouterr()
+        thread.start()
+        try:
+            self.returncode = main(self.argv)
+        finally:
+            self.out, self.err = self.capsys.readouterr()
+            self.ended.set()
+            thread.join(timeout=60)
+        if failed:
+            raise failed[0]
+        assert not thread.is_alive(), "the steering thread did not end"
+
+
+def test_a_live_run_in_this_process_is_steered_over_http_and_resumes(tmp_path, capsys,
+                                                                     monkeypatch):  # fmt: skip
+    """The command's ``main`` in this process, steered over HTTP as the slow test below steers
+    the command in a child process (:func:`_steer`: eval, checkpoint, outer learning rate, stop
+    with a checkpoint and exit 0); the same arguments resume with that learning rate."""
+    monkeypatch.setenv(serve.TOKEN_ENV, TOKEN)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    port, workdir = free_port(), tmp_path / "run"
+    argv = [*LIVE_FLAGS, "--workdir", str(workdir), f"--config.serve.port={port}"]
+    stopped = []
+    run = _InThisProcess(argv, capsys, port)
+    run.run(lambda r: stopped.append(_steer(port, r, workdir)))
+    assert run.returncode == 0 and len(stopped) == 1
+    again = _InThisProcess(argv, capsys, port)
+    again.run(lambda r: _resumed(port, r, stopped[0]))
+    assert again.returncode == 0
+
+
+@pytest.mark.slow  # ~30 s alone, ~70 s in the suite: two commands, each importing JAX; the
+# default suite's stand-in: the same steering of the command's main in this process (above)
+def test_a_live_run_is_steered_over_http(tmp_path):
+    """The command in a child process, steered over HTTP (:func:`_steer`): it exits 0 at the
+    stop with a checkpoint; the same command resumes with the outer learning rate set."""
+    port, workdir = free_port(), tmp_path / "run"
+    env = {**os.environ, serve.TOKEN_ENV: TOKEN, "TQDM_DISABLE": "1"}
+    command = [sys.executable, "-m", "diloco_jax.train", *LIVE_FLAGS, "--workdir", str(workdir),
+               f"--config.serve.port={port}"]  # fmt: skip
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        status = _wait_for(port, proc, lambda s: s["step"] > controls["stop"])
-        assert status["outer_lr"] == 0.35
-        _stop(port, proc)
+        stopped = _steer(port, proc, workdir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _resumed(port, proc, stopped)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -328,7 +410,8 @@ def test_an_outer_scale_is_the_outer_learning_rate_changed_between_syncs():
 
 
 @pytest.mark.slow  # ~30 s: a sweep in its own process; by default test_sim's sweep (in-process)
-# reads the same /status over HTTP as each run starts
+# reads the same /status over HTTP as each run starts (around faked runs; their training:
+# test_user_task's sweep)
 def test_a_sweep_serves_its_runs_and_table_so_far(tmp_path):
     """``python -m sim`` with serve.port: one server for the whole sweep; while the second run
     trains, /status is that run's, with the first run done and its table row."""
@@ -355,7 +438,7 @@ def test_a_sweep_serves_its_runs_and_table_so_far(tmp_path):
     assert "| learning_rate=0.7 |" in out
 
 
-@pytest.mark.slow  # ~60 s; the default suite keeps the one-process live run
+@pytest.mark.slow  # ~60 s; the default suite keeps the one-process live run (in this process)
 def test_two_processes_agree_on_every_action_asked_of_process_0(tmp_path):
     """Process 0 serves; both processes change the outer learning rate and stop at the step it
     broadcasts: a difference would fail the anchor's cross-device check (exit 1) or hang the

@@ -157,15 +157,13 @@ def test_sim_config_errors(key, value, match):
         validate(apply_overrides(Config(), [(key, value)]))
 
 
-def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys, monkeypatch):
-    """The sweep, its tables and figures; with serve.port, one server for the whole sweep whose
-    /status, as each run starts, shows the runs done before it and their table rows (the same
-    from another process: test_serve's slow test); a rerun trains nothing."""
+def _watched_sweep(monkeypatch) -> tuple[int, list]:
+    """A port for the sweep's server, and the list its ``/status`` is appended to (its
+    ``sweep`` part, read over HTTP) as each run starts."""
     from diloco_jax.watch import serve
-    from sim.__main__ import main
     from tests.test_serve import _request, free_port
 
-    seen = []  # /status as each run starts, read over HTTP from the sweep's server
+    seen = []
 
     class Watched(serve.SweepBoard):
         def started(self, name):
@@ -174,21 +172,98 @@ def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(serve, "SweepBoard", Watched)
     port = free_port()
+    return port, seen
 
-    # the outer learning rate and the seed are inputs of one compiled step (and ddp's own)
-    args = ["--config", "configs/tiny.py", "--workdir", str(tmp_path), "--sweep",
-            "outer.learning_rate=0.5,0.7", "--baselines", "ddp", "--seeds", "0,1",
-            "--config.outer.sync_every=5", "--config.train.total_steps=10",
-            "--config.train.sample_chars=0", "--config.train.checkpoint=false",
-            f"--config.serve.port={port}"]  # fmt: skip
-    with helpers.drawing_figures():
-        assert main(args) == 0
-    table = capsys.readouterr().out
-    assert "| learning_rate=0.7 |" in table and "±" in table
+
+def _assert_served(seen) -> None:
+    """As each of the sweep's 6 runs started, /status showed the runs done before it (their
+    final losses) and their table rows."""
     assert len(seen) == 6 and [r["state"] for r in seen[1]["runs"]][:3] == [
         "done", "running", "pending"]  # fmt: skip
     assert [row["run"] for row in seen[1]["table"]] == [seen[1]["runs"][0]["run"]]
     assert seen[5]["runs"][4]["final_eval_loss"] is not None and len(seen[5]["table"]) == 5
+
+
+# the outer learning rate and the seed are inputs of one compiled step (and ddp's own)
+SWEEP = ["--config", "configs/tiny.py", "--sweep", "outer.learning_rate=0.5,0.7",
+         "--baselines", "ddp", "--seeds", "0,1", "--config.outer.sync_every=5",
+         "--config.train.total_steps=10", "--config.train.sample_chars=0",
+         "--config.train.checkpoint=false"]  # fmt: skip
+
+
+def _summaries(tmp_path) -> dict:
+    return {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/summary.json")}
+
+
+def test_the_sweep_command_around_faked_runs_serves_tables_and_reruns_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    """The sweep command with each run's training faked (what a finished run returns and
+    leaves): each run gets its swept config; one server for the whole sweep, whose /status shows
+    the runs done so far and their rows; the table's spread over seeds, the bytes against ddp;
+    a rerun trains nothing; another network changes the clock only. The stand-in of the slow
+    test below, which trains the runs and reads their figures."""
+    from sim.__main__ import main
+
+    trained = []
+
+    def train(cfg, rundir, **_):
+        trained.append((rundir.name, cfg.algorithm, cfg.outer.learning_rate, cfg.seed))
+        rundir.mkdir(parents=True)
+        loss = 2.0 + cfg.outer.learning_rate + cfg.seed / 10  # each run its own
+        with open(rundir / "metrics.jsonl", "w") as f:
+            for step in (5, 10):
+                f.write(json.dumps({"event": "eval", "step": step, "eval_loss": loss + 1 / step,
+                                    "tokens": step * 512}) + "\n")  # fmt: skip
+        return {"final_eval_loss": loss + 0.1, "steps": 10, "tokens": 5120,
+                "step_seconds": 0.01, "unit": "token", "unigram_entropy": None,
+                "preempted": None, "state": None}  # fmt: skip
+
+    monkeypatch.setattr("diloco_jax.train.train", train)
+    monkeypatch.setattr(
+        "diloco_jax.base.extras.missing", lambda *m: [x for x in m if x == "matplotlib"]
+    )  # the slow test draws
+    port, seen = _watched_sweep(monkeypatch)
+    args = [*SWEEP, "--workdir", str(tmp_path), f"--config.serve.port={port}"]
+    assert main(args) == 0
+    want = [(f"learning_rate={lr},seed={seed}", "diloco", lr, seed)
+            for lr in (0.5, 0.7) for seed in (0, 1)]  # fmt: skip
+    want += [(f"ddp,seed={seed}", "ddp", 0.7, seed) for seed in (0, 1)]
+    assert sorted(trained) == sorted(want)
+    table = capsys.readouterr().out
+    assert "| learning_rate=0.7 | 2.850 ± 0.050 |" in table, table
+    _assert_served(seen)
+    by_run = {r["run"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert len(by_run) == 6 and by_run["learning_rate=0.5,seed=1"]["final_eval_loss"] == "2.7"
+    assert float(by_run["ddp,seed=0"]["bytes_vs_ddp"]) == pytest.approx(1.0)
+    assert float(by_run["learning_rate=0.5,seed=0"]["bytes_vs_ddp"]) == pytest.approx(0.2)
+    stamps = _summaries(tmp_path)
+    assert len(stamps) == 6 and json.loads(next(iter(stamps)).read_text())["evals"]
+    trained.clear()
+    assert main(args) == 0 and trained == [] and _summaries(tmp_path) == stamps
+    assert main([*args, "--config.sim.network=wan_1gbit"]) == 0 and trained == []
+    wan = {r["run"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert float(wan["ddp,seed=0"]["sim_wallclock_s"]) > float(
+        by_run["ddp,seed=0"]["sim_wallclock_s"])  # fmt: skip
+    assert wan["ddp,seed=0"]["final_eval_loss"] == by_run["ddp,seed=0"]["final_eval_loss"]
+
+
+@pytest.mark.slow  # ~30 s alone, ~55 s in the suite: six tiny trainings and their figures; the
+# default suite's stand-ins: the same sweep around faked runs (above) and test_user_task's
+# sweep of trained runs (test_a_python_sweep_reuses_finished_runs_of_the_same_task_only)
+def test_sweep_cli_end_to_end_and_rerun_skips(tmp_path, capsys, monkeypatch):
+    """The sweep, its tables and figures; with serve.port, one server for the whole sweep whose
+    /status, as each run starts, shows the runs done before it and their table rows (the same
+    from another process: test_serve's slow test); a rerun trains nothing."""
+    from sim.__main__ import main
+
+    port, seen = _watched_sweep(monkeypatch)
+    args = [*SWEEP, "--workdir", str(tmp_path), f"--config.serve.port={port}"]
+    with helpers.drawing_figures():
+        assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "| learning_rate=0.7 |" in table and "±" in table
+    _assert_served(seen)
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert len(rows) == 6
     for col in ("run", "replicas", "sync_every", "tokens", "final_eval_loss",
