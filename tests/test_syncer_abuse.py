@@ -329,7 +329,9 @@ def test_guard_fields_and_lanes_by_definition():
     assert lanes.enter("b", "Push") and lanes.enter("a", "Heartbeat")
     lanes.leave("a", "Push")
     assert lanes.enter("a", "Push") and not lanes.enter("a", "Push")
-    assert lanes.workers(8) == guard.SPARE_WORKERS + 8 * sum(guard.LANES.values())
+    each = sum(guard.LANES.values()) - guard.LANES["Decision"]  # a learner's lanes
+    assert lanes.workers(8) == guard.SPARE_WORKERS + 8 * each
+    assert lanes.workers(8, shards=4) == lanes.workers(8) + 3  # a Decision lane per follower
 
 
 _FLOOD = """

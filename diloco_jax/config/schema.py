@@ -233,7 +233,12 @@ class SyncerConfig:
     """Independent learners and a syncer (``diloco_jax/learners/``): a run with
     ``syncer.address`` is a learner; ``python -m diloco_jax.syncer`` serves at it."""
 
-    address: str = _key("", "HOST:PORT of the syncer; a run with it is a learner; empty: none")
+    address: str = _key("", "HOST:PORT of the syncer (shards: each one's, comma-separated); "
+                        "a run with it is a learner")  # fmt: skip
+    shards: int = _key(1, "syncer shards: the anchor split over this many syncer processes, "
+                       "shard 0 deciding each round")  # fmt: skip
+    shard: int = _key(0, "the syncer process's shard in [0, syncer.shards); learners ignore "
+                      "it")  # fmt: skip
     learner: int = _key(0, "this learner's index in [0, syncer.learners): its data shards")
     learners: int = _key(1, "the learners declared: the data is split into this many parts")
     timeout: float = _key(60.0, "seconds a round waits after its first push for the others; "

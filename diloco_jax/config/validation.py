@@ -124,14 +124,32 @@ def _validate_syncer(cfg: Config) -> None:
     with no overlap), its push through a codec or, with DCT momentum and SparseLoCo, the
     replicas' messages (the core refuses those with streaming)."""
     sy, t, o, st = cfg.syncer, cfg.train, cfg.outer, cfg.streaming
-    host, _, port = sy.address.rpartition(":")
+    where = [a.strip() for a in sy.address.split(",")] if sy.address else []
+    hosts = [a.rpartition(":") for a in where]
     rules = [
+        ("syncer.shards", sy.shards >= 1, "must be an integer >= 1"),
+        ("syncer.shard", 0 <= sy.shard < sy.shards, f"must be in [0, syncer.shards = {sy.shards})"),
+        ("syncer.address", not where or len(where) == sy.shards,
+         f"holds {len(where)} address(es), but syncer.shards = {sy.shards}: one HOST:PORT per "
+         "shard, comma-separated, shard 0's first"),
+        *[("syncer.address", h and p.isdigit() and 0 < int(p) < 65536,
+           f"must be HOST:PORT{'[,HOST:PORT...]' * (sy.shards > 1)}, not {a!r}")
+          for a, (h, _, p) in zip(where, hosts, strict=True)],
+        ("syncer.shards", sy.shards == 1 or st.fragments == 1,
+         f"must be 1 with streaming.fragments = {st.fragments} (sharded syncers do not hold "
+         "fragments yet)"),
+        ("syncer.shards", sy.shards == 1 or o.mode != "eager",
+         "must be 1 with outer.mode=eager (sharded syncers answer with the anchor)"),
+        ("syncer.shards", sy.shards == 1 or cfg.compress.codec in (
+            "none", "bf16", "int8", "fp8", "int4"), f"must be 1 with compress.codec = "
+         f"{cfg.compress.codec}: it chooses what it sends over the whole vector, which "
+         "syncer shards cannot cut"),
+        ("syncer.mutual_tls", sy.shards == 1 or not sy.mutual_tls,
+         "does not combine with syncer.shards > 1 yet (the shards' own certificates)"),
         ("syncer.learners", sy.learners >= 1, "must be an integer >= 1"),
         ("syncer.status_port", 0 <= sy.status_port <= 65535, "must be in [0, 65535] (0: off)"),
         ("syncer.learner", 0 <= sy.learner < sy.learners,
          f"must be in [0, syncer.learners = {sy.learners})"),
-        ("syncer.address", not sy.address or (host and port.isdigit() and 0 < int(port) < 65536),
-         "must be HOST:PORT"),
         *[(f"syncer.{k}", getattr(sy, k) > 0 and math.isfinite(getattr(sy, k)),
            "must be a finite number of seconds > 0") for k in ("timeout", "dead_after",
                                                                 "heartbeat")],
@@ -156,8 +174,9 @@ def _validate_syncer(cfg: Config) -> None:
             pathlib.Path(sy.credentials) / "ca.pem").is_file(),
          "must be a folder made by `diloco-syncer certs DIR` (DIR/syncer or DIR/learner_I), "
          "holding ca.pem"),
-        ("syncer.address", not sy.address or sy.credentials or sy.insecure or access.is_loopback(
-            host.strip("[]")), "is off loopback without TLS: set syncer.credentials (a folder of "
+        ("syncer.address", not sy.address or sy.credentials or sy.insecure or all(
+            access.is_loopback(h.strip("[]")) for h, _, _ in hosts),
+         "is off loopback without TLS: set syncer.credentials (a folder of "
          "`diloco-syncer certs DIR`), or syncer.insecure=true to send credentials and tensors in "
          "clear"),
         ("syncer.mutual_tls", not sy.mutual_tls or sy.credentials,

@@ -32,8 +32,8 @@ from diloco_jax.base.axes import REPLICA
 from diloco_jax.base.extras import MissingExtra
 from diloco_jax.config import cli, recipe
 from diloco_jax.learners import credentials as credentials_lib
+from diloco_jax.learners import following, identity, service, sessions
 from diloco_jax.learners import learner as learner_lib
-from diloco_jax.learners import service, sessions
 from diloco_jax.learners.status import StatusServer
 from diloco_jax.learners.syncer import Syncer
 from diloco_jax.watch import reporting
@@ -74,14 +74,18 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path, cls=Syncer, **ext
                   outer_scale=recipe.outer_lr_input(cfg), codec=recipe.push_codec_of(cfg),
                   weigh_rounds=sy.weigh_rounds, late_weight=sy.late_weight,
                   answer_mean=cfg.outer.mode == "eager",
-                  compress_answers=cfg.compress.answers)  # fmt: skip
+                  compress_answers=cfg.compress.answers,
+                  decides=sy.shard == 0)  # fmt: skip
 
 
 def serve(cfg: config_lib.Config, workdir: pathlib.Path):
-    """The syncer of ``cfg`` listening at ``syncer.address``, and its status server at
-    ``syncer.status_port`` (None when 0), both started."""
+    """The syncer of ``cfg`` listening at ``syncer.address`` (with ``syncer.shards``, shard
+    ``syncer.shard``'s address of the list, and a shard but 0 following shard 0's rounds:
+    :mod:`.following`), and its status server at ``syncer.status_port`` (None when 0), both
+    started."""
     sy = cfg.syncer
-    host, _, port = sy.address.rpartition(":")
+    addresses = [a.strip() for a in sy.address.split(",")]
+    host, _, port = addresses[sy.shard].rpartition(":")
     host = host.strip("[]")
     secret = syncer_token(sy.token_file, workdir, credentials=sy.credentials)
     tls = credentials_lib.tls_of(sy.credentials)
@@ -90,7 +94,12 @@ def serve(cfg: config_lib.Config, workdir: pathlib.Path):
                          "give the syncer its own folder (DIR/syncer)")  # fmt: skip
     server = service.Server(make_syncer(cfg, workdir), host, int(port), secret=secret, tls=tls,
                             mutual=sy.mutual_tls, insecure=sy.insecure,
-                            wait_timeout=sy.timeout * 4 + 30)  # fmt: skip
+                            wait_timeout=sy.timeout * 4 + 30, shards=sy.shards)  # fmt: skip
+    if sy.shard > 0:  # asks shard 0 how each round closed, as the shard it is
+        leader = service.Client(addresses[0], identity.shard_credential(secret, sy.shard),
+                                tls=tls, timeout=service.DECISION_WAIT + 30,
+                                credentials=sy.credentials)  # fmt: skip
+        server.follower = following.Follower(server.syncer, leader, sy.shard).start()
     page = None
     if sy.status_port:
         page = StatusServer(server.syncer, host, sy.status_port, secret=secret, tls=tls,
@@ -188,8 +197,10 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m diloco_jax.syn
     except (config_lib.ConfigError, MissingExtra, OSError, ValueError) as e:  # one line
         print(f"error: {e}", file=sys.stderr)
         return 2
-    log.info("syncer listening at %s:%d for %d learners (round %d); workdir %s", server.host,
-             server.port, cfg.syncer.learners, server.syncer.round, workdir)  # fmt: skip
+    sy = cfg.syncer
+    which = f"syncer shard {sy.shard} of {sy.shards}" if sy.shards > 1 else "syncer"
+    log.info("%s listening at %s:%d for %d learners (round %d); workdir %s", which, server.host,
+             server.port, sy.learners, server.syncer.round, workdir)  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-LANES = {"Join": 2, "Push": 2, "Heartbeat": 1, "Leave": 1}  # a retry may overlap its first try
+# a retry may overlap its first try; Decision: a following syncer shard's (issue 62)
+LANES = {"Join": 2, "Push": 2, "Heartbeat": 1, "Leave": 1, "Decision": 1}
 IDLE = 60.0  # seconds a call may go without a message either way (not while it waits a round)
 SPARE_WORKERS = 16  # workers beyond the lanes: for refusals, which hold one for microseconds
 PUSH_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -56,9 +57,11 @@ class Lanes:
             else:
                 self.busy.pop((who, method), None)
 
-    def workers(self, learners: int) -> int:
-        """The server's pool: a worker for every lane of ``learners`` learners, and spares."""
-        return SPARE_WORKERS + learners * sum(self.limits.values())
+    def workers(self, learners: int, shards: int = 1) -> int:
+        """The server's pool: a worker for every lane of ``learners`` learners and of the
+        ``shards`` - 1 syncer shards that follow this one, and spares."""
+        each = sum(n for method, n in self.limits.items() if method != "Decision")
+        return SPARE_WORKERS + learners * each + (shards - 1) * self.limits.get("Decision", 0)
 
 
 class Watched:
@@ -186,6 +189,16 @@ def push_fields(fields: dict) -> tuple[int, int, float, str, int | None]:
         raise BadField(f"push id {_shown(push_id)} is not 1-64 characters of [0-9A-Za-z_-]")
     holds = None if fields.get("holds") is None else integer(fields, "holds", -1)
     return generation, base, float(weight), push_id, holds
+
+
+def push_finite(fields: dict) -> bool | None:
+    """Whether a push to a syncer shard says its learner's whole mean is finite (None: not
+    said, as a push to a single syncer, which sees every leaf): a boolean, or
+    :class:`BadField`."""
+    finite = fields.get("finite")
+    if finite is None or isinstance(finite, bool):
+        return finite
+    raise BadField(f"finite must be true or false, not {_shown(finite)}")
 
 
 def push_loss(fields: dict) -> float | None:

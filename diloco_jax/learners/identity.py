@@ -7,7 +7,10 @@ party holds a credential derived from it with HMAC-SHA256:
 
 * learner ``I``: ``learner.I.<hex of HMAC(secret, "diloco-jax learner I")>``;
 * the operator (status page, ``/metrics``, control): ``operator.<hex of HMAC(secret,
-  "diloco-jax operator")>``.
+  "diloco-jax operator")>``;
+* syncer shard ``K`` (``syncer.shards``, issue 62), asking shard 0 how each round closed:
+  ``shard.K.<hex of HMAC(secret, "diloco-jax shard K")>`` (a shard holds the secret: it makes
+  its own).
 
 The syncer recomputes the HMAC of the identity a credential names and compares it in constant
 time (:func:`identify`); a learner's credential says nothing about the secret or another
@@ -27,17 +30,18 @@ from typing import NamedTuple
 log = logging.getLogger("diloco_jax")
 OPERATOR = "operator"
 LEARNER = "learner"
+SHARD = "shard"
 
 
 class Identity(NamedTuple):
-    """A caller the syncer knows: ``kind`` ``"learner"`` (with its index, ``learner``) or
-    ``"operator"`` (learner -1)."""
+    """A caller the syncer knows: ``kind`` ``"learner"`` or ``"shard"`` (with its index,
+    ``learner``) or ``"operator"`` (learner -1)."""
 
     kind: str
     learner: int = -1
 
     def __str__(self) -> str:
-        return f"learner {self.learner}" if self.kind == LEARNER else self.kind
+        return self.kind if self.kind == OPERATOR else f"{self.kind} {self.learner}"
 
 
 def _mac(secret: str, what: str) -> str:
@@ -54,12 +58,22 @@ def operator_credential(secret: str) -> str:
     return f"{OPERATOR}.{_mac(secret, OPERATOR)}"
 
 
+def shard_credential(secret: str, index: int) -> str:
+    """Syncer shard ``index``'s credential for the run whose secret is ``secret``."""
+    return f"{SHARD}.{index}.{_mac(secret, f'{SHARD} {index}')}"
+
+
+def _indexed(credential: str, kind: str) -> int | None:
+    parts = credential.split(".")
+    index = parts[1] if len(parts) == 3 and parts[0] == kind else ""
+    if index.isascii() and index.isdigit() and len(index) < 10:
+        return int(index)
+    return None
+
+
 def named_learner(credential: str) -> int | None:
     """The learner index a credential names (unverified), or None when it names none."""
-    parts = credential.split(".")
-    if len(parts) == 3 and parts[0] == LEARNER and parts[1].isdigit():
-        return int(parts[1])
-    return None
+    return _indexed(credential, LEARNER)
 
 
 def identify(secret: str, credential: str) -> Identity | None:
@@ -67,9 +81,11 @@ def identify(secret: str, credential: str) -> Identity | None:
     malformed or empty). Constant time in the credential's MAC."""
     if not secret or not credential:
         return None
-    index = named_learner(credential)
+    index, shard = named_learner(credential), _indexed(credential, SHARD)
     if index is not None:
         want, who = learner_credential(secret, index), Identity(LEARNER, index)
+    elif shard is not None:
+        want, who = shard_credential(secret, shard), Identity(SHARD, shard)
     elif credential.startswith(OPERATOR + "."):
         want, who = operator_credential(secret), Identity(OPERATOR)
     else:

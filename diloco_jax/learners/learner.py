@@ -57,7 +57,7 @@ from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.base.axes import LOCAL_REPLICA, REPLICA
 from diloco_jax.config import recipe
-from diloco_jax.learners import answers, credentials, guard, payload, service, wire
+from diloco_jax.learners import answers, credentials, fanout, guard, payload, service, wire
 from diloco_jax.runtime import fsdp, parallel
 
 # the keys every learner must share with the syncer: what its outer step and merge mean
@@ -71,7 +71,7 @@ SHARED_KEYS = ("algorithm", "outer.optimizer", "outer.learning_rate", "outer.mom
                "compress.dct_beta", "compress.sparse_chunk", "compress.sparse_topk",
                "compress.sparse_beta", "compress.sparse_bits",
                "streaming.fragments",
-               "syncer.learners", "seed", "train.total_steps")  # fmt: skip
+               "syncer.learners", "syncer.shards", "seed", "train.total_steps")  # fmt: skip
 
 
 # seconds a learner asked to stop keeps trying a syncer it cannot reach: then it saves and ends
@@ -457,15 +457,20 @@ def connect(cfg, algorithm, flat_config: dict, log, *, mesh=None, replicas: int 
     with FSDP (:func:`diloco_jax.runtime.parallel.state_specs`)."""
     sy = cfg.syncer
     tls = credentials.tls_of(sy.credentials)
-    client = service.Client(sy.address, credentials.credential(sy), tls=tls,
-                            timeout=sy.timeout * 4 + 60, credentials=sy.credentials)  # fmt: skip
+    clients = [service.Client(address.strip(), credentials.credential(sy), tls=tls,
+                              timeout=sy.timeout * 4 + 60, credentials=sy.credentials)
+               for address in sy.address.split(",")]  # fmt: skip
+    codec, compressed = recipe.push_codec_of(cfg), cfg.compress.answers
+    client: Any = clients[0]
+    if sy.shards > 1:  # every call to every shard; each shard's answer rebuilt there
+        client, compressed = fanout.Fanout(clients, codec, compressed), False
     rows = cfg.data.batch_size * algorithm.plan.period  # a round's (streaming: a fragment's)
     return Learner(client, algorithm, learner=sy.learner, keys=shared_keys(flat_config),
                    rows_per_round=rows, heartbeat=sy.heartbeat, log=log,
-                   codec=recipe.push_codec_of(cfg), overlap=cfg.outer.mode == "delayed", mesh=mesh,
+                   codec=codec, overlap=cfg.outer.mode == "delayed", mesh=mesh,
                    replicas=replicas, learners=sy.learners,
                    outer_scale=recipe.outer_lr_input(cfg), fsdp_specs=fsdp_specs,
-                   compress_answers=cfg.compress.answers)  # fmt: skip
+                   compress_answers=compressed)  # fmt: skip
 
 
 def _sync_parts(algorithm, mesh, learners: int, fsdp_specs=None, fragment: int | None = None):

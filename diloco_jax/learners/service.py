@@ -98,16 +98,22 @@ class Abort(Exception):
         self.code, self.details = code, details
 
 
+DECISION_WAIT = 20.0  # seconds a Decision call waits for its round to close, then answers null
+
+
 class Server:
     """``syncer`` served at ``host:port`` (0: a free port, see :attr:`port`). ``secret``: the
     run's secret (:mod:`.identity`); ``tls``: the syncer's :class:`~.certs.Tls` (None:
     plaintext, refused off loopback unless ``insecure``); ``mutual``: learners must show a
     certificate of the run's CA. ``idle``: seconds a call may go without a message before it
-    is cancelled (:mod:`.guard`). One process per port: a port already taken is refused."""
+    is cancelled (:mod:`.guard`). ``shards``: the run's syncer shards (``syncer.shards``; the
+    deciding one answers the others' ``Decision`` calls). One process per port: a port
+    already taken is refused."""
 
     def __init__(self, syncer: Syncer, host: str, port: int, *, secret: str, tls=None,
                  mutual: bool = False, insecure: bool = False, max_bytes: int = 1 << 34,
-                 wait_timeout: float = 600.0, idle: float = guard.IDLE):  # fmt: skip
+                 wait_timeout: float = 600.0, idle: float = guard.IDLE,
+                 shards: int = 1):  # fmt: skip
         grpc = _grpc()
         if not secret:
             raise ValueError("the syncer needs the run's secret (syncer.credentials, "
@@ -117,15 +123,17 @@ class Server:
         if mutual and tls is None:
             raise ValueError("syncer.mutual_tls needs TLS: set syncer.credentials")
         self.syncer, self.secret, self.max_bytes = syncer, secret, max_bytes
-        self.wait_timeout, self.mutual = wait_timeout, mutual
+        self.wait_timeout, self.mutual, self.shards = wait_timeout, mutual, shards
         self.failures = identity.Failures(syncer.event)
         self.lanes, self.watchdog = guard.Lanes(), guard.Watchdog(idle)
         self.errors = 0  # calls that ended in an error of the syncer's own (logged)
-        pool = futures.ThreadPoolExecutor(self.lanes.workers(syncer.learners),
+        self.follower: Any = None  # a shard but 0: its thread asking shard 0's decisions
+        self.decision_wait = DECISION_WAIT
+        pool = futures.ThreadPoolExecutor(self.lanes.workers(syncer.learners, shards),
                                           thread_name_prefix="served")  # fmt: skip
         self._server = grpc.server(pool, options=_options(max_bytes) + [("grpc.so_reuseport", 0)])
         methods = (("Join", self._join), ("Push", self._push), ("Heartbeat", self._heartbeat),
-                   ("Leave", self._leave))  # fmt: skip
+                   ("Leave", self._leave), ("Decision", self._decision))  # fmt: skip
         handlers = {name: grpc.stream_stream_rpc_method_handler(self._served(name, fn))
                     for name, fn in methods}  # fmt: skip
         self._server.add_generic_rpc_handlers(
@@ -157,6 +165,8 @@ class Server:
         return self
 
     def stop(self, grace: float = 0.5) -> None:
+        if self.follower is not None:
+            self.follower.stop()
         self._server.stop(grace).wait()
         self.watchdog.stop()
 
@@ -198,7 +208,7 @@ class Server:
         who = identity.identify(self.secret, given.removeprefix("Bearer "))
         if who is not None and self.mutual:  # the certificate must name the same party
             names = context.auth_context().get("x509_common_name", [])
-            want = f"learner-{who.learner}" if who.kind == identity.LEARNER else who.kind
+            want = who.kind if who.kind == identity.OPERATOR else f"{who.kind}-{who.learner}"
             if [n.decode() for n in names] != [want]:
                 who = None
         if who is None:
@@ -273,7 +283,7 @@ class Server:
         header, it = self._opened(requests, context, who)
         try:
             generation, base, weight, push_id, holds = guard.push_fields(header.fields)
-            loss = guard.push_loss(header.fields)
+            loss, finite = guard.push_loss(header.fields), guard.push_finite(header.fields)
         except guard.BadField as e:
             raise Abort("INVALID_ARGUMENT", f"refused: a push whose {e}") from None
         sy, learner, alive = self.syncer, int(header.fields["learner"]), context.is_active
@@ -285,7 +295,7 @@ class Server:
                 settled = sy.settled(ticket, self.wait_timeout, alive)
             ticket = settled if settled is not None else _refusing(admit)
         if ticket.kind == "new":
-            late = self._receive(it, header, ticket, weight)
+            late = self._receive(it, header, ticket, weight, finite)
         else:
             late = 0 if ticket.joined is None else ticket.joined - ticket.base
         joined = base + late  # the round this push is merged into: the answer follows it
@@ -298,8 +308,10 @@ class Server:
         return self._answer({"round": rnd, "late": late, "finished": sy.finished,
                              "again": ticket.kind == "again", **how}, anchor, sha)  # fmt: skip
 
-    def _receive(self, it, header: wire.Header, ticket, weight: float) -> int:
-        """A new push's data, streamed to a file and entered into the open round; its lateness."""
+    def _receive(self, it, header: wire.Header, ticket, weight: float,
+                 finite: bool | None = None) -> int:  # fmt: skip
+        """A new push's data, streamed to a file and entered into the open round; its lateness
+        (``finite``: whether the learner's whole mean is, said to a syncer shard)."""
         sy = self.syncer
         path = sy.incoming / f"{ticket.learner}-{ticket.id}"
         try:
@@ -313,7 +325,7 @@ class Server:
             raise
         sy.bytes_in += header.size
         try:
-            return sy.enter(ticket, weight, spilled, spilled.finite())
+            return sy.enter(ticket, weight, spilled, spilled.finite(), finite)
         except Refused as e:
             spilled.remove()
             raise Abort("FAILED_PRECONDITION", str(e)) from None
@@ -327,6 +339,27 @@ class Server:
         generation = self._small(requests, context, who)
         _refusing(lambda: self.syncer.leave(who.learner, generation))
         return self._answer({})
+
+    def _decision(self, requests, context, who, watched):
+        """A following syncer shard asks how round ``round`` closed: answered once the
+        deciding shard (this one) has closed it (``decision``: :class:`~.rounds.Decision`
+        as JSON), or with ``decision`` null after a while of waiting (it asks again)."""
+        if who.kind != identity.SHARD or not 0 < who.learner < self.shards:
+            raise Abort("PERMISSION_DENIED", f"{who} cannot ask how rounds closed: syncer "
+                        f"shards 1 to {self.shards - 1} only")  # fmt: skip
+        try:
+            rnd = guard.integer(wire.read_header(iter(requests), 1).fields, "round")
+        except (wire.WireError, guard.BadField) as e:
+            raise Abort("INVALID_ARGUMENT", f"refused: {e}") from None
+        with watched.waiting():
+            decision = _refusing(lambda: self.syncer.decided(rnd, self.decision_wait,
+                                                             context.is_active))  # fmt: skip
+        return self._answer(
+            {
+                "round": self.syncer.round,
+                "decision": None if decision is None else decision.to_json(),
+            }
+        )
 
     def _small(self, requests, context, who) -> int:
         """The generation a heartbeat or a leave (no data) names."""
@@ -385,7 +418,8 @@ class Client:
             creds = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
             self._channel = grpc.secure_channel(address, creds, options=_options(max_bytes))
         self._calls = {name: self._channel.stream_stream(f"/{SERVICE}/{name}")
-                       for name in ("Join", "Push", "Heartbeat", "Leave")}  # fmt: skip
+                       for name in ("Join", "Push", "Heartbeat", "Leave",
+                                    "Decision")}  # fmt: skip
         self.bytes_sent = self.bytes_received = 0  # on the wire: headers, arrays, framing
 
     def call(self, name: str, fields: dict, arrays: dict | None = None,

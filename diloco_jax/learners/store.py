@@ -20,6 +20,9 @@ from diloco_jax.learners.identity import printable
 from diloco_jax.runtime import checkpoint
 
 log = logging.getLogger("diloco_jax")
+# orbax's saves by two managers of one process at once collide (two syncer shards served from
+# one process, as the tests do, saving the same round); a syncer of its own never waits on it
+_SAVING = threading.Lock()
 
 
 class Store:
@@ -50,7 +53,8 @@ class Store:
         state = {"anchor": anchor, "outer": jax.tree.leaves(outer_state)}
         if sent is not None:
             state["sent"] = sent
-        checkpoint.save(self.mngr, rnd, state, meta, wait=True)
+        with _SAVING:
+            checkpoint.save(self.mngr, rnd, state, meta, wait=True)
 
     def restore(self, like_of: Callable[[dict], Any]) -> tuple[int, dict, Any] | None:
         """``(round, meta, state)`` of the newest readable checkpoint (``like_of(meta)``: the

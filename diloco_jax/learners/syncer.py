@@ -195,13 +195,7 @@ class Syncer(Keeper):
             self.release(ticket)
             raise Refused(str(e)) from None
         finite = all(bool(np.isfinite(x).all()) for x in leaves)
-        if whole_finite is not None:
-            if whole_finite and not finite:  # the decision would merge them on this shard
-                self.release(ticket)
-                raise Refused(f"a push of learner {learner} says its mean is finite, but its "
-                              "leaves on this shard are not")  # fmt: skip
-            finite = whole_finite  # every shard leaves it out alike
-        return self.enter(ticket, weight, leaves, finite)
+        return self.enter(ticket, weight, leaves, finite, whole_finite)
 
     def admit(self, learner: int, generation: int, base_round: int, push_id: str,
               leaves: list[list] | None = None, weight: float | None = None,
@@ -298,16 +292,24 @@ class Syncer(Keeper):
                 self.lock.wait(0.05)
             return ticket
 
-    def enter(self, ticket: Ticket, weight: float, leaves, finite: bool) -> int:
+    def enter(self, ticket: Ticket, weight: float, leaves, finite: bool,
+              whole_finite: bool | None = None) -> int:  # fmt: skip
         """The second half of a push: its float32 ``leaves`` (a list, or a file:
-        :class:`~diloco_jax.learners.intake.Spilled`) enter the open round; returns how late
-        it is (a round may have closed while its data came, under a quorum)."""
+        :class:`~diloco_jax.learners.intake.Spilled`; ``finite``: whether they all are)
+        enter the open round; returns how late it is (a round may have closed while its data
+        came, under a quorum). ``whole_finite``: see :meth:`push`."""
         with self.lock:
             self._settle()
             if not self.ledger.take(ticket):
                 raise Refused(f"push {ticket.id[:12]} of learner {ticket.learner} was given up")
             self.lock.notify_all()
             learner, generation = ticket.learner, ticket.generation
+            if whole_finite is not None:
+                if whole_finite and not finite:  # the decision would merge them on this shard
+                    self._refused(learner, reason="finite")
+                    raise Refused(f"a push of learner {learner} says its mean is finite, but "
+                                  "its leaves on this shard are not")  # fmt: skip
+                finite = whole_finite  # every shard leaves it out alike
             member = self._member(learner, generation, ticket.base)
             now = member.last_seen = self.clock()
             if self.finished:
@@ -408,6 +410,31 @@ class Syncer(Keeper):
                 break
             self.lock.wait(min(left, 0.05))
             self._advance()
+
+    def decided(self, rnd: int, timeout: float, alive=None) -> Decision | None:
+        """How round ``rnd`` closed, on the shard that decides (waiting up to ``timeout`` real
+        seconds for it to close, its rules applied meanwhile; ``alive``: the asking call's
+        liveness); None when it has not. Raises :class:`Refused` on a shard that does not
+        decide, and for a round older than the decisions kept (the last 8, in every
+        checkpoint)."""
+        if not self.decides:
+            raise Refused("this syncer shard does not decide rounds: ask shard 0")
+        end = time.monotonic() + timeout
+        with self.lock:
+            while rnd not in self.decisions and rnd >= self.round and time.monotonic() < end:
+                if alive is not None and not alive():
+                    break
+                self.lock.wait(min(0.05, max(end - time.monotonic(), 0.0)))
+                self._advance()
+            self._settle()
+            if rnd in self.decisions:
+                return self.decisions[rnd]
+            if rnd < self.round:
+                raise Refused(f"round {rnd} closed longer ago than the decisions kept (the "
+                              f"last {len(self.decisions)}): this shard is too far behind "
+                              f"round {self.round}; start it again from a newer "
+                              "checkpoint")  # fmt: skip
+            return None
 
     def follow(self, decision: Decision, timeout: float = 0.0) -> list[int]:
         """Closes the open round as the deciding shard did (a shard that does not decide,

@@ -1,0 +1,123 @@
+"""Syncer shards over the network (issue 62): a learner's ``train()`` against S syncer shards
+served from this process (shard 0 deciding, the others following its decisions over gRPC as
+the shards they are) trains the bits it trains against one syncer; the shards' calls are
+refused to anyone else."""
+
+from __future__ import annotations
+
+import chex
+import numpy as np
+import pytest
+
+from diloco_jax.learners import fanout, following, identity, service, shards
+from diloco_jax.learners.command import make_syncer
+from tests.test_learners import TOKEN, _tiny
+
+ONE = {"parallel.replicas": 1, "parallel.runtime": "sim"}
+INT8_ANSWERS = {"compress.codec": "int8", "compress.min_size": 64, "compress.block": 32,
+                "compress.error_feedback": True, "compress.answers": True}  # fmt: skip
+
+
+def _served(tmp_path, keys: dict, count: int) -> list[service.Server]:
+    """``count`` syncer shards of ``keys``' run on loopback (shard k in ``tmp_path/shardk``),
+    the followers asking shard 0 as themselves."""
+    servers = []
+    for k in range(count):
+        placeholder = ",".join(f"127.0.0.1:{i + 1}" for i in range(count))  # (not listened at)
+        cfg = _tiny(**keys, **{"syncer.shards": count, "syncer.shard": k,
+                               "syncer.address": placeholder})  # fmt: skip
+        server = service.Server(make_syncer(cfg, tmp_path / f"shard{k}"), "127.0.0.1", 0,
+                                secret=TOKEN, shards=count)  # fmt: skip
+        servers.append(server.start())
+    for k in range(1, count):
+        leader = service.Client(f"127.0.0.1:{servers[0].port}",
+                                identity.shard_credential(TOKEN, k), timeout=60.0)  # fmt: skip
+        servers[k].follower = following.Follower(servers[k].syncer, leader, k).start()
+    return servers
+
+
+def _learn(tmp_path, monkeypatch, keys: dict, count: int, name: str):
+    """``train()`` of the tiny preset with ``keys`` as the one learner of ``count`` shards;
+    returns its result and the shards' syncers (stopped)."""
+    from diloco_jax.train import train
+
+    monkeypatch.setenv("DILOCO_SERVE_TOKEN", TOKEN)
+    servers = _served(tmp_path / name, keys, count)
+    address = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    try:
+        got = train(_tiny(**keys, **{"syncer.address": address, "syncer.shards": count}),
+                    tmp_path / name / "learner", show_progress=False)  # fmt: skip
+    finally:
+        for server in servers:
+            server.stop()
+            server.syncer.close()
+    return got, [s.syncer for s in servers]
+
+
+@pytest.mark.parametrize("keys", [ONE, {**ONE, **INT8_ANSWERS}], ids=["float32", "int8-answers"])
+def test_a_learner_of_two_shards_trains_the_bits_of_a_learner_of_one_syncer(
+    tmp_path, monkeypatch, keys
+):
+    """Two rounds of the tiny preset: the learner's final anchor, parameters and evaluation
+    against 2 shards equal those against one syncer, bit for bit; each shard closed both
+    rounds, shard 1 as shard 0's decisions said, and the shards' anchors gathered are the one
+    syncer's. int8 with compressed answers: each shard answers its part's change, rebuilt
+    and checked on the learner."""
+    want, (one,) = _learn(tmp_path, monkeypatch, keys, 1, "one")
+    got, syncers = _learn(tmp_path, monkeypatch, keys, 2, "two")
+    chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
+    chex.assert_trees_all_equal(got["state"].params, want["state"].params)
+    assert got["final_eval_loss"] == want["final_eval_loss"]
+    assert [s.round for s in syncers] == [2, 2] and one.round == 2
+    assert syncers[0].decisions[1] == syncers[1].decisions[1]
+    describe = [[n, list(a.shape), str(a.dtype)] for n, a in zip(one.names, one.anchor,
+                                                                strict=True)]  # fmt: skip
+    codec = syncers[0].codec
+    parts = shards.plan(describe, 2, codec)
+    assert all(part.leaves or part.size for part in parts)  # each shard holds some
+    pieces = [dict(zip(s.names, map(np.asarray, s.anchor), strict=True)) for s in syncers]
+    gathered = shards.gather(pieces, describe, parts, codec)
+    for name, leaf in zip(one.names, one.anchor, strict=True):
+        assert gathered[name].tobytes() == np.asarray(leaf).tobytes(), name
+
+
+def test_only_a_shard_asks_how_rounds_closed_and_a_follower_cannot_be_asked(tmp_path):
+    """A learner's, the operator's, shard 0's and a shard beyond the run's are refused a
+    Decision call; a following shard's is answered (null while the round is open); a
+    following shard refuses to decide."""
+    servers = _served(tmp_path, ONE, 2)
+    try:
+        address = f"127.0.0.1:{servers[0].port}"
+        for credential in (identity.learner_credential(TOKEN, 0),
+                           identity.operator_credential(TOKEN),
+                           identity.shard_credential(TOKEN, 0),
+                           identity.shard_credential(TOKEN, 2)):  # fmt: skip
+            client = service.Client(address, credential, timeout=10.0)
+            with pytest.raises(service.RefusedBySyncer, match="shards 1 to 1 only"):
+                client.call("Decision", {"round": 0})
+            client.close()
+        servers[1].follower.stop()  # its lane free: asked as shard 1 here
+        servers[0].decision_wait = 0.2
+        client = service.Client(address, identity.shard_credential(TOKEN, 1), timeout=10.0)
+        f, _ = client.call("Decision", {"round": 0})
+        assert f["decision"] is None and f["round"] == 0  # round 0 is not closed
+        with pytest.raises(service.RefusedBySyncer, match="round = -1 is not in"):
+            client.call("Decision", {"round": -1})
+        client.close()
+        follower = service.Client(f"127.0.0.1:{servers[1].port}",
+                                  identity.shard_credential(TOKEN, 1), timeout=10.0)  # fmt: skip
+        with pytest.raises(service.RefusedBySyncer, match="does not decide rounds: ask shard 0"):
+            follower.call("Decision", {"round": 0})
+        follower.close()
+    finally:
+        for server in servers:
+            server.stop()
+            server.syncer.close()
+
+
+def test_a_push_is_finite_when_its_leaves_and_block_scales_are():
+    message = {"w": np.ones(3, np.float32), "codec/0": np.ones((2, 4), np.int8),
+               "codec/1": np.ones((2, 1), np.float32)}  # fmt: skip
+    assert fanout.finite(message)
+    assert not fanout.finite({**message, "codec/1": np.array([[1.0], [np.inf]], np.float32)})
+    assert not fanout.finite({**message, "w": np.array([0.0, np.nan, 1.0], np.float32)})
