@@ -906,3 +906,32 @@ MUTANTS += [  # issue 62, steps 1-2: shards that follow the deciding shard's rou
            [T_SHARD + "test_every_leaf_goes_to_one_shard_and_the_order_of_the_leaves_does_not_"
             "matter"]),
 ]  # fmt: skip
+T_WIRE = "tests/test_shards_wire.py::"
+MUTANTS += [  # issue 62, steps 3b-4a: block ranges held as a leaf; shards over the network
+    Mutant("every syncer shard decides its own rounds", "faults",
+           "diloco_jax/learners/command.py", "                  decides=sy.shard == 0)",
+           "                  decides=True)",
+           [T_WIRE + "test_two_learners_one_of_them_nan_merge_on_two_shards_as_on_one_syncer"]),
+    Mutant("a learner tells every shard its mean is finite", "faults",
+           "diloco_jax/learners/fanout.py", '"generation": self.generations[k], "finite": ok,',
+           '"generation": self.generations[k], "finite": True,',
+           [T_WIRE + "test_two_learners_one_of_them_nan_merge_on_two_shards_as_on_one_syncer"]),
+    Mutant("shards' block ranges gathered in reverse", "faults",
+           "diloco_jax/learners/shards.py",
+           "        flat = np.concatenate([piece[FLAT] for piece, p in zip(pieces, parts, strict",
+           "        flat = np.concatenate([piece[FLAT] for piece, p in zip(pieces[::-1], parts[::-1], strict",  # noqa: E501
+           [T_SHARD + "test_an_anchor_split_into_pieces_gathers_back_and_a_bad_piece_is_named",
+            T_SHARD + "test_shards_through_int8_with_compressed_answers_rebuild_one_syncers_"
+            "anchor"]),
+    Mutant("anyone may ask shard 0 how rounds closed", "faults",
+           "diloco_jax/learners/service.py",
+           "        if who.kind != identity.SHARD or not 0 < who.learner < self.shards:",
+           "        if False:",
+           [T_WIRE + "test_only_a_shard_asks_how_rounds_closed_and_a_follower_cannot_be_asked"]),
+    Mutant("a restarted shard forgets the rounds it decided", "checkpoint",
+           "diloco_jax/learners/keeping.py",
+           "        self.decisions = {d.round: d for d in map(Decision.from_json, meta.get(",
+           "        self.decisions = {} and {d.round: d for d in map(Decision.from_json, meta.get(",
+           [T_SHARD + "test_a_shard_restarted_mid_round_keeps_its_members_and_follows_the_"
+            "decision"]),
+]  # fmt: skip

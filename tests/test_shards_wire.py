@@ -5,11 +5,14 @@ refused to anyone else."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+
 import chex
 import numpy as np
 import pytest
 
-from diloco_jax.learners import fanout, following, identity, service, shards
+from diloco_jax.learners import fanout, following, identity, payload, service, shards, wire
 from diloco_jax.learners.command import make_syncer
 from tests.test_learners import TOKEN, _tiny
 
@@ -121,3 +124,70 @@ def test_a_push_is_finite_when_its_leaves_and_block_scales_are():
     assert fanout.finite(message)
     assert not fanout.finite({**message, "codec/1": np.array([[1.0], [np.inf]], np.float32)})
     assert not fanout.finite({**message, "w": np.array([0.0, np.nan, 1.0], np.float32)})
+
+
+MODEL = {f"w{i}": np.random.default_rng(i).standard_normal(n).astype(np.float32)
+         for i, n in enumerate([300, 200, 130, 70, 9, 3])}  # fmt: skip
+
+
+def _round_of_two(tmp_path, count: int, keys: dict, means: list[dict]) -> list:
+    """Two learners, each a client of ``count`` shards (:class:`fanout.Fanout`, or a plain
+    client at 1), join with MODEL and push ``means`` for round 0 at once; returns the syncers
+    (stopped) after the round."""
+    from diloco_jax import config as config_lib
+    from diloco_jax.config import recipe
+    from diloco_jax.learners.learner import shared_keys
+
+    servers = _served(tmp_path, {**ONE, **keys, "syncer.learners": 2}, count)
+    cfg = _tiny(**ONE, **keys, **{"syncer.learners": 2, "syncer.shards": count})
+    shared, codec = shared_keys(config_lib.keys(cfg)), recipe.push_codec_of(cfg)
+    named = wire.named(MODEL)
+    names = list(named)
+    try:
+        clients = []
+        for i in range(2):
+            each = [service.Client(f"127.0.0.1:{s.port}", identity.learner_credential(TOKEN, i),
+                                   timeout=60.0) for s in servers]  # fmt: skip
+            clients.append(fanout.Fanout(each, codec) if count > 1 else each[0])
+        join = {"describe": wire.describe(MODEL), "keys": shared, "replicas": 1, "rows": 100}
+        gens = [clients[i].call("Join", {**join, "learner": i}, named)[0]["generation"]
+                for i in range(2)]  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            pushes = [pool.submit(clients[i].call, "Push", {
+                "learner": i, "generation": gens[i], "round": 0, "weight": 1.0 + i,
+                "push": f"p{i}"}, payload.encode(names, [means[i][n] for n in names], codec))
+                for i in range(2)]  # fmt: skip
+            answers = [p.result(timeout=120) for p in pushes]
+        assert all(f["round"] == 1 for f, _ in answers)
+        for c in clients:
+            c.close()
+    finally:
+        for server in servers:
+            server.stop()
+            server.syncer.close()
+    return [s.syncer for s in servers]
+
+
+@pytest.mark.parametrize("keys", [{}, {"compress.codec": "int8", "compress.min_size": 64,
+                                       "compress.block": 32}], ids=["float32", "int8"])  # fmt: skip
+def test_two_learners_one_of_them_nan_merge_on_two_shards_as_on_one_syncer(tmp_path, keys):
+    """Two learners' pushes over gRPC, learner 0's with a NaN in one leaf only (so one shard
+    alone sees it): every shard leaves it out, as the one syncer does (the learner says its
+    whole mean is not finite), and the anchors gathered are the one syncer's, bit for bit;
+    the following shard closed the round as shard 0 decided it."""
+    rng = np.random.default_rng(7)
+    means = [{n: rng.standard_normal(x.shape).astype(np.float32) for n, x in
+              wire.named(MODEL).items()} for _ in range(2)]  # fmt: skip
+    means[0]["['w2']"][5] = np.nan
+    (one,) = _round_of_two(tmp_path / "one", 1, keys, means)
+    syncers = _round_of_two(tmp_path / "two", 2, keys, means)
+    assert one.decisions[0].finite == (False, True)
+    assert [s.decisions[0] for s in syncers] == [one.decisions[0]] * 2
+    describe = wire.describe(MODEL)
+    parts = shards.plan(describe, 2, one.codec)
+    pieces = [dict(zip(s.names, map(np.asarray, s.anchor), strict=True)) for s in syncers]
+    gathered = shards.gather(pieces, describe, parts, one.codec)
+    for name, leaf in zip(one.names, one.anchor, strict=True):
+        assert gathered[name].tobytes() == np.asarray(leaf).tobytes(), name
+    tape = [json.loads(x) for x in (tmp_path / "two" / "shard1" / "syncer.jsonl").open()]
+    assert [e["why"] for e in tape if e["event"] == "closed"] == ["decided"]
