@@ -53,6 +53,9 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--learners", type=int, default=0, metavar="L",
                         help="instead: a syncer and L learners, each its own run (needs "
                         "--workdir DIR: DIR/syncer, DIR/learner_I)")  # fmt: skip
+    parser.add_argument("--shards", type=int, default=1, metavar="S",
+                        help="with --learners: S syncer shards (syncer.shards), each its own "
+                        "process: DIR/syncer (shard 0), DIR/shard_K")  # fmt: skip
     parser.add_argument("--max_restarts", type=int, default=0, metavar="K",
                         help="with --learners: a learner or the syncer that fails is started "
                         "again (resuming from its checkpoint) up to K times each")  # fmt: skip
@@ -89,6 +92,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         ("-n", opts.num_processes in (None, 1) or not opts.learners,
          "must be 1 with --learners (a learner of several processes is not supported yet)"),
         ("--learners", opts.learners >= 0, "must be >= 0 (0: one run of -n processes)"),
+        ("--shards", opts.shards >= 1, "must be >= 1"),
+        ("--shards", opts.shards == 1 or opts.learners, "needs --learners (syncer shards)"),
         ("--max_restarts", opts.max_restarts >= 0, "must be >= 0"),
         ("--devices_per_process", opts.devices_per_process >= 1, "must be >= 1"),
         ("--port", 0 <= opts.port <= 65535, "must be in [0, 65535] (0: a free one)"),

@@ -59,9 +59,35 @@ def test_the_syncer_address_is_chosen_once_per_workdir_and_a_taken_one_is_said(t
     assert kept_address(old, taken=lambda h, p: False) == "127.0.0.1:39639"
 
 
-def _opts(learners: int = 2, grace: float = 30.0, max_restarts: int = 0) -> argparse.Namespace:
+def _opts(learners: int = 2, grace: float = 30.0, max_restarts: int = 0,
+          shards: int = 1) -> argparse.Namespace:  # fmt: skip
     return argparse.Namespace(learners=learners, grace=grace, max_restarts=max_restarts,
-                              devices_per_process=1, module="diloco_jax.train")  # fmt: skip
+                              devices_per_process=1, module="diloco_jax.train",
+                              shards=shards)  # fmt: skip
+
+
+def test_syncer_shards_are_launched_each_with_its_address_workdir_and_credentials(tmp_path):
+    """``--shards 2``: two free addresses kept as the run's (a later launch with another
+    count refused in one line), shard 1 in DIR/shard_1 with its own certificate (named
+    shard-1, good to serve and to call shard 0), every process told the shards."""
+    from diloco_jax.learners import certs
+
+    group = LocalLearners(_opts(shards=2), tmp_path, ["--config", "tiny"])
+    addresses = group.address.split(",")
+    assert len(set(addresses)) == 2
+    assert (tmp_path / "syncer_address").read_text().strip() == group.address
+    zero, one = group.syncer_argv(0), group.syncer_argv(1)
+    assert zero[zero.index("--workdir") + 1] == str(tmp_path / "syncer")
+    assert one[one.index("--workdir") + 1] == str(tmp_path / "shard_1")
+    assert f"--config.syncer.credentials={tmp_path / 'credentials' / 'shard_1'}" in one
+    assert "--config.syncer.shard=1" in one and "--config.syncer.shard=0" in zero
+    for argv in (zero, one, group.learner_argv(0)):
+        assert "--config.syncer.shards=2" in argv
+        assert f"--config.syncer.address={group.address}" in argv
+    pem = (tmp_path / "credentials" / "shard_1" / "cert.pem").read_bytes()
+    assert certs.common_name(pem) == "shard-1"
+    with pytest.raises(LaunchError, match="names 2 syncer.s., but --shards is 3"):
+        LocalLearners(_opts(shards=3), tmp_path, ["--config", "tiny"])
 
 
 def test_allow_config_change_goes_to_the_learners_and_the_address_to_every_process(tmp_path):
@@ -116,7 +142,7 @@ def _fakes(tmp_path: pathlib.Path, stubborn: bool = False, grace: float = 30.0):
     """A launch whose syncer and learners are stand-ins that write what they do to ``out``."""
     out = tmp_path / "out"
     group = LocalLearners(_opts(grace=grace), tmp_path, [])
-    group.syncer_argv = lambda: ["-c", FAKE_SYNCER, str(out), group.address]
+    group.syncer_argv = lambda k=0: ["-c", FAKE_SYNCER, str(out), group.address]
     group.learner_argv = lambda i: ["-c", FAKE_LEARNER, str(out), str(i), str(int(stubborn))]
     group._die_with_launcher = None  # no Python between fork and exec in a process with JAX
     return group, out

@@ -191,3 +191,33 @@ def test_two_learners_one_of_them_nan_merge_on_two_shards_as_on_one_syncer(tmp_p
         assert gathered[name].tobytes() == np.asarray(leaf).tobytes(), name
     tape = [json.loads(x) for x in (tmp_path / "two" / "shard1" / "syncer.jsonl").open()]
     assert [e["why"] for e in tape if e["event"] == "closed"] == ["decided"]
+
+
+def test_under_mutual_tls_a_shard_asks_with_its_own_certificate_and_no_other(tmp_path):
+    """``certs --shards 2``: shard 1's folder holds a certificate named shard-1 that serves
+    and calls; with it and its credential shard 0 answers a Decision call under mutual TLS,
+    and the same credential behind learner 0's certificate is refused."""
+    from diloco_jax.learners import certs
+
+    out = tmp_path / "credentials"
+    certs.make(out, 1, list(certs.DEFAULT_HOSTS), log=lambda _: None, shards=2)
+    secret = certs.token(out / "shard_1")
+    cfg = _tiny(**ONE, **{"syncer.shards": 2, "syncer.address": "127.0.0.1:1,127.0.0.1:2"})
+    server = service.Server(make_syncer(cfg, tmp_path / "shard0"), "127.0.0.1", 0,
+                            secret=secret, tls=certs.read(out / "syncer"), mutual=True,
+                            shards=2).start()  # fmt: skip
+    server.decision_wait = 0.2
+    address = f"127.0.0.1:{server.port}"
+    try:
+        for folder, ok in (("shard_1", True), ("learner_0", False)):
+            client = service.Client(address, identity.shard_credential(secret, 1),
+                                    tls=certs.read(out / folder), timeout=10.0)  # fmt: skip
+            if ok:
+                assert client.call("Decision", {"round": 0})[0]["decision"] is None
+            else:
+                with pytest.raises(service.RefusedBySyncer, match="UNAUTH|wrong credential"):
+                    client.call("Decision", {"round": 0})
+            client.close()
+    finally:
+        server.stop()
+        server.syncer.close()

@@ -144,8 +144,7 @@ def _validate_syncer(cfg: Config) -> None:
             "none", "bf16", "int8", "fp8", "int4"), f"must be 1 with compress.codec = "
          f"{cfg.compress.codec}: it chooses what it sends over the whole vector, which "
          "syncer shards cannot cut"),
-        ("syncer.mutual_tls", sy.shards == 1 or not sy.mutual_tls,
-         "does not combine with syncer.shards > 1 yet (the shards' own certificates)"),
+
         ("syncer.learners", sy.learners >= 1, "must be an integer >= 1"),
         ("syncer.status_port", 0 <= sy.status_port <= 65535, "must be in [0, 65535] (0: off)"),
         ("syncer.learner", 0 <= sy.learner < sy.learners,

@@ -6,7 +6,9 @@ DIR``), and the readers the syncer and the learners load them with.
 * ``ca/``: the run's CA (``ca.pem``, ``ca.key``) and secret; it stays with the operator, who
   makes more certificates with it later;
 * ``syncer/``: ``ca.pem`` (verifies the learners), ``cert.pem`` and ``key.pem`` (its server
-  certificate, one name per host it is reached by) and ``token`` (the run's secret);
+  certificate, one name per host it is reached by) and ``token`` (the run's secret); with
+  syncer shards (``--shards S``), ``shard_K/`` alike for shards 1 to S-1, its certificate
+  also a client's (it calls shard 0);
 * ``learner_I/`` and ``operator/``: ``ca.pem`` (verifies the syncer), a client certificate and
   key, and ``token``, the party's credential (:mod:`diloco_jax.learners.identity`).
 
@@ -221,13 +223,18 @@ def _san(host: str) -> x509.GeneralName:
 
 
 def make(out: pathlib.Path, learners: int, hosts: Sequence[str], *, days: int = 365,
-         log: Callable[[str], object] = print) -> None:  # fmt: skip
+         log: Callable[[str], object] = print, shards: int = 1) -> None:  # fmt: skip
     """Lay out the CA, secret and each party's folder for ``learners`` learners under ``out``;
     the syncer's certificate names ``hosts`` (:data:`DEFAULT_HOSTS` when empty). Certificates
-    are valid for ``days`` days. Safe to run again (see the module's docstring); ``log`` gets one
-    line per folder written and one saying what to copy where."""
+    are valid for ``days`` days. With ``shards`` S > 1 (``syncer.shards``), shard 0 is the
+    ``syncer/`` folder and shards 1 to S-1 get ``shard_K/``: a certificate named ``shard-K``
+    for the same hosts, good for serving and for calling shard 0 as itself, and the run's
+    secret. Safe to run again (see the module's docstring); ``log`` gets one line per folder
+    written and one saying what to copy where."""
     if learners < 0:
         raise ValueError(f"the number of learners must be at least 0, got {learners}")
+    if shards < 1:
+        raise ValueError(f"the number of syncer shards must be at least 1, got {shards}")
     if days < 1:
         raise ValueError(f"certificates must be valid for at least 1 day, got days={days}")
     out = pathlib.Path(out)
@@ -238,6 +245,10 @@ def make(out: pathlib.Path, learners: int, hosts: Sequence[str], *, days: int = 
     parties = [("syncer", "syncer", "syncer", ca.secret, [
         x509.SubjectAlternativeName(names),
         x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])])]  # fmt: skip
+    both = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+    for k in range(1, shards):  # a shard but 0 serves, and calls shard 0 as itself
+        parties.append((f"shard_{k}", f"syncer shard {k}", f"{identity.SHARD}-{k}", ca.secret,
+                        [x509.SubjectAlternativeName(names), both]))  # fmt: skip
     for i in range(learners):
         token_ = identity.learner_credential(ca.secret, i)
         parties.append((f"learner_{i}", f"learner {i}", f"learner-{i}", token_, client))
@@ -249,8 +260,10 @@ def make(out: pathlib.Path, learners: int, hosts: Sequence[str], *, days: int = 
         if written:
             log(f"wrote {out / folder} ({label}: {' '.join(written)})")
     learner_dirs = f"{out / 'learner_I'} to learner I's (I < {learners}), " if learners else ""
-    log(f"copy {out / 'syncer'} to the syncer's host, {learner_dirs}{out / 'operator'} to the "
-        f"operator's; {out / 'ca'} stays with you (it makes more certificates)")  # fmt: skip
+    shard_dirs = f"{out / 'shard_K'} to shard K's (0 < K < {shards}), " if shards > 1 else ""
+    log(f"copy {out / 'syncer'} to the syncer's host, {shard_dirs}{learner_dirs}"
+        f"{out / 'operator'} to the operator's; {out / 'ca'} stays with you (it makes more "
+        "certificates)")  # fmt: skip
 
 
 def _check_dates(path: pathlib.Path, pem: bytes, now: datetime.datetime, fix: str) -> None:

@@ -165,6 +165,9 @@ def make_certs(argv: list[str], prog: str) -> int:
         "separated (default: %(default)s)",
     )
     parser.add_argument("--days", type=int, default=365, help="validity (default: %(default)s)")
+    parser.add_argument("--shards", type=int, default=1, metavar="S",
+                        help="syncer shards (syncer.shards): DIR/shard_K for K in 1 .. S-1, "
+                        "their certificates naming --hosts too (default: %(default)s)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         certs.make(
@@ -172,6 +175,7 @@ def make_certs(argv: list[str], prog: str) -> int:
             args.learners,
             [h.strip() for h in args.hosts.split(",") if h.strip()],
             days=args.days,
+            shards=args.shards,
         )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

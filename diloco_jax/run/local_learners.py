@@ -73,24 +73,34 @@ def _first_address(workdir: pathlib.Path) -> str | None:
         return None
 
 
-def kept_address(workdir: pathlib.Path, given: str | None = None, taken=port_taken) -> str:
-    """The run's syncer address: ``given`` (``--config.syncer.address``), else the one kept in
-    ``workdir/syncer_address``, else learner 0's first config's, else 127.0.0.1 and a free
-    port; written to that file, where a later launch finds it. Raises :class:`LaunchError`
-    where something listens on it already (``taken(host, port)``)."""
+def kept_address(workdir: pathlib.Path, given: str | None = None, taken=port_taken,
+                 shards: int = 1) -> str:  # fmt: skip
+    """The run's syncer address (with ``shards`` S > 1, the S shards' addresses, comma-
+    separated): ``given`` (``--config.syncer.address``), else the one kept in
+    ``workdir/syncer_address``, else learner 0's first config's, else 127.0.0.1 and free
+    ports; written to that file, where a later launch finds it. Raises :class:`LaunchError`
+    where something listens on one already (``taken(host, port)``), or for another count of
+    addresses than shards."""
     path = workdir / ADDRESS_FILE
     kept = path.read_text().strip() if path.is_file() else _first_address(workdir)
-    address = given or kept or f"127.0.0.1:{free_port()}"
-    try:
-        host, port = host_port(address)
-    except ValueError:
-        raise LaunchError(f"config key syncer.address = {address!r} is not HOST:PORT") from None
-    if taken(host, port):
-        where = "given" if given else f"kept in {path}"
-        raise LaunchError(
-            f"the run's syncer address {address} ({where}) is taken by another process: stop it, "
-            "or move the run with --config.syncer.address=127.0.0.1:PORT --allow_config_change"
-        )
+    address = given or kept or ",".join(f"127.0.0.1:{free_port()}" for _ in range(shards))
+    where = "given" if given else f"kept in {path}"
+    each = address.split(",")
+    if len(each) != shards:
+        raise LaunchError(f"the run's syncer address {address} ({where}) names "
+                          f"{len(each)} syncer(s), but --shards is {shards}: a run keeps its "
+                          "shards")  # fmt: skip
+    for one in each:
+        try:
+            host, port = host_port(one)
+        except ValueError:
+            raise LaunchError(f"config key syncer.address = {one!r} is not HOST:PORT") from None
+        if taken(host, port):
+            raise LaunchError(
+                f"the run's syncer address {one} ({where}) is taken by another process: stop "
+                "it, or move the run with --config.syncer.address=127.0.0.1:PORT[,...] "
+                "--allow_config_change"
+            )
     if address != kept or not path.is_file():
         workdir.mkdir(parents=True, exist_ok=True)
         path.write_text(address + "\n")
@@ -180,12 +190,15 @@ class LocalLearners:
 
     def __init__(self, opts, workdir: pathlib.Path, rest: list[str]):
         self.opts, self.workdir, self.count = opts, workdir, opts.learners
+        self.shards = getattr(opts, "shards", 1)
         self.allow, rest = split_flag(rest, "--allow_config_change", takes_value=False)
         given, rest = split_flag(rest, "--config.syncer.address")
-        self.address = kept_address(workdir, value_of(given))
+        _, rest = split_flag(rest, "--config.syncer.shards")  # the launcher's --shards says
+        self.address = kept_address(workdir, value_of(given), shards=self.shards)
         # mutual TLS, as across networks: each learner shows its own certificate too
         self.common = [*rest, f"--config.syncer.address={self.address}",
                        f"--config.syncer.learners={self.count}",
+                       f"--config.syncer.shards={self.shards}",
                        "--config.syncer.mutual_tls=true"]  # fmt: skip
         from diloco_jax.base import extras
 
@@ -193,7 +206,8 @@ class LocalLearners:
         from diloco_jax.learners import certs
 
         self.credentials = workdir / "credentials"
-        certs.make(self.credentials, self.count, list(certs.DEFAULT_HOSTS), log=lambda _: None)
+        certs.make(self.credentials, self.count, list(certs.DEFAULT_HOSTS), log=lambda _: None,
+                   shards=self.shards)  # fmt: skip
         env = dict(os.environ)
         env.pop(TOKEN_ENV, None)  # each process's credential is in its own folder
         flags = [f for f in env.get("XLA_FLAGS", "").split()
@@ -202,9 +216,9 @@ class LocalLearners:
                                              f"{opts.devices_per_process}"])  # fmt: skip
         tie, self._die_with_launcher = launcher_tie(opts.grace)
         self.env = {**env, **tie}
-        self.syncer: subprocess.Popen | None = None
+        self.syncers: list[subprocess.Popen] = []  # shard 0 (the syncer) first
         self.learners: list[subprocess.Popen] = []
-        self.restarts = [0] * (self.count + 1)  # the last: the syncer's
+        self.restarts = [0] * (self.count + self.shards)  # the last: the syncer shards'
         self.ended: set[int] = set()
         self.failure, self.signals = 0, 0
         self.deadline: float | None = None  # set once the learners are asked to stop
@@ -216,11 +230,15 @@ class LocalLearners:
                 f"--config.syncer.credentials={self.credentials / f'learner_{i}'}",
                 *self.allow]  # fmt: skip
 
-    def syncer_argv(self) -> list[str]:
+    def syncer_argv(self, k: int = 0) -> list[str]:
         # it stays until stopped: the launcher stops it once the learners have ended
-        return ["-m", "diloco_jax.syncer", "--workdir", str(self.workdir / "syncer"),
-                *self.common, f"--config.syncer.credentials={self.credentials / 'syncer'}",
-                "--config.syncer.stay=true"]  # fmt: skip
+        folder = "syncer" if k == 0 else f"shard_{k}"  # its workdir and its credentials
+        return ["-m", "diloco_jax.syncer", "--workdir", str(self.workdir / folder),
+                *self.common, f"--config.syncer.credentials={self.credentials / folder}",
+                f"--config.syncer.shard={k}", "--config.syncer.stay=true"]  # fmt: skip
+
+    def _syncer_name(self, k: int) -> str:
+        return "the syncer" if self.shards == 1 else f"syncer shard {k}"
 
     def _start(self, argv: list[str]) -> subprocess.Popen:
         # own session: a Ctrl-C in the terminal reaches the launcher only, which passes it on
@@ -243,7 +261,7 @@ class LocalLearners:
             _say(f"{name} again: stopping at once, {at_risk(self.workdir, self.count)}")
         _send(self.learners, signal.SIGKILL)
         if self.signals > 2 or self.syncer_ended:
-            _send([self.syncer], signal.SIGKILL)
+            _send(self.syncers, signal.SIGKILL)
 
     def stop_learners(self) -> None:
         """Asks every learner to save at its next sync and end; ``--grace`` seconds later the
@@ -266,13 +284,15 @@ class LocalLearners:
 
     def _check(self) -> None:
         """One look at every process: restarts, failures, the end of learners."""
-        assert self.syncer is not None
-        code = self.syncer.poll()
-        if code is not None and not self.syncer_ended:
-            if self._again(self.count, "the syncer", code):  # the learners retry meanwhile
-                self.syncer = self._start(self.syncer_argv())
+        for k, syncer in enumerate(self.syncers):
+            code = syncer.poll()
+            if code is None or self.syncer_ended:
+                continue
+            name = self._syncer_name(k)
+            if self._again(self.count + k, name, code):  # the learners retry meanwhile
+                self.syncers[k] = self._start(self.syncer_argv(k))
             else:
-                _say(f"the syncer exited with status {code}; stopping the learners")
+                _say(f"{name} exited with status {code}; stopping the learners")
                 self.failure, self.syncer_ended = code or 1, True
                 self.stop_learners()
         for i, p in enumerate(self.learners):
@@ -288,16 +308,19 @@ class LocalLearners:
                 _say(f"learner {i} exited with status {code}; the others go on")
 
     def _listening(self, seconds: float = 120.0) -> bool:
-        """Whether the syncer listens within ``seconds`` (False: it ended, or a signal came)."""
-        assert self.syncer is not None
-        host, port = host_port(self.address)
+        """Whether every syncer shard listens within ``seconds`` (False: one ended, or a
+        signal came)."""
         end = time.monotonic() + seconds
-        while time.monotonic() < end and self.syncer.poll() is None and not self.signals:
-            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-                if s.connect_ex((host, port)) == 0:
-                    return True
-            time.sleep(0.2)
-        return False
+        for syncer, address in zip(self.syncers, self.address.split(","), strict=True):
+            host, port = host_port(address)
+            while True:
+                if time.monotonic() > end or syncer.poll() is not None or self.signals:
+                    return False
+                with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                    if s.connect_ex((host, port)) == 0:
+                        break
+                time.sleep(0.2)
+        return True
 
     def _kill_late(self) -> None:
         """Kills the learners still running ``--grace`` seconds after they were asked to stop,
@@ -310,11 +333,11 @@ class LocalLearners:
     def stop_syncer(self) -> None:
         """SIGTERM to the syncer (its last round is written), SIGKILL after ``--grace``."""
         self.syncer_ended = True
-        _send([self.syncer], signal.SIGTERM)
+        _send(self.syncers, signal.SIGTERM)
         end = time.monotonic() + self.opts.grace
-        while self.syncer is not None and self.syncer.poll() is None:
+        while any(s.poll() is None for s in self.syncers):
             if time.monotonic() > end:
-                _send([self.syncer], signal.SIGKILL)
+                _send(self.syncers, signal.SIGKILL)
             time.sleep(0.1)
 
     def say_page(self) -> None:
@@ -323,7 +346,7 @@ class LocalLearners:
         port = value_of(split_flag(self.common, "--config.syncer.status_port")[0])
         if not port or not port.isdigit() or not int(port):
             return
-        host = host_port(self.address)[0]
+        host = host_port(self.address.split(",")[0])[0]
         host, operator = f"[{host}]" if ":" in host else host, self.credentials / "operator"
         _say(f"the syncer's status page: https://{host}:{port}/ in a browser holding the "
              f"operator's certificate ({operator}); sign in with the one-time link in the "
@@ -332,13 +355,16 @@ class LocalLearners:
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self.on_signal) for sig in SIGNALS}
         try:
-            self.syncer = self._start(self.syncer_argv())
+            self.syncers = [self._start(self.syncer_argv(k)) for k in range(self.shards)]
             if not self._listening() and not self.signals:
-                _say("the syncer did not start listening")
-                return self.syncer.poll() or 1
+                _say("the syncer did not start listening" if self.shards == 1 else
+                     "a syncer shard did not start listening")  # fmt: skip
+                return next((c for c in (s.poll() for s in self.syncers) if c), 1)
             if not self.signals:
-                _say(f"syncer at {self.address} (workdir {self.workdir}/syncer), {self.count} "
-                     "learners")  # fmt: skip
+                where = (f"syncer at {self.address} (workdir {self.workdir}/syncer)"
+                         if self.shards == 1 else f"{self.shards} syncer shards at "
+                         f"{self.address} (workdirs {self.workdir}/syncer, shard_K)")  # fmt: skip
+                _say(f"{where}, {self.count} learners")
                 self.say_page()
                 self.learners = [self._start(self.learner_argv(i)) for i in range(self.count)]
             while len(self.ended) < len(self.learners):
@@ -350,6 +376,6 @@ class LocalLearners:
             codes = [p.returncode for p in self.learners]
             return self.failure or next((c for c in codes if c), 0)
         finally:
-            _send([self.syncer, *self.learners], signal.SIGKILL)  # nothing outlives the launcher
+            _send([*self.syncers, *self.learners], signal.SIGKILL)  # nothing outlives it
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
