@@ -355,9 +355,10 @@ class _Launch:
     """``diloco-launch --learners 2`` of :data:`RUN` in ``workdir``, its output read as it
     comes, each line with the time it came."""
 
-    def __init__(self, workdir: pathlib.Path, total: int):
-        command = [sys.executable, "-m", "diloco_jax.launch", "--learners", "2", "--", *RUN,
-                   f"--config.train.total_steps={total}", "--workdir", str(workdir)]  # fmt: skip
+    def __init__(self, workdir: pathlib.Path, total: int, *launcher: str):
+        command = [sys.executable, "-m", "diloco_jax.launch", "--learners", "2", *launcher,
+                   "--", *RUN, f"--config.train.total_steps={total}", "--workdir",
+                   str(workdir)]  # fmt: skip
         env = helpers.child_env(TQDM_DISABLE="1")
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -382,8 +383,8 @@ class _Launch:
         return out
 
 
-def _tape(workdir: pathlib.Path) -> list[dict]:
-    path = workdir / "syncer" / "syncer.jsonl"
+def _tape(workdir: pathlib.Path, shard: str = "syncer") -> list[dict]:
+    path = workdir / shard / "syncer.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
 
 
@@ -467,3 +468,58 @@ def test_a_syncer_started_by_hand_exits_0_once_its_learners_have_finished(tmp_pa
             if p.poll() is None:
                 p.kill()
     assert syncer.returncode == 0 and "every learner has finished" in said, said[-3000:]
+
+
+def _pid_of(*words: str) -> int:
+    """The process whose command line holds every one of ``words``."""
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and all(w in argv for w in words):
+            return int(proc.name)
+    raise AssertionError(f"no process of {words}")
+
+
+def _sharded_run(workdir: pathlib.Path, kills: list[tuple[str, str, int]]) -> str:
+    """A launch of 2 learners and 2 syncer shards, 200 steps (20 rounds); each of ``kills``
+    ``(shard folder, the folder whose tape is watched, after how many closed rounds)``
+    SIGKILLs that shard once the watched tape has closed that many rounds (the launcher starts
+    it again)."""
+    launch = _Launch(workdir, 200, "--shards", "2", "--max_restarts", "2")
+    for folder, watched, after in kills:
+        end = time.monotonic() + 240
+        while sum(e["event"] == "closed" for e in _tape(workdir, watched)) < after:
+            assert time.monotonic() < end and launch.proc.poll() is None, "the run stalled"
+            time.sleep(0.05)
+        os.kill(_pid_of("diloco_jax.syncer", "--workdir", str(workdir / folder)), signal.SIGKILL)
+    return launch.finish(400)
+
+
+@pytest.mark.slow  # ~3 min on 2 cores; stand-ins: test_shards.py's shard restarted mid-round,
+# test_shards_wire.py's learners over gRPC against two shards
+def test_killing_either_syncer_shard_mid_run_changes_no_round_and_no_bit(tmp_path):
+    """Shard 1 SIGKILLed after round 3, shard 0 after round 8, each started again by the
+    launcher: every learner goes on; no round is closed twice or with other learners on
+    either shard (each of the 20, both learners, shard 1 as shard 0 decided); each shard's
+    last anchor (its hash in the tape) and each learner's final evaluation are those of the
+    same launch without a kill."""
+    calm, killed = tmp_path / "calm", tmp_path / "killed"
+    _sharded_run(calm, [])
+    out = _sharded_run(killed, [("shard_1", "syncer", 3), ("syncer", "shard_1", 8)])
+    assert out.count("exited with status -9; starting it again") == 2, out[-4000:]
+    for shard in ("syncer", "shard_1"):
+        want = [e for e in _tape(calm, shard) if e["event"] == "closed"]
+        got = [e for e in _tape(killed, shard) if e["event"] == "closed"]
+        rounds = [e["closed"] for e in got]
+        assert len(set(rounds)) == len(rounds) and rounds[-1] == 19, (shard, rounds)
+        assert all(e["learners"] == [0, 1] for e in got)
+        assert got[-1]["anchor"] == want[-1]["anchor"], shard
+        if shard == "shard_1":
+            assert {e["why"] for e in got} == {"decided"}
+        restored = [e["round"] for e in _tape(killed, shard) if e["event"] == "restored"]
+        assert len(restored) == 1, (shard, restored)
+    for i in (0, 1):
+        done = [helpers.events(w / f"learner_{i}", "done")[-1] for w in (calm, killed)]
+        assert done[0]["final_eval_loss"] == done[1]["final_eval_loss"]

@@ -14,6 +14,7 @@ import pytest
 
 from diloco_jax.learners import fanout, following, identity, payload, service, shards, wire
 from diloco_jax.learners.command import make_syncer
+from diloco_jax.run import local_learners
 from tests.test_learners import TOKEN, _tiny
 
 ONE = {"parallel.replicas": 1, "parallel.runtime": "sim"}
@@ -221,3 +222,29 @@ def test_under_mutual_tls_a_shard_asks_with_its_own_certificate_and_no_other(tmp
     finally:
         server.stop()
         server.syncer.close()
+
+
+def test_a_shard_that_stays_down_is_named_by_its_index_and_address(tmp_path, caplog):
+    """A learner of two shards, shard 1 never listening: its join retries, each line naming
+    shard 1 and its address, then gives up in one line naming them."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="diloco_jax")
+    servers = _served(tmp_path, ONE, 1)
+    down = f"127.0.0.1:{local_learners.free_port()}"
+    try:
+        each = [service.Client(a, identity.learner_credential(TOKEN, 0), timeout=10.0,
+                               patience=1.0)
+                for a in (f"127.0.0.1:{servers[0].port}", down)]  # fmt: skip
+        client = fanout.Fanout(each)
+        keys = servers[0].syncer.keys
+        join = {"learner": 0, "describe": wire.describe(MODEL), "keys": keys}
+        with pytest.raises(service.SyncerUnreachable, match=f"syncer shard 1: nothing listens "
+                           f"at {down}"):  # fmt: skip
+            client.call("Join", join, wire.named(MODEL))
+        client.close()
+    finally:
+        servers[0].stop()
+        servers[0].syncer.close()
+    lines = [r.getMessage() for r in dict.fromkeys(caplog.records)]
+    assert any(line.startswith(f"syncer shard 1: nothing listens at {down}") for line in lines)

@@ -99,6 +99,7 @@ def serve(cfg: config_lib.Config, workdir: pathlib.Path):
         leader = service.Client(addresses[0], identity.shard_credential(secret, sy.shard),
                                 tls=tls, timeout=service.DECISION_WAIT + 30,
                                 credentials=sy.credentials)  # fmt: skip
+        leader.label = f"syncer shard {sy.shard} asking shard 0: "
         server.follower = following.Follower(server.syncer, leader, sy.shard).start()
     page = None
     if sy.status_port:

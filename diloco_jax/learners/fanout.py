@@ -57,6 +57,8 @@ class Fanout:
     def __init__(self, clients: list[service.Client], codec=None, compress_answers: bool = False,
                  sleep=time.sleep):  # fmt: skip
         self.clients, self.codec, self.sleep = clients, codec, sleep
+        for k, client in enumerate(clients):  # its lines say which shard, and its address
+            client.label = f"syncer shard {k}: "
         self.held = [answers.Held(codec if compress_answers else None) for _ in clients]
         self.generations = [0] * len(clients)
         self.describe: list[list] = []

@@ -421,6 +421,7 @@ class Client:
                        for name in ("Join", "Push", "Heartbeat", "Leave",
                                     "Decision")}  # fmt: skip
         self.bytes_sent = self.bytes_received = 0  # on the wire: headers, arrays, framing
+        self.label = ""  # what its lines say first (``syncer shard K: ``, among shards)
 
     def call(self, name: str, fields: dict, arrays: dict | None = None,
              timeout: float | None = None, counts: list | None = None,
@@ -450,21 +451,22 @@ class Client:
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
                             grpc.StatusCode.UNAUTHENTICATED,
                             grpc.StatusCode.PERMISSION_DENIED):  # fmt: skip
-                    raise RefusedBySyncer(f"{name}: {e.details()}") from None
+                    raise RefusedBySyncer(f"{self.label}{name}: {e.details()}") from None
                 # unreachable, or the syncer stopped while answering: try again
                 # (or its lanes of this call are taken: a try before this one is still ending)
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                                 grpc.StatusCode.RESOURCE_EXHAUSTED):  # fmt: skip
-                    raise SyncerUnreachable(f"syncer {self.address}: {name} failed: "
-                                            f"{code.name}: {e.details()}") from None  # fmt: skip
+                    said = f"{code.name}: {e.details()}"
+                    raise SyncerUnreachable(f"{self.label}syncer {self.address}: {name} "
+                                            f"failed: {said}") from None  # fmt: skip
                 why = unreachable.cause(e.details() or "", self.address, tls=self._tls,
                                         credentials=self._credentials)  # fmt: skip
                 hopeless += not why.transient
                 spent = time.monotonic() - start
                 if hopeless >= HOPELESS_TRIES or spent > self.patience:
                     waited = f" for {spent:.0f}s" if why.transient else ""
-                    raise SyncerUnreachable(f"{why.what}{waited}: {why.fix}") from None
-                log.warning("%s; retrying in %.1fs", why.what, delay)
+                    raise SyncerUnreachable(f"{self.label}{why.what}{waited}: {why.fix}") from None
+                log.warning("%s%s; retrying in %.1fs", self.label, why.what, delay)
                 time.sleep(delay * (1 + 0.2 * random.random()))
                 delay = min(delay * 2, 5.0)
 
