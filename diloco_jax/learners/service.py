@@ -422,6 +422,7 @@ class Client:
                                     "Decision")}  # fmt: skip
         self.bytes_sent = self.bytes_received = 0  # on the wire: headers, arrays, framing
         self.label = ""  # what its lines say first (``syncer shard K: ``, among shards)
+        self._closed = False
 
     def call(self, name: str, fields: dict, arrays: dict | None = None,
              timeout: float | None = None, counts: list | None = None,
@@ -452,6 +453,9 @@ class Client:
                             grpc.StatusCode.UNAUTHENTICATED,
                             grpc.StatusCode.PERMISSION_DENIED):  # fmt: skip
                     raise RefusedBySyncer(f"{self.label}{name}: {e.details()}") from None
+                if self._closed:  # closed under the call (its owner is stopping)
+                    raise SyncerUnreachable(f"{self.label}the client of {self.address} was "
+                                            "closed") from None  # fmt: skip
                 # unreachable, or the syncer stopped while answering: try again
                 # (or its lanes of this call are taken: a try before this one is still ending)
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
@@ -471,6 +475,7 @@ class Client:
                 delay = min(delay * 2, 5.0)
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
 
