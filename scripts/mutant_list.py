@@ -934,4 +934,8 @@ MUTANTS += [  # issue 62, steps 3b-4a: block ranges held as a leaf; shards over 
            "        self.decisions = {} and {d.round: d for d in map(Decision.from_json, meta.get(",
            [T_SHARD + "test_a_shard_restarted_mid_round_keeps_its_members_and_follows_the_"
             "decision"]),
+    Mutant("streaming fragments assigned over the shards as one", "faults",
+           "diloco_jax/learners/shards.py", "    if count > 1:", "    if False:",
+           [T_SHARD + "test_streaming_fragments_spread_over_every_shard_and_a_fragments_push_"
+            "cuts_to_its_leaves"]),
 ]  # fmt: skip

@@ -403,3 +403,31 @@ def test_an_anchor_split_into_pieces_gathers_back_and_a_bad_piece_is_named():
     mixed = wire.describe({**MODEL, "w0": MODEL["w0"].astype(np.float16)})
     with pytest.raises(ValueError, match=r"large leaves are of several dtypes \(float16, float"):
         shards.plan(mixed, 2, codec)
+
+
+def test_streaming_fragments_spread_over_every_shard_and_a_fragments_push_cuts_to_its_leaves():
+    """With two fragments each shard holds leaves of both (each fragment assigned on its own,
+    balanced), so a round's push of one fragment reaches every shard, each its own leaves of
+    it; a fragment of fewer leaves than shards, and a codec with fragments, are refused."""
+    describe = _model_described()
+    fragments = [i % 2 for i in range(len(describe))]
+    parts = shards.plan(describe, 3, None, fragments)
+    assert sorted(i for p in parts for i in p.leaves) == list(range(len(describe)))
+    for f in (0, 1):
+        mine = [i for i in range(len(describe)) if fragments[i] == f]
+        owner = shards.assign([describe[i] for i in mine], 3)
+        for part, k in zip(parts, range(3), strict=True):
+            assert (
+                {i for i in part.leaves if fragments[i] == f}
+                == {i for i, o in zip(mine, owner, strict=True) if o == k}
+                != set()
+            )
+    push = {str(describe[i][0]): np.zeros(describe[i][1], np.float32)
+            for i in range(len(describe)) if fragments[i] == 1}  # fmt: skip
+    for part in parts:
+        got = shards.cut(push, describe, part, None)
+        assert set(got) == {str(describe[i][0]) for i in part.leaves if fragments[i] == 1}
+    with pytest.raises(ValueError, match="streaming fragment 0 holds 2 leaves, fewer than"):
+        shards.plan(describe[:4], 3, None, fragments[:4])
+    with pytest.raises(ValueError, match="codec int8 with streaming fragments cannot be cut"):
+        shards.plan(describe, 2, compress.Codec("int8"), fragments)

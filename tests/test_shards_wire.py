@@ -58,7 +58,14 @@ def _learn(tmp_path, monkeypatch, keys: dict, count: int, name: str):
     return got, [s.syncer for s in servers]
 
 
-@pytest.mark.parametrize("keys", [ONE, {**ONE, **INT8_ANSWERS}], ids=["float32", "int8-answers"])
+STREAMING = {**ONE, "streaming.fragments": 2, "streaming.mix": 0.5, "model.num_layers": 2,
+             "outer.sync_every": 10, "train.total_steps": 20}  # fmt: skip
+
+
+# streaming: ~23 s, slow; its stand-in: test_shards.py's plan of fragments over shards
+@pytest.mark.parametrize("keys", [ONE, {**ONE, **INT8_ANSWERS},
+                                  pytest.param(STREAMING, marks=pytest.mark.slow)],
+                         ids=["float32", "int8-answers", "streaming"])  # fmt: skip
 def test_a_learner_of_two_shards_trains_the_bits_of_a_learner_of_one_syncer(
     tmp_path, monkeypatch, keys
 ):
@@ -66,18 +73,23 @@ def test_a_learner_of_two_shards_trains_the_bits_of_a_learner_of_one_syncer(
     against 2 shards equal those against one syncer, bit for bit; each shard closed both
     rounds, shard 1 as shard 0's decisions said, and the shards' anchors gathered are the one
     syncer's. int8 with compressed answers: each shard answers its part's change, rebuilt
-    and checked on the learner."""
+    and checked on the learner. Streaming (two fragments, one a round): each fragment's
+    leaves spread over both shards, a round's push and answer its fragment's."""
     want, (one,) = _learn(tmp_path, monkeypatch, keys, 1, "one")
     got, syncers = _learn(tmp_path, monkeypatch, keys, 2, "two")
     chex.assert_trees_all_equal(got["state"].anchor, want["state"].anchor)
     chex.assert_trees_all_equal(got["state"].params, want["state"].params)
     assert got["final_eval_loss"] == want["final_eval_loss"]
-    assert [s.round for s in syncers] == [2, 2] and one.round == 2
+    rounds = 4 if keys is STREAMING else 2
+    assert [s.round for s in syncers] == [rounds, rounds] and one.round == rounds
     assert syncers[0].decisions[1] == syncers[1].decisions[1]
     describe = [[n, list(a.shape), str(a.dtype)] for n, a in zip(one.names, one.anchor,
                                                                 strict=True)]  # fmt: skip
     codec = syncers[0].codec
-    parts = shards.plan(describe, 2, codec)
+    fragments = one.assignment if keys is STREAMING else None
+    parts = shards.plan(describe, 2, codec, fragments)
+    if fragments is not None:  # each shard holds leaves of both fragments
+        assert all({fragments[i] for i in part.leaves} == {0, 1} for part in parts)
     assert all(part.leaves or part.size for part in parts)  # each shard holds some
     pieces = [dict(zip(s.names, map(np.asarray, s.anchor), strict=True)) for s in syncers]
     gathered = shards.gather(pieces, describe, parts, codec)

@@ -135,9 +135,9 @@ def _validate_syncer(cfg: Config) -> None:
         *[("syncer.address", h and p.isdigit() and 0 < int(p) < 65536,
            f"must be HOST:PORT{'[,HOST:PORT...]' * (sy.shards > 1)}, not {a!r}")
           for a, (h, _, p) in zip(where, hosts, strict=True)],
-        ("syncer.shards", sy.shards == 1 or st.fragments == 1,
-         f"must be 1 with streaming.fragments = {st.fragments} (sharded syncers do not hold "
-         "fragments yet)"),
+        ("syncer.shards", sy.shards == 1 or st.fragments == 1 or cfg.compress.codec == "none",
+         f"must be 1 with streaming.fragments = {st.fragments} and compress.codec = "
+         f"{cfg.compress.codec} (syncer shards do not cut a codec's fragments yet)"),
         ("syncer.shards", sy.shards == 1 or o.mode != "eager",
          "must be 1 with outer.mode=eager (sharded syncers answer with the anchor)"),
         ("syncer.shards", sy.shards == 1 or cfg.compress.codec in (

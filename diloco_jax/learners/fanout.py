@@ -6,10 +6,11 @@ Every call goes to every shard, each with its own client, credential check and r
 
 * ``Join``: the learner's model, described whole, is planned into parts
   (:func:`~diloco_jax.learners.shards.plan`, from the description alone: every learner and
-  shard gets the same) and each shard joined with its part's description and piece of the
-  anchor (:func:`~.shards.split`); the answer is the anchor gathered from every shard's piece
-  (:func:`~.shards.gather`). Shards at different rounds (a following shard a moment behind
-  shard 0's decision) are joined again, briefly, until they agree.
+  shard gets the same; with streaming fragments each fragment's leaves over every shard, each
+  shard told its leaves' fragments) and each shard joined with its part's description and
+  piece of the anchor (:func:`~.shards.split`); the answer is the anchor gathered from every
+  shard's piece (:func:`~.shards.gather`). Shards at different rounds (a following shard a
+  moment behind shard 0's decision) are joined again, briefly, until they agree.
 * ``Push``: the push, encoded whole through the run's codec, cut into each shard's part
   (:func:`~.shards.cut`: whole blocks, bit for bit the whole push's), with the same push id
   (each shard merges it once; shard 0's decision names pushes by it), the learner's
@@ -102,14 +103,19 @@ class Fanout:
 
     def _join(self, fields: dict, anchor: dict, timeout, counts) -> tuple[dict, dict]:
         self.describe = [list(d) for d in fields["describe"]]
-        self.parts = shards.plan(self.describe, len(self.clients), self.codec)
+        fragments = fields.get("fragments")
+        try:
+            self.parts = shards.plan(self.describe, len(self.clients), self.codec, fragments)
+        except ValueError as e:
+            raise service.RefusedBySyncer(f"Join: {e}") from None
+        mine = [{"fragments": [fragments[i] for i in part.leaves]} if fragments else {}
+                for part in self.parts]  # fmt: skip
         pieces = shards.split(anchor, self.describe, self.parts, self.codec)
         for _ in range(AGREE_TRIES):
             replies = self._all([
                 lambda k=k: self.clients[k].call("Join", {
-                    **fields, "describe": shards.described(self.describe, self.parts[k],
-                                                           self.codec)},
-                    pieces[k], timeout, counts)
+                    **fields, **mine[k], "describe": shards.described(
+                        self.describe, self.parts[k], self.codec)}, pieces[k], timeout, counts)
                 for k in range(len(self.clients))])  # fmt: skip
             rounds = {int(f["round"]) for f, _ in replies}
             if len(rounds) == 1:
@@ -141,6 +147,14 @@ class Fanout:
         return reply, self._whole(got)
 
     def _whole(self, pieces: list[dict]) -> dict[str, np.ndarray]:
+        if any(p.size for p in self.parts):
+            return self._gathered(pieces)
+        # whole leaves: every shard's by name, in the model's order (a streaming round's
+        # answer holds its fragment's leaves alone, each from its shard)
+        got = {n: a for piece in pieces for n, a in piece.items()}
+        return {str(n): got[str(n)] for n, _, _ in self.describe if str(n) in got}
+
+    def _gathered(self, pieces: list[dict]) -> dict[str, np.ndarray]:
         try:
             return shards.gather(pieces, self.describe, self.parts, self.codec)
         except ValueError as e:

@@ -95,12 +95,33 @@ class Part:
         return self.values[1] - self.values[0]
 
 
-def plan(describe: Sequence[Sequence], shards: int, codec=None) -> list[Part]:
+def plan(describe: Sequence[Sequence], shards: int, codec=None,
+         fragments: Sequence[int] | None = None) -> list[Part]:  # fmt: skip
     """Each of ``shards``' :class:`Part` of a model described by ``describe`` whose pushes
     travel through ``codec`` (None or ``none``: whole leaves, :func:`assign`; a blockwise
-    codec: block ranges and the small leaves, see the module's docstring). Raises ValueError
-    for a codec that chooses over the whole vector (``topk``, DCT momentum, SparseLoCo)."""
+    codec: block ranges and the small leaves, see the module's docstring). With streaming
+    fragments (``fragments``: each leaf's, more than one), each fragment's leaves are assigned
+    on their own, so that every shard holds leaves of every fragment (a round's push is one
+    fragment's). Raises ValueError for a codec that chooses over the whole vector (``topk``,
+    DCT momentum, SparseLoCo), for a codec with fragments, and for a fragment of fewer leaves
+    than shards."""
     name = getattr(codec, "name", None)
+    count = len(set(fragments)) if fragments is not None else 1
+    if count > 1:
+        assert fragments is not None
+        if codec is not None and name != "none":
+            raise ValueError(f"codec {name} with streaming fragments cannot be cut into syncer "
+                             "shards yet")  # fmt: skip
+        owner = [0] * len(describe)
+        for f in sorted(set(fragments)):
+            mine = [i for i, g in enumerate(fragments) if g == f]
+            if len(mine) < shards:
+                raise ValueError(f"streaming fragment {f} holds {len(mine)} leaves, fewer than "
+                                 f"syncer.shards = {shards}: each shard holds leaves of every "
+                                 "fragment")  # fmt: skip
+            for i, k in zip(mine, assign([describe[i] for i in mine], shards), strict=True):
+                owner[i] = k
+        return [Part(tuple(i for i, s in enumerate(owner) if s == k)) for k in range(shards)]
     if codec is None or name == "none":
         owner = assign(describe, shards)
         return [Part(tuple(i for i, s in enumerate(owner) if s == k)) for k in range(shards)]
@@ -143,7 +164,11 @@ def cut(
     whole leaves by name, and the rows of its blocks of every encoded array (a block per row),
     under the names they have there. Decoded against :func:`described` it gives the shard's
     leaves and its range of the flat vector, bit for bit those of the whole push."""
-    out = {str(describe[i][0]): message[str(describe[i][0])] for i in part.leaves}
+    out = {
+        str(describe[i][0]): message[str(describe[i][0])]
+        for i in part.leaves
+        if str(describe[i][0]) in message
+    }  # (a streaming round's push: its fragment's)
     if part.size:
         first, end = part.blocks
         for name in payload._names(codec):
