@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
+import time
 
 import chex
 import numpy as np
@@ -260,3 +262,39 @@ def test_a_shard_that_stays_down_is_named_by_its_index_and_address(tmp_path, cap
         servers[0].syncer.close()
     lines = [r.getMessage() for r in dict.fromkeys(caplog.records)]
     assert any(line.startswith(f"syncer shard 1: nothing listens at {down}") for line in lines)
+
+
+class _Stuck:
+    """A client whose calls wait for ``free`` (a shard down, its client retrying); it counts
+    the calls it got."""
+
+    def __init__(self, blocked: bool):
+        self.free, self.calls, self.address = threading.Event(), [], "127.0.0.1:1"
+        self.timeout, self.patience, self.label = 10.0, 300.0, ""
+        if not blocked:
+            self.free.set()
+
+    def call(self, name, fields, arrays=None, timeout=None, counts=None):
+        self.calls.append((name, fields["generation"]))
+        assert self.free.wait(10.0)
+        return {"round": 3}, {}
+
+    def close(self) -> None:
+        self.free.set()
+
+
+def test_a_shard_that_is_down_holds_up_no_heartbeat_of_shard_0():
+    """Shard 1's client stuck: shard 0's heartbeats are answered at once, each time, each
+    with shard 0's generation; shard 1 gets one heartbeat in flight at a time, with its own."""
+    zero, one = _Stuck(False), _Stuck(True)
+    client = fanout.Fanout([zero, one])
+    client.generations = [4, 7]
+    for _ in range(3):
+        assert client.call("Heartbeat", {"learner": 0})[0] == {"round": 3}
+    assert zero.calls == [("Heartbeat", 4)] * 3
+    end = time.monotonic() + 10.0
+    while not one.calls and time.monotonic() < end:  # its thread's call, in the background
+        time.sleep(0.01)
+    assert one.calls == [("Heartbeat", 7)]
+    one.free.set()
+    client.close()

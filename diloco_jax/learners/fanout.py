@@ -19,8 +19,9 @@ Every call goes to every shard, each with its own client, credential check and r
   the answer is the new anchor gathered from theirs. With ``compress.answers`` each shard's
   answer is its own part's change, rebuilt and checked against its own checksum here
   (:class:`~.answers.Held`, one per shard).
-* ``Heartbeat`` and ``Leave``: each shard in turn (never queued behind a push that waits for
-  its round).
+* ``Heartbeat``: shard 0's in the caller's thread, the others' in the background, never
+  queued behind a push that waits for its round nor behind a shard that is down;
+  ``Leave``: every shard at once.
 
 A shard that cannot be reached is retried by its own client, whose log lines name its
 address; a refusal by any shard is raised as the learner's refusal (it joins every shard
@@ -66,6 +67,9 @@ class Fanout:
         self.parts: list[shards.Part] = []
         self._pool = concurrent.futures.ThreadPoolExecutor(
             2 * len(clients), thread_name_prefix="shard")  # fmt: skip
+        self._beats = concurrent.futures.ThreadPoolExecutor(
+            len(clients), thread_name_prefix="shard-beat")  # fmt: skip
+        self._beating: list[concurrent.futures.Future | None] = [None] * len(clients)
 
     @property
     def address(self) -> str:
@@ -91,9 +95,26 @@ class Fanout:
             return self._join(fields, arrays or {}, timeout, counts)
         if name == "Push":
             return self._push(fields, arrays or {}, timeout, counts)
-        replies = [c.call(name, {**fields, "generation": g}, None, timeout, counts)
-                   for c, g in zip(self.clients, self.generations, strict=True)]  # fmt: skip
+        if name == "Heartbeat":
+            return self._heartbeat(fields, timeout)
+        replies = self._all([
+            lambda k=k: self.clients[k].call(name, {**fields, "generation": self.generations[k]},
+                                             None, timeout, counts)
+            for k in range(len(self.clients))])  # fmt: skip
         return replies[0]
+
+    def _heartbeat(self, fields: dict, timeout) -> tuple[dict, dict]:
+        """Shard 0's heartbeat in this thread (it drops the silent); every other shard's in
+        the background, one at a time each: a shard that is down, its client retrying, holds
+        up neither shard 0's heartbeats nor the others'."""
+        for k in range(1, len(self.clients)):
+            last = self._beating[k]
+            if last is None or last.done():
+                self._beating[k] = self._beats.submit(
+                    self.clients[k].call, "Heartbeat",
+                    {**fields, "generation": self.generations[k]}, None, timeout)  # fmt: skip
+        return self.clients[0].call("Heartbeat", {**fields, "generation": self.generations[0]},
+                                    None, timeout)  # fmt: skip
 
     def _all(self, calls: list) -> list:
         """Every shard's call (thunks), in parallel; the first error raised once all ended."""
@@ -162,5 +183,6 @@ class Fanout:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        self._beats.shutdown(wait=False)
         for c in self.clients:
             c.close()
