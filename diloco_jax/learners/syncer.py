@@ -66,6 +66,12 @@ The rules, each one line in the tape (``WORKDIR/syncer.jsonl``, one JSON object 
 
 The round's merge, outer step and checkpoint run off the lock (heartbeats, joins and status
 are answered meanwhile); the new anchor is answered only once its checkpoint is written.
+
+With syncer shards (``syncer.shards``, issue 62) each shard is a syncer of its part of the
+anchor (:mod:`.shards`). Shard 0 applies every rule above and keeps each round's
+:class:`~.rounds.Decision`; the others (``decides=False``) apply none that time sets off and
+close a round only as shard 0's decision says (:meth:`Syncer.follow`, :mod:`.following`). A
+push to a shard says whether the learner's whole mean is finite (``whole_finite``).
 """
 
 from __future__ import annotations
