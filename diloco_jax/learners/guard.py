@@ -144,9 +144,9 @@ class Watchdog:
             idle = [w for w in self.calls if w.idle() > self.limit]
             for w in idle:
                 self.calls.discard(w)
+            self.cancelled += len(idle)  # counted before the cancel reaches anyone
         for w in idle:
             w.cancel()
-        self.cancelled += len(idle)
         return len(idle)
 
     def _run(self) -> None:
