@@ -253,7 +253,63 @@ def run_config(args, params: int, learners: int, count: int) -> dict:
         "busiest_out_x_model": max(k[1] for r in moved for k in r) / model,
         "peak_rss_gb": max(rss) / 1e9,
         "incoming_peak_x_share": max(d.peak() for d in disk) / (learners * model / count),
+        "share": max(sum(a.nbytes for a in p.values()) for p in pieces) / model,
     }  # fmt: skip
+
+
+def predict(args, row: dict, loopback_s: float, rounds: int = 6) -> float:
+    """The replay's round (``sim/replay.py``, every party behind a link of its own:
+    :class:`sim.replay.Nics`) for ``row``'s learners and shards: each round its pushes flow up
+    at once, the round closes, and ``loopback_s`` (the same configuration's round on loopback:
+    the pushes' way in, the merge, the outer step, the checkpoint, the answers' way out, with
+    no link) later the answers flow down. The followers reach shard 0 on loopback here, so
+    they hear how a round closed at once. The median of the rounds after the first."""
+    from diloco_jax import config as config_lib
+    from sim import link as link_lib
+    from sim import replay
+
+    bandwidth_text, latency_text = args.link.split(":")
+    bandwidth = link_lib.rate(bandwidth_text)
+    assert bandwidth is not None
+    n, h, batch = row["learners"], 10, 8
+    cfg = config_lib.load_preset("tiny")
+    keys = {"outer.sync_every": h, "data.batch_size": batch, "parallel.replicas": 1,
+            "syncer.learners": n, "syncer.examples": n * rounds * h * batch}  # fmt: skip
+    for key, value in keys.items():
+        cfg = config_lib.override(cfg, key, str(value))
+    nics = replay.Nics(bandwidth=bandwidth * row["model_bytes"] / 4 / args.link_params,
+                       latency=link_lib.seconds(latency_text), up_bytes=row["model_bytes"],
+                       down_bytes=row["model_bytes"], shards=row["shards"], share=row["share"],
+                       follow_s=0.0)  # fmt: skip
+    pace = replay.Pace(step_s=(0.0,) * n, startup_s=0.0, compile_s=0.0, transfer_s=loopback_s,
+                       tail_s=0.0, nics=nics)  # fmt: skip
+    closes = [e["time"] for e in replay.replay(cfg, pace).tape if e["event"] == "closed"]
+    return statistics.median(np.diff(closes)[1:])
+
+
+def projections(rows: list[dict], params: float = 1e9) -> list[dict]:
+    """For each shard count at the most learners measured with three sizes or more: the
+    largest shard's peak RSS and the round, fitted ``a + b * model_bytes`` (least squares) over
+    those sizes and taken at ``params`` parameters. Two sizes are refused: their line runs
+    through both points, so a start-up cost that is not linear in the model (the imports, the
+    first compile) tilts it, and the slope it extrapolates is overstated."""
+    most = max(r["learners"] for r in rows)
+    out = []
+    for count in sorted({r["shards"] for r in rows if r["learners"] == most}):
+        at = [r for r in rows if r["learners"] == most and r["shards"] == count]
+        if len({r["params"] for r in at}) < 3:
+            continue
+        x = np.array([r["model_bytes"] / 1e9 for r in at])
+        rss = np.polyfit(x, [r["peak_rss_gb"] for r in at], 1)
+        turn = np.polyfit(x, [r["turnaround_median_s"] for r in at], 1)
+        gb = params * 4 / 1e9
+        out.append({"params": int(params), "learners": most, "shards": count,
+                    "model_gb": gb, "rss_fit": [float(v) for v in rss],
+                    "turnaround_fit": [float(v) for v in turn],
+                    "peak_rss_gb": float(np.polyval(rss, gb)),
+                    "turnaround_s": float(np.polyval(turn, gb)),
+                    "sizes": sorted({r["params"] for r in at})})  # fmt: skip
+    return out
 
 
 def table(rows: list[dict], machine: str) -> str:
@@ -266,15 +322,28 @@ def table(rows: list[dict], machine: str) -> str:
         if link
         else ""
     )
+    extra = " loopback round (s) | replay (s) | replay's error |" if link else ""
     lines = [f"Machine: {machine}", "", *([scaled, ""] if scaled else []),
              "| params | learners | shards | round (s, median) | busiest process in / out "
              "(x model) | largest shard's peak RSS (GB) | incoming/ peak (x learners x "
-             "model / S) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "model / S) |" + extra, "|---" * (10 if link else 7) + "|"]  # fmt: skip
     for r in rows:
+        error = r["replay_s"] / r["turnaround_median_s"] - 1 if link else 0.0
+        more = f" {r['loopback_s']:.2f} | {r['replay_s']:.2f} | {error:+.1%} |" if link else ""
         lines.append(f"| {r['params'] / 1e6:g} M | {r['learners']} | {r['shards']} | "
                      f"{r['turnaround_median_s']:.2f} | {r['busiest_in_x_model']:.2f} / "
                      f"{r['busiest_out_x_model']:.2f} | {r['peak_rss_gb']:.2f} | "
-                     f"{r['incoming_peak_x_share']:.2f} |")  # fmt: skip
+                     f"{r['incoming_peak_x_share']:.2f} |" + more)  # fmt: skip
+    fits = projections(rows)
+    for f in fits:
+        lines.append(f"| {f['params'] / 1e9:g} B (projection) | {f['learners']} | "
+                     f"{f['shards']} | {f['turnaround_s']:.1f} | | {f['peak_rss_gb']:.2f} "
+                     "| |")  # fmt: skip
+    if fits:
+        sizes = ", ".join(f"{p / 1e6:g} M" for p in fits[0]["sizes"])
+        lines += ["", "The projection rows are not measurements: least-squares lines of the "
+                  "largest shard's peak RSS and the round against the model's bytes, over "
+                  f"{sizes}, taken at 1 B parameters."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -310,14 +379,21 @@ def main() -> None:
             counts = dict.fromkeys(learners if s == "N" else int(s)
                                    for s in args.shards.split(","))  # fmt: skip
             for count in counts:
-                rows.append(run_config(args, params, learners, count))
+                row = run_config(args, params, learners, count)
+                if args.link:  # the same on loopback: the replay's time to answer
+                    bare = run_config(argparse.Namespace(**{**vars(args), "link": ""}), params,
+                                      learners, count)  # fmt: skip
+                    row["loopback_s"] = bare["turnaround_median_s"]
+                    row["replay_s"] = predict(args, row, bare["turnaround_median_s"])
+                rows.append(row)
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = table(rows, machine)
     print(text)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}))
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows,
+                                                   "projections": projections(rows)}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -26,6 +26,17 @@ clock and holding a one-number anchor; it writes no checkpoint and never blocks
 * it heartbeats every ``heartbeat_s`` while its process lives, so a dead one is dropped by the
   syncer's own rule; the run ends ``tail_s`` after the round that finishes it.
 
+Every party behind a link of its own (:class:`Nics`, as ``scripts/bench_shards.py --link``
+serves them): a push no longer takes a fixed ``up_s``; it is a flow through the learner's NIC
+and the syncer's (each shard's), and the flows in flight share the syncer's. With ``S`` shards
+a learner sends each its part, all at once; the shards are alike (each takes ``share`` of every
+push, ``1 / S`` when balanced), so one shard's NIC stands for all: a push's bytes go at
+``min(bandwidth, bandwidth / share / n)`` with ``n`` pushes in flight (its own NIC, or its part
+of the busiest shard's), then ``latency``, then ``up_s``. An answer is the same flow down,
+``transfer_s`` after the round closes (the merge, the outer step, the checkpoint), and a shard
+but 0 first hears how the round closed from shard 0 (one more way across two links: twice the
+latency).
+
 A slow learner (``speed < 1``) is slow at everything, start-up and compile included. Every
 learner has its own cores: a machine whose learners share cores runs faster when one is down
 or stopped, which this does not model.
@@ -50,6 +61,18 @@ _ANCHOR = {"w": np.zeros(1, np.float32)}
 _DESCRIBED = [["w", [1], "float32"]]
 
 
+class Nics(NamedTuple):
+    """Every party behind its own link: a learner's, and each syncer shard's."""
+
+    bandwidth: float  # bytes/s of every party's link, each way
+    latency: float  # one way, learner to shard
+    up_bytes: int  # a push, its shards' parts together
+    down_bytes: int  # an answer, likewise
+    shards: int = 1
+    share: float | None = None  # the busiest shard's part of a push (None: 1 / shards)
+    follow_s: float | None = None  # shard 0 to another, how a round closed (None: 2 x latency)
+
+
 class Pace(NamedTuple):
     """Measured times of a run's learners, in seconds."""
 
@@ -63,6 +86,7 @@ class Pace(NamedTuple):
     restart_compile_s: float | None = None  # the first; its compile may be from the cache)
     heartbeat_s: float = 0.5
     up_s: float = 0.0  # a push's way up: from its sending to its data in at the syncer
+    nics: Nics | None = None  # every party behind a link: each transfer a shared flow
 
     def startup(self, again: bool) -> float:
         return self.restart_startup_s if again and self.restart_startup_s is not None else (
@@ -118,6 +142,46 @@ class _Virtual(Syncer):
         pass
 
 
+class _Shared:
+    """One shard's link in one direction: the flows in flight share ``capacity`` bytes/s
+    equally, none faster than ``cap`` (its learner's own NIC); a flow's bytes count the whole
+    push or answer (every shard's part: so ``capacity`` is a shard's bandwidth over its share)."""
+
+    def __init__(self, capacity: float, cap: float):
+        self.capacity, self.cap = capacity, cap
+        self.flows: dict[tuple, float] = {}  # (learner, epoch, what) -> bytes left
+        self.t, self.version = 0.0, 0
+
+    def rate(self) -> float:
+        return min(self.cap, self.capacity / len(self.flows)) if self.flows else 0.0
+
+    def advance(self, now: float) -> None:
+        gone = self.rate() * (now - self.t)
+        self.flows = {k: left - gone for k, left in self.flows.items()}
+        self.t = now
+
+    def add(self, now: float, key: tuple, nbytes: float) -> None:
+        self.advance(now)
+        self.flows[key] = float(nbytes)
+        self.version += 1
+
+    def drop(self, now: float, learner: int) -> None:
+        self.advance(now)
+        self.flows = {k: v for k, v in self.flows.items() if k[0] != learner}
+        self.version += 1
+
+    def next_done(self) -> float | None:
+        return self.t + min(self.flows.values()) / self.rate() if self.flows else None
+
+    def done(self, now: float) -> list[tuple]:
+        self.advance(now)
+        out = [k for k, left in self.flows.items() if left <= 1e-6]
+        for k in out:
+            del self.flows[k]
+        self.version += 1
+        return out
+
+
 class _Learner:
     def __init__(self, speed: float):
         self.speed, self.generation, self.epoch = speed, 0, 0  # epoch: its process, from 1
@@ -144,14 +208,24 @@ class _Replay:
         self.kills, self.seen_round, self.end = 0, 0, None
         self.tick_at: float | None = None
         self.waited: dict[int, list[float]] = {i: [] for i in range(len(speeds))}
+        self.nics = pace.nics
+        self.links: dict[str, _Shared] = {}
+        if self.nics is not None:
+            share = self.nics.share or 1.0 / self.nics.shards
+            self.links = {way: _Shared(self.nics.bandwidth / share, self.nics.bandwidth)
+                          for way in ("up", "down")}  # fmt: skip
 
-    def at(self, t: float, kind: str, i: int = -1) -> None:
+    def at(self, t: float, kind: str | tuple, i: int = -1) -> None:
         epoch = self.learners[i].epoch if i >= 0 else 0
         heapq.heappush(self.queue, (t, next(self.order), kind, i, epoch))
 
     def start(self, i: int) -> None:  # a new process
         me = self.learners[i]
         me.epoch += 1
+        for link in self.links.values():  # the old process's connections are gone
+            if any(k[0] == i for k in link.flows):
+                link.drop(self.now, i)
+                self.schedule(link)
         self.at(self.now + self.pace.startup(me.epoch > 1) / me.speed, "join", i)
         self.at(self.now, "beat", i)
 
@@ -163,6 +237,53 @@ class _Replay:
             me.waits_for, me.joining = me.base, compile_first
         else:
             self.go_on(i, self.now, compile_first)
+
+    def schedule(self, link: _Shared) -> None:
+        done = link.next_done()
+        if done is not None:
+            way = "up" if link is self.links.get("up") else "down"
+            self.at(done, ("flow", way, link.version))
+
+    def send(self, way: str, i: int, what: str) -> None:
+        """Learner ``i``'s push (``way`` up), or its answer (down; ``what``: "answer", or
+        "joined" for a join's anchor) once the round's merge, outer step and checkpoint are
+        done: after the pace's fixed times, or through the links."""
+        if self.nics is None:
+            if way == "up":
+                return self.at(self.now + self.pace.up_s, "arrive", i)
+            return self.at(self.now + self.pace.transfer_s, what, i)
+        if way == "down" and self.pace.transfer_s > 0:
+            return self.at(self.now + self.pace.transfer_s, ("send", what), i)
+        self.flow(way, i, what)
+
+    def flow(self, way: str, i: int, what: str) -> None:
+        link = self.links[way]
+        assert self.nics is not None
+        link.add(self.now, (i, self.learners[i].epoch, what), self.nics.up_bytes if way == "up"
+                 else self.nics.down_bytes)  # fmt: skip
+        self.schedule(link)
+
+    def flowed(self, way: str, version: int) -> None:
+        link = self.links[way]
+        if version != link.version:
+            return  # the flows changed since: a later event stands
+        assert self.nics is not None
+        for i, epoch, what in link.done(self.now):
+            if epoch != self.learners[i].epoch:
+                continue
+            if way == "up":
+                self.at(self.now + self.nics.latency + self.pace.up_s, "arrive", i)
+            else:
+                follow = self.nics.follow_s
+                if follow is None:
+                    follow = 2 * self.nics.latency
+                follow = follow if self.nics.shards > 1 else 0.0
+                self.at(self.now + self.nics.latency + follow, what, i)
+        self.schedule(link)
+
+    def joined(self, i: int) -> None:
+        """A join that waited for the open round: its anchor is in; it compiles, then steps."""
+        self.go_on(i, self.now, True)
 
     def go_on(self, i: int, t: float, compile_first: bool, steps: int | None = None) -> None:
         """Learner ``i`` takes ``steps`` (a round's by default) from ``t``, then pushes."""
@@ -182,7 +303,7 @@ class _Replay:
             me.in_flight = True
             self.go_on(i, self.now, False)
         me.pushed_at = self.now
-        self.at(self.now + self.pace.up_s, "arrive", i)
+        self.send("up", i, "push")
         if self.tau:  # streaming's overlap: tau steps while the push travels, then its answer
             me.in_flight = True
             self.at(self.now + self.tau * self.pace.step_s[i] / me.speed, "need", i)
@@ -244,11 +365,11 @@ class _Replay:
                         continue
                     if me.joining:  # a join that waited for the open round: it compiles
                         me.base, me.joining = sy.round, False
-                        self.go_on(i, self.now + self.pace.transfer_s, True)
+                        self.send("down", i, "joined")
                         continue
                     if not self.overlap:
                         me.base = sy.round
-                    self.at(self.now + self.pace.transfer_s, "answer", i)
+                    self.send("down", i, "answer")
             if self.kill and not sy.finished and sy.round >= (self.kills + 1) * self.kill[1]:
                 self.kills += 1
                 killed = self.learners[self.kill[0]]
@@ -276,6 +397,12 @@ class _Replay:
                 self.arrive(i)
             elif kind == "answer":
                 self.answer(i)
+            elif kind == "joined":
+                self.joined(i)
+            elif isinstance(kind, tuple) and kind[0] == "flow":
+                self.flowed(kind[1], kind[2])
+            elif isinstance(kind, tuple):  # ("send", what): an answer's flow starts now
+                self.flow("down", i, kind[1])
             elif kind == "need":
                 self.need(i)
             elif kind == "beat":

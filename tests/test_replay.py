@@ -82,6 +82,31 @@ def test_a_link_adds_each_pushs_way_up_and_each_answers_way_down():
     assert r.wall_s == pytest.approx(5 + 5 + 4 * 4.0 + 4 * 0.06 + 3 * 0.37 + 3)
 
 
+def test_behind_links_of_their_own_the_pushes_in_flight_share_the_syncers_link():
+    # 100 kB/s and 50 ms, every party: two pushes of 1,000 bytes at once through one syncer's
+    # link take 0.02 s (0.01 each alone), then 50 ms; two answers of 2,000 bytes 0.04 s + 50 ms,
+    # after the merge's 0.3 s
+    nics = replay.Nics(bandwidth=1e5, latency=0.05, up_bytes=1000, down_bytes=2000)
+    r = replay.replay(_config(4), PACE._replace(nics=nics))
+    assert r.wall_s == pytest.approx(5 + 5 + 4 * 4.0 + 4 * 0.07 + 3 * 0.39 + 3)
+    # two shards: each takes half of every push, so the two go at their own NICs' rate (0.01 s
+    # up, 0.02 s down); shard 1 hears how the round closed from shard 0: 2 x 50 ms more down
+    r = replay.replay(_config(4), PACE._replace(nics=nics._replace(shards=2)))
+    assert r.wall_s == pytest.approx(5 + 5 + 4 * 4.0 + 4 * 0.06 + 3 * (0.3 + 0.07 + 0.1) + 3)
+
+
+def test_behind_links_a_push_alone_in_flight_goes_at_its_learners_own_rate():
+    # a quorum of one, learner 1 at half speed: their pushes never overlap on the syncer's
+    # link, so each takes 1,000 bytes / 100 kB/s + 50 ms, however many learners share it
+    nics = replay.Nics(bandwidth=1e5, latency=0.05, up_bytes=1000, down_bytes=2000)
+    cfg = _config(6, **{"syncer.quorum": 1, "syncer.grace": 0.01, "syncer.max_late": 8})
+    r = replay.replay(cfg, PACE._replace(nics=nics, transfer_s=0.0), speeds=[1.0, 0.5])
+    fast = [e["time"] for e in r.tape if e["event"] == "pushed" and e["learner"] == 0]
+    assert fast[0] == pytest.approx(5 + 5 + 4.0 + 0.06)  # alone: 0.01 s up, then 50 ms
+    # to its next push: the grace, its answer alone (0.02 s, 50 ms), 4 s of steps, its push
+    assert fast[1] - fast[0] == pytest.approx(0.01 + 0.07 + 4.0 + 0.06)
+
+
 @pytest.mark.parametrize("mode", ["delayed", "eager"])
 def test_overlapped_rounds_wait_only_for_what_a_round_of_steps_does_not_hide(mode):
     # the answer comes 0.3 s after a push, within the 4 s of the next round's steps: no wait
