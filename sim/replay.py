@@ -175,7 +175,8 @@ class _Shared:
 
     def done(self, now: float) -> list[tuple]:
         self.advance(now)
-        out = [k for k, left in self.flows.items() if left <= 1e-6]
+        slack = 1e-6 + self.rate() * 1e-9  # a nanosecond's bytes: the float sums' rounding
+        out = [k for k, left in self.flows.items() if left <= slack]
         for k in out:
             del self.flows[k]
         self.version += 1

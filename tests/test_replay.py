@@ -107,6 +107,21 @@ def test_behind_links_a_push_alone_in_flight_goes_at_its_learners_own_rate():
     assert fast[1] - fast[0] == pytest.approx(0.01 + 0.07 + 4.0 + 0.06)
 
 
+def test_behind_links_flows_of_a_real_models_size_end():
+    # 400 MB pushes through 8 shards' links: the bytes left of equal flows that end together
+    # are float sums, a few bytes off zero; they end all the same (this once looped forever)
+    nics = replay.Nics(bandwidth=125e6, latency=0.02, up_bytes=400_000_000,
+                       down_bytes=400_000_000, shards=8)  # fmt: skip
+    long = 500  # rounds of 50 s: late enough on the clock for the sums to miss zero
+    cfg = _config(3, **{"syncer.learners": 8, "syncer.examples": 8 * 3 * long * ROWS,
+                        "outer.sync_every": long})  # fmt: skip
+    r = replay.replay(cfg, PACE._replace(step_s=(0.1,) * 8, nics=nics), limit_s=1e4)
+    assert r.rounds == 3
+    # each round: 50 s of steps, 3.2 s up and 20 ms; between rounds 0.3 s, 3.2 s down, 60 ms
+    # (shard 0 tells the others how the round closed: twice the latency more)
+    assert r.wall_s == pytest.approx(5 + 5 + 3 * (50.0 + 3.22) + 2 * (0.3 + 3.2 + 0.06) + 3)
+
+
 @pytest.mark.parametrize("mode", ["delayed", "eager"])
 def test_overlapped_rounds_wait_only_for_what_a_round_of_steps_does_not_hide(mode):
     # the answer comes 0.3 s after a push, within the 4 s of the next round's steps: no wait
