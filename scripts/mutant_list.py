@@ -32,8 +32,10 @@ SCHEDULE = "diloco_jax/simulated/schedule.py"
 RESUME = "diloco_jax/run/resume.py"
 CORPUS = "diloco_jax/data/corpus.py"
 VALIDATION = "diloco_jax/config/validation.py"
+ROBUST = "diloco_jax/algorithm/robust.py"
 
 T_SEC = "tests/test_syncer_security.py::"
+T_ROBUST = "tests/test_robust.py::"
 T_DILOCO = "tests/test_diloco.py::"
 T_HAND = T_DILOCO + "test_hand_computed_quadratic_trajectory"
 T_SIGN = T_DILOCO + "test_pseudo_gradient_sign_mean_over_replicas_only_and_outer_step_not_a_noop"
@@ -670,8 +672,8 @@ MUTANTS += [
            "diloco_jax/config/recipe.py", "    if o.mode not in OVERLAP_MOMENTUM:",
            "    if True:", [T_OVERLAP + "test_a_stale_outer_step_takes_the_overlap_momentum"]),
     Mutant("the replay forgets a push's way up the link", "runtime", "sim/replay.py",
-           '        self.at(self.now + self.pace.up_s, "arrive", i)',
-           '        self.at(self.now, "arrive", i)',
+           '                return self.at(self.now + self.pace.up_s, "arrive", i)',
+           '                return self.at(self.now, "arrive", i)',
            [T_REPLAY + "test_a_link_adds_each_pushs_way_up_and_each_answers_way_down"]),
     Mutant("an overlapped learner in the replay never waits for its answer", "runtime",
            "sim/replay.py", "        if self.overlap and me.in_flight:",
@@ -938,4 +940,37 @@ MUTANTS += [  # issue 62, steps 3b-4a: block ranges held as a leaf; shards over 
            "diloco_jax/learners/shards.py", "    if count > 1:", "    if False:",
            [T_SHARD + "test_streaming_fragments_spread_over_every_shard_and_a_fragments_push_"
             "cuts_to_its_leaves"]),
+    Mutant("the replay's flows through shared links never share", "runtime", "sim/replay.py",
+           "        return min(self.cap, self.capacity / len(self.flows)) if self.flows else 0.0",
+           "        return self.cap if self.flows else 0.0",
+           [T_REPLAY + "test_behind_links_of_their_own_the_pushes_in_flight_share_the_syncers_"
+            "link"]),
+    # robust merging (issue 63)
+    Mutant("the trimmed mean keeps one value too many at the top", "algorithm", ROBUST,
+           "    kept = (k >= f) & (k < n - f)", "    kept = (k >= f) & (k < n - f + 1)",
+           [T_ROBUST + "test_each_rule_equals_a_direct_numpy_computation"]),
+    Mutant("the weighted median takes the lower middle only", "algorithm", ROBUST,
+           "    hi = jnp.argmax(cumulative > half, axis=0)",
+           "    hi = jnp.argmax(cumulative >= half, axis=0)",
+           [T_ROBUST + "test_each_rule_equals_a_direct_numpy_computation"]),
+    Mutant("norms clipped against the largest norm, not the median", "algorithm", ROBUST,
+           "    radius = clip * median_of(norms_R, valid_R)",
+           "    radius = clip * jnp.max(norms_R)",
+           [T_ROBUST + "test_each_rule_equals_a_direct_numpy_computation"]),
+    Mutant("centered clipping never clips", "algorithm", ROBUST,
+           "        step = share * jnp.where(dist > tau, tau / jnp.maximum(dist, 1e-30), 1.0)",
+           "        step = share * 1.0",
+           [T_ROBUST + "test_each_rule_equals_a_direct_numpy_computation"]),
+    Mutant("a left-out replica's NaN reaches the robust rule", "algorithm", ROBUST,
+           "        sent = [jnp.where(counted, d, 0.0) for d in delta]",
+           "        sent = list(delta); counted = jnp.isfinite(w)",
+           [T_ROBUST + "test_the_exchange_under_vmap_gives_every_replica_the_rules_merge"]),
+    Mutant("the attacker's statistics count the attackers", "algorithm", ROBUST,
+           "    honest_R = valid_R & ~hostile_R", "    honest_R = valid_R",
+           [T_ROBUST + "test_each_attack_equals_a_direct_numpy_computation"]),
+    Mutant("the syncer merges every rule as the mean", "faults",
+           "diloco_jax/learners/keeping.py", "        if rule is None or rule.plain:",
+           "        if True:",
+           [T_ROBUST + "test_a_syncer_merging_with_the_median_is_not_moved_by_one_far_push_"
+            "and_says_so"]),
 ]  # fmt: skip

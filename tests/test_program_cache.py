@@ -57,6 +57,8 @@ CONFIGS = {  # where a key could reach the step: the variants that build other s
     },
     "outer_schedule": {"outer.schedule": "cosine"},  # the outer rate is a constant of the step
     "noloco": {"noloco.enabled": True},  # the seed draws the pairings, constants of the step
+    "attack": {"sim.attack": "gaussian", "sim.attackers": 1, "merge.rule": "median"},  # and
+    # the hostile replicas and their noise
     "digits": {"data.corpus": "digits"},  # the image task: its data reach the step as arguments
 }
 

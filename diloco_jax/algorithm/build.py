@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diloco_jax.algorithm import compress, dct, exchange, fragments, gossip, moments
+from diloco_jax.algorithm import compress, dct, exchange, fragments, gossip, moments, robust
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.core import Diloco
 from diloco_jax.algorithm.exchange import AxisName
@@ -36,7 +36,9 @@ def maskable(inner: optax.GradientTransformation) -> optax.GradientTransformatio
     return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
-def _make_exchange(axis_name, codec, dct_config, gossip_config) -> exchange.Exchange:
+def _make_exchange(axis_name, codec, dct_config, gossip_config, merge, attack):
+    if not merge.plain or attack.active:
+        return robust.exchange(axis_name, merge, attack)
     if gossip_config is not None:
         return gossip.gossip(axis_name, gossip_config)
     if dct_config is not None:
@@ -62,6 +64,8 @@ def diloco(
     moment_sync: moments.MomentSync | None = None,
     gossip_config: gossip.Gossip | None = None,
     late_merge: bool = False,
+    merge: robust.Merge | None = None,
+    attack: robust.Attack | None = None,
 ) -> Diloco:
     """DiLoCo: ``sync_every`` local steps of ``inner``, then one ``outer`` step on the anchor.
 
@@ -104,6 +108,13 @@ def diloco(
         ``take_anchor=False``) merges all its work since at a later one, weighted by its tokens
         (the caller's ``weight``; the simulator computes it from ``sim.quorum`` and
         ``sim.grace``).
+      merge: how a sync merges the pseudo-gradients (a
+        :class:`~diloco_jax.algorithm.robust.Merge`: the weighted mean, a trimmed mean, the
+        median or centered clipping, with or without norm clipping; None: the weighted mean,
+        the plain exchange).
+      attack: hostile replicas, for studying the merge rules (a
+        :class:`~diloco_jax.algorithm.robust.Attack`; None: none): once every replica's
+        pseudo-gradient is gathered, theirs are replaced as the attack says.
 
     Returns:
       The :class:`~diloco_jax.Diloco` algorithm; :func:`~diloco_jax.init_replicas` builds its
@@ -116,16 +127,19 @@ def diloco(
     check_options(sync_every=sync_every, streaming=streaming, outer_mode=outer_mode, codec=codec,
                   dct_config=dct_config, reset_inner_state=reset_inner_state,
                   moment_sync=moment_sync, gossip_config=gossip_config,
-                  late_merge=late_merge)  # fmt: skip
+                  late_merge=late_merge, merge=merge, attack=attack)  # fmt: skip
+    merge = robust.Merge() if merge is None else robust.Merge(*merge)
+    attack = robust.Attack() if attack is None else robust.Attack(*attack)
     codec = None if codec is None or codec.name == "none" else codec
     streaming = Streaming() if streaming is None else Streaming(*streaming)
     plan = SyncPlan(sync_every, streaming.fragments, streaming.overlap)
     return Diloco(
         inner=maskable(inner), outer=outer, plan=plan,
-        exchange=_make_exchange(axis_name, codec, dct_config, gossip_config),
+        exchange=_make_exchange(axis_name, codec, dct_config, gossip_config, merge, attack),
         timing=make_timing(outer_mode, axis_name), axis_name=axis_name, mix=streaming.mix,
         reset_inner_state=reset_inner_state, diagnostics=diagnostics, fragment_of=fragment_of,
         moment_sync=moments.MomentSync(*(moment_sync or ())), late_merge=late_merge,
+        merge=merge,
     )  # fmt: skip
 
 

@@ -162,6 +162,8 @@ class Diloco(NamedTuple):
     fragment_of: Callable
     moment_sync: moments.MomentSync = moments.MomentSync()
     late_merge: bool = False
+    merge: Any = None  # the robust.Merge its exchange applies (None: the weighted mean); a
+    # syncer of learners merges their pushes with it too
 
     @property
     def kinds(self) -> DilocoState:

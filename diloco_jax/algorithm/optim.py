@@ -258,7 +258,8 @@ def make_algorithm(
       streaming: as for :func:`~diloco_jax.diloco`.
       outer_mode: as for :func:`~diloco_jax.diloco`.
       **variants: DiLoCo's other variants, as for :func:`~diloco_jax.diloco`:
-        ``moment_sync``, ``gossip_config``, ``late_merge``.
+        ``moment_sync``, ``gossip_config``, ``late_merge``, ``merge``,
+        ``attack``.
 
     Returns:
       A :class:`~diloco_jax.Diloco`, or the baselines' :class:`~diloco_jax.algorithm.Local`.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from diloco_jax.algorithm import compress, dct, gossip, moments
+from diloco_jax.algorithm import compress, dct, gossip, moments, robust
 from diloco_jax.algorithm.options import require
 from diloco_jax.algorithm.plan import SyncPlan
 from diloco_jax.algorithm.timing import OUTER_MODES
@@ -44,6 +44,8 @@ def check_options(
     moment_sync: moments.MomentSync | None = None,
     gossip_config: gossip.Gossip | None = None,
     late_merge: bool = False,
+    merge: robust.Merge | None = None,
+    attack: robust.Attack | None = None,
 ) -> None:
     """The one place where :func:`~diloco_jax.diloco`'s arguments are checked, each alone and
     together: :func:`~diloco_jax.diloco` calls it; call it yourself to check a setting before
@@ -59,6 +61,8 @@ def check_options(
       moment_sync: as for :func:`~diloco_jax.diloco`.
       gossip_config: as for :func:`~diloco_jax.diloco`.
       late_merge: as for :func:`~diloco_jax.diloco`.
+      merge: as for :func:`~diloco_jax.diloco`.
+      attack: as for :func:`~diloco_jax.diloco`.
 
     Raises:
       OptionError: naming the first bad argument (the config layer maps the name to its key).
@@ -99,3 +103,15 @@ def check_options(
         require(moment_sync is None or not moments.MomentSync(*moment_sync).active,
                 "late_merge", late_merge, "leaves late replicas out of syncs: it does not "
                 "combine with DES-LOC's moment averages")  # fmt: skip
+    merge = robust.Merge() if merge is None else robust.Merge(*merge)
+    robust.validate(merge)
+    attack = robust.Attack() if attack is None else robust.Attack(*attack)
+    robust.validate_attack(attack)
+    plain = (codec is None or codec.name == "none") and dct_config is None
+    plain = plain and gossip_config is None
+    require(merge.plain or plain, "merge.rule", merge.rule,
+            "merges float32 pseudo-gradients gathered from every replica: it does not combine "
+            "with codecs, DCT momentum, SparseLoCo or NoLoCo yet")  # fmt: skip
+    require(not attack.active or plain, "attack.kind", attack.kind,
+            "replaces float32 pseudo-gradients gathered from every replica: it does not combine "
+            "with codecs, DCT momentum, SparseLoCo or NoLoCo yet")  # fmt: skip

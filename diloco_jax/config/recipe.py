@@ -11,6 +11,7 @@ from diloco_jax.algorithm import MomentSync, Streaming, check_options, optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.dct import DctConfig
 from diloco_jax.algorithm.gossip import Gossip
+from diloco_jax.algorithm.robust import Attack, Merge, hostile_replicas
 from diloco_jax.config import user_optimizers
 
 if TYPE_CHECKING:  # config imports this module to check its values
@@ -37,6 +38,9 @@ KEY_OF_OPTION = {
     "gossip.pairings": "noloco.pairings", "late_merge": "sim.quorum",
     "moment_sync.first_every": "desloc.first_moment_every",
     "moment_sync.second_every": "desloc.second_moment_every",
+    **{f"merge.{k}": f"merge.{k}" for k in ("rule", "trim", "clip", "radius", "iterations")},
+    "attack.kind": "sim.attack", "attack.strength": "sim.attack_strength",
+    "attack.hostile": "sim.attackers",
 }  # fmt: skip
 
 
@@ -89,7 +93,19 @@ def _variants(cfg: Config) -> dict:
         moment_sync=MomentSync(cfg.desloc.first_moment_every, cfg.desloc.second_moment_every),
         gossip_config=gossip_of(cfg),
         late_merge=cfg.sim.quorum > 0,
+        merge=Merge(**dataclasses.asdict(cfg.merge)),
+        attack=attack_of(cfg),
     )
+
+
+def attack_of(cfg: Config) -> Attack:
+    """The hostile replicas ``cfg.sim`` asks for: ``sim.attackers`` of the replicas, chosen
+    from the seed (none without an attack or attackers, or out of range: validation says)."""
+    sim, replicas = cfg.sim, cfg.parallel.replicas
+    if sim.attack == "none" or not 0 < sim.attackers < replicas:
+        return Attack(sim.attack, (), sim.attack_strength, cfg.seed)
+    return Attack(sim.attack, hostile_replicas(replicas, sim.attackers, cfg.seed),
+                  sim.attack_strength, cfg.seed)  # fmt: skip
 
 
 def sync_payloads(cfg: Config, params, replicas: int) -> tuple[list[int], str]:

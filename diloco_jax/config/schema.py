@@ -19,6 +19,7 @@ from diloco_jax.algorithm import optim
 from diloco_jax.algorithm.compress import Codec
 from diloco_jax.algorithm.dct import SPARSELOCO, DctConfig
 from diloco_jax.algorithm.gossip import Gossip
+from diloco_jax.algorithm.robust import ATTACKS, RULES, Merge
 from diloco_jax.algorithm.variants import Streaming
 from diloco_jax.config import presets
 
@@ -28,6 +29,7 @@ WANDB_MODES = ("offline", "online")
 _CODEC, _DCT, _STREAMING = Codec(), DctConfig(), Streaming()  # the library's defaults
 _SPARSE = SPARSELOCO
 _GOSSIP = Gossip(replicas=2)
+_MERGE = Merge()
 _INNER = inspect.signature(optim.inner_optimizer).parameters
 _OUTER = inspect.signature(optim.outer_optimizer).parameters
 
@@ -193,6 +195,9 @@ class SimConfig:
     latency_ms: float = _key(-1.0, "link latency; < 0: the network preset's")
     topology: str = _key("ring", "ring | parameter_server")
     step_time_s: float = _key(0.0, "one replica's inner step on its own device; 0: measured")
+    attack: str = _key("none", " | ".join(ATTACKS) + ": what the hostile replicas send")
+    attackers: int = _key(0, "f: hostile replicas, chosen from the seed")
+    attack_strength: float = _key(0.0, "the attack's factor (scale, z, epsilon, ...); 0: its own")
     diagnostics: bool = _key(True, "mean pairwise cosine of pseudo-gradients at each sync")
     chunk: int = _key(0, "inner steps of this many replicas at a time (more replicas than fit); "
                       "0: all at once")  # fmt: skip
@@ -308,6 +313,21 @@ class StreamingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MergeConfig:
+    """How a sync merges the pseudo-gradients, against replicas or learners that send harmful
+    values (issue 63); see ``diloco_jax/algorithm/robust.py``."""
+
+    rule: str = _key(_MERGE.rule, " | ".join(RULES) + ": how a sync merges the replicas' "
+                     "pseudo-gradients")  # fmt: skip
+    trim: int = _key(_MERGE.trim, "trimmed_mean: values dropped from each side, per coordinate")
+    clip: float = _key(_MERGE.clip, "> 0: first clip each pseudo-gradient's norm to clip x the "
+                       "round's median norm; 0: off")  # fmt: skip
+    radius: float = _key(_MERGE.radius, "centered_clip: its radius, times the median distance "
+                         "to the last merge")  # fmt: skip
+    iterations: int = _key(_MERGE.iterations, "centered_clip: clipping steps per sync")
+
+
+@dataclasses.dataclass(frozen=True)
 class DeslocConfig:
     """DES-LOC (arXiv 2505.22549): the inner optimizer's moments averaged across replicas on
     their own periods (``diloco_jax/algorithm/moments.py``)."""
@@ -356,6 +376,7 @@ class Config:
     outer: OuterConfig = OuterConfig()
     compress: CompressConfig = CompressConfig()
     streaming: StreamingConfig = StreamingConfig()
+    merge: MergeConfig = MergeConfig()
     desloc: DeslocConfig = DeslocConfig()
     noloco: NolocoConfig = NolocoConfig()
     parallel: ParallelConfig = ParallelConfig()

@@ -144,6 +144,11 @@ def _validate_syncer(cfg: Config) -> None:
             "none", "bf16", "int8", "fp8", "int4"), f"must be 1 with compress.codec = "
          f"{cfg.compress.codec}: it chooses what it sends over the whole vector, which "
          "syncer shards cannot cut"),
+        ("syncer.shards", sy.shards == 1 or (not cfg.merge.clip
+                                              and cfg.merge.rule != "centered_clip"),
+         f"must be 1 with merge.clip = {cfg.merge.clip} and merge.rule = {cfg.merge.rule!r}: a "
+         "push's norm needs every shard's part (coordinate-wise rules, trimmed_mean and "
+         "median, go through shards)"),
 
         ("syncer.learners", sy.learners >= 1, "must be an integer >= 1"),
         ("syncer.status_port", 0 <= sy.status_port <= 65535, "must be in [0, 65535] (0: off)"),
@@ -266,6 +271,13 @@ def _validate_variants(cfg: Config) -> None:
          "must be < 1 (< 0: the mode's own, 0.5 eager and 0 delayed)"),
         ("streaming.fragments", st.fragments == 1 or diloco,
          f"streams DiLoCo's syncs; algorithm is {cfg.algorithm!r}"),
+        ("merge.rule", diloco or (cfg.merge.rule == "mean" and not cfg.merge.clip),
+         f"merges DiLoCo's pseudo-gradients; algorithm is {cfg.algorithm!r}"),
+        ("sim.attack", diloco or sim.attack == "none",
+         f"replaces DiLoCo's pseudo-gradients; algorithm is {cfg.algorithm!r}"),
+        ("sim.attackers", 0 <= sim.attackers < cfg.parallel.replicas,
+         f"must be in [0, parallel.replicas = {cfg.parallel.replicas}): one replica at least "
+         "stays honest"),
         ("noloco.enabled", diloco or not cfg.noloco.enabled,
          f"pairs DiLoCo's replicas; algorithm is {cfg.algorithm!r}"),
         ("desloc.first_moment_every",

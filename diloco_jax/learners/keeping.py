@@ -32,7 +32,15 @@ import numpy as np
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.learners import answers
 from diloco_jax.learners.ledger import Ledger
-from diloco_jax.learners.rounds import Decision, Member, Push, charted, merge, sha256
+from diloco_jax.learners.rounds import (
+    Decision,
+    Member,
+    Push,
+    charted,
+    merge,
+    robust_merge,
+    sha256,
+)
 from diloco_jax.learners.store import Store
 
 log = logging.getLogger("diloco_jax")
@@ -62,6 +70,11 @@ class Keeper:
                  answer_mean: bool = False, compress_answers: bool = False,
                  clock=time.monotonic, decides: bool = True):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
+        rule = getattr(algorithm, "merge", None)
+        if rule is not None and rule.rule == "centered_clip":
+            raise ValueError("merge.rule = 'centered_clip' is not served by a syncer yet (its "
+                             "center, the last merge, is not in the checkpoint): choose "
+                             "trimmed_mean, median, or mean with merge.clip")  # fmt: skip
         # a shard that does not decide (issue 62) closes a round only as the deciding shard's
         # decision says (:meth:`Syncer.follow`); the recent decisions, by round
         self.decides = decides
@@ -323,8 +336,18 @@ class Keeper:
             return jnp.asarray(leaf)  # on the device leaf by leaf: the mean is held once
 
         weights = decision.merge_weights(self.late_weight)
-        mean, total_w = merge([dataclasses.replace(p, weight=w, finite=ok) for p, w, ok in zip(
-            pushes, weights, decision.finite, strict=True)], finish)  # fmt: skip
+        weighed = [dataclasses.replace(p, weight=w, finite=ok)
+                   for p, w, ok in zip(pushes, weights, decision.finite, strict=True)]  # fmt: skip
+        rule, diagnosed = getattr(self.algorithm, "merge", None), {}
+        if rule is None or rule.plain:
+            mean, total_w = merge(weighed, finish)
+        else:  # issue 63: the simulator's rule; what it did to each push goes in the tape
+            mean, total_w, stats = robust_merge(weighed, rule, None, finish)
+            merged_order = [i for i, p in zip(order, weighed, strict=True)
+                            if p.finite and p.weight > 0]  # fmt: skip
+            diagnosed = {"rule": rule.rule, **{k: dict(zip(map(str, merged_order), v,
+                                                           strict=True))
+                                              for k, v in stats.items()}}  # fmt: skip
         merged_s = time.perf_counter() - timer
         # eager: the mean is kept for the answers (a copy: the step takes the mean's buffers)
         kept = [np.array(m, np.float32) for m in mean] if self.answer_mean else None
@@ -368,7 +391,8 @@ class Keeper:
                        late=[i for i, k in zip(order, decision.late, strict=True) if k],
                        weights=list(decision.weights), total_weight=total_w,
                        anchor=anchor_sha[:16], merge_s=round(merged_s, 4),
-                       step_s=round(step_s, 4), checkpoint_s=round(saved_s, 4))  # fmt: skip
+                       step_s=round(step_s, 4), checkpoint_s=round(saved_s, 4),
+                       **({"merge": diagnosed} if diagnosed else {}))  # fmt: skip
             self._closing = None
             self.lock.notify_all()
 

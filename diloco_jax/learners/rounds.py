@@ -140,3 +140,30 @@ def merge(pushes: list[Push], finish=None) -> tuple[list, float]:
                 acc += part  # the same two float32 roundings as acc + (share * x)
         total.append(finish(acc, total_w))
     return total, total_w
+
+
+def robust_merge(pushes: list[Push], rule, center=None, finish=None) -> tuple[list, float, dict]:
+    """:func:`merge` with a robust rule (a :class:`~diloco_jax.algorithm.robust.Merge` that is
+    not the plain mean): the same :func:`~diloco_jax.algorithm.robust.combine` the simulator's
+    exchange applies, over the finite pushes of weight > 0 in learner order, each leaf of
+    every push stacked when its turn comes (memory: the pushes' largest leaf times their
+    number, and the result). Returns ``(mean, total weight, what the merge did to each push:
+    robust.diagnose's, by the pushes' order among those merged)``."""
+    import jax.numpy as jnp
+
+    from diloco_jax.algorithm import robust
+
+    finite = [p for p in pushes if p.finite and p.weight > 0]
+    finish = finish or (lambda leaf, _: leaf)
+    if not finite:
+        zeros = [finish(np.zeros(x.shape, np.float32), 0.0) for x in pushes[0].leaves()]
+        return zeros, 0.0, {}
+    w_R = jnp.asarray([p.weight for p in finite], jnp.float32)
+    valid_R = jnp.ones(len(finite), bool)
+    stacked = robust.Lazy(finite[0].count(), lambda i: jnp.asarray(np.stack(
+        [np.asarray(p.leaf(i), np.float32) for p in finite])))  # fmt: skip
+    out = robust.combine(rule, stacked, w_R, valid_R, center)
+    stats = robust.diagnose(rule, stacked, w_R, valid_R, out)
+    total_w = float(sum(p.weight for p in finite))
+    mean = [finish(np.array(o, np.float32), total_w) for o in out]
+    return mean, total_w, {k: np.asarray(v).tolist() for k, v in stats.items()}

@@ -33,12 +33,12 @@ PROGRAM_FREE = (
 def free_keys(cfg: config_lib.Config) -> set[str]:
     """:data:`PROGRAM_FREE` for ``cfg``: with ``outer.learning_rate`` where it is an input of the
     step, without ``seed`` under NoLoCo (its pairings are drawn from the seed as the step is
-    built: constants in it)."""
+    built: constants in it) or an attack (its hostile replicas and noise, likewise)."""
     free = set(PROGRAM_FREE)
     if recipe.outer_lr_is_input(cfg):
         free.add("outer.learning_rate")
-    if recipe.gossip_of(cfg) is not None:
-        free.discard("seed")
+    if recipe.gossip_of(cfg) is not None or recipe.attack_of(cfg).active:
+        free.discard("seed")  # the pairings, or the hostile replicas, drawn from it
     return free
 
 
