@@ -4,7 +4,7 @@
 # scratch, 3 seeds; every merge rule (the mean, the mean after clipping each norm to 1.5 x the
 # round's median, the trimmed mean of 2 per side, the median, centered clipping) without an
 # attack and against every attack (sign_flip, scale, gaussian, alie, ipm, inflate) by f = 1 and
-# f = 2 hostile replicas, drawn from the seed. About 35 minutes on 2 CPU cores (195 runs); a
+# f = 2 hostile replicas, drawn from the seed. About 40 minutes on 2 CPU cores (195 runs); a
 # run under attack compiles its own step (its hostile replicas are constants of it). Finished
 # runs are reused on a rerun. PYTHON: the interpreter (default: uv run python).
 #   bash scripts/robust_study.sh [WORKDIR]     (default runs/robust)
