@@ -342,7 +342,7 @@ class Keeper:
         if rule is None or rule.plain:
             mean, total_w = merge(weighed, finish)
         else:  # issue 63: the simulator's rule; what it did to each push goes in the tape
-            mean, total_w, stats = robust_merge(weighed, rule, None, finish)
+            mean, total_w, stats = robust_merge(weighed, rule, finish)
             merged_order = [i for i, p in zip(order, weighed, strict=True)
                             if p.finite and p.weight > 0]  # fmt: skip
             diagnosed = {"rule": rule.rule, **{k: dict(zip(map(str, merged_order), v,

@@ -142,7 +142,7 @@ def merge(pushes: list[Push], finish=None) -> tuple[list, float]:
     return total, total_w
 
 
-def robust_merge(pushes: list[Push], rule, center=None, finish=None) -> tuple[list, float, dict]:
+def robust_merge(pushes: list[Push], rule, finish=None) -> tuple[list, float, dict]:
     """:func:`merge` with a robust rule (a :class:`~diloco_jax.algorithm.robust.Merge` that is
     not the plain mean): the same :func:`~diloco_jax.algorithm.robust.combine` the simulator's
     exchange applies, over the finite pushes of weight > 0 in learner order, each leaf of
@@ -162,7 +162,7 @@ def robust_merge(pushes: list[Push], rule, center=None, finish=None) -> tuple[li
     valid_R = jnp.ones(len(finite), bool)
     stacked = robust.Lazy(finite[0].count(), lambda i: jnp.asarray(np.stack(
         [np.asarray(p.leaf(i), np.float32) for p in finite])))  # fmt: skip
-    out = robust.combine(rule, stacked, w_R, valid_R, center)
+    out = robust.combine(rule, stacked, w_R, valid_R)  # no center: centered_clip is refused
     stats = robust.diagnose(rule, stacked, w_R, valid_R, out)
     total_w = float(sum(p.weight for p in finite))
     mean = [finish(np.array(o, np.float32), total_w) for o in out]
