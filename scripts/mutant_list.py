@@ -36,6 +36,7 @@ ROBUST = "diloco_jax/algorithm/robust.py"
 
 T_SEC = "tests/test_syncer_security.py::"
 T_ROBUST = "tests/test_robust.py::"
+T_DISTRUST = "tests/test_syncer_robust.py::"
 T_DILOCO = "tests/test_diloco.py::"
 T_HAND = T_DILOCO + "test_hand_computed_quadratic_trajectory"
 T_SIGN = T_DILOCO + "test_pseudo_gradient_sign_mean_over_replicas_only_and_outer_step_not_a_noop"
@@ -362,7 +363,7 @@ MUTANTS = [
             "round"]),
     Mutant("a synchronous run's first round leaves out declared learners not yet joined",
            "faults", "diloco_jax/learners/syncer.py",
-           "                    self.expected |= set(range(self.learners))",
+           "                    self.expected |= set(range(self.learners)) - self.removed",
            "                    pass",
            ["tests/test_learners.py::test_a_learner_joining_while_a_round_is_open_joins_the_next_"
             "round"]),
@@ -718,7 +719,6 @@ T_ABUSE = "tests/test_syncer_abuse.py::"
 T_NEVER = (
     T_ABUSE + "test_calls_that_never_end_hold_one_lane_of_their_learner_and_are_cancelled_when_idle"
 )
-T_WEIGHT = T_ABUSE + "test_a_push_weighing_what_its_learner_cannot_have_trained_is_refused"
 T_CERTS = "tests/test_certs.py::"
 GUARD = "diloco_jax/learners/guard.py"
 SERVICE = "diloco_jax/learners/service.py"
@@ -732,8 +732,9 @@ MUTANTS += [
             "merged_once"]),
     Mutant("a push may weigh more than its learner can train", "faults",
            "diloco_jax/learners/syncer.py",
-           "        elif cap is not None and weight > cap * (1 + 1e-6):", "        elif False:",
-           [T_WEIGHT, T_ABUSE + "test_a_push_of_weight_zero_is_left_out_and_its_capacity_"
+           "        if cap is None or weight <= cap * (1 + 1e-6):", "        if True:",
+           [T_DISTRUST + "test_a_weight_above_the_learners_capacity_is_capped_to_it_and_said_"
+            "in_the_tape", T_ABUSE + "test_a_push_of_weight_zero_is_left_out_and_its_capacity_"
             "survives_a_restart"]),
     Mutant("a push's weight is not checked at its header", "faults", GUARD,
            "    if not math.isfinite(weight) or weight < 0:", "    if False:",
@@ -911,8 +912,8 @@ MUTANTS += [  # issue 62, steps 1-2: shards that follow the deciding shard's rou
 T_WIRE = "tests/test_shards_wire.py::"
 MUTANTS += [  # issue 62, steps 3b-4a: block ranges held as a leaf; shards over the network
     Mutant("every syncer shard decides its own rounds", "faults",
-           "diloco_jax/learners/command.py", "                  decides=sy.shard == 0)",
-           "                  decides=True)",
+           "diloco_jax/learners/command.py", "                  decides=sy.shard == 0, removed",
+           "                  decides=True, removed",
            [T_WIRE + "test_two_learners_one_of_them_nan_merge_on_two_shards_as_on_one_syncer"]),
     Mutant("a learner tells every shard its mean is finite", "faults",
            "diloco_jax/learners/fanout.py", '"generation": self.generations[k], "finite": ok,',
@@ -973,4 +974,21 @@ MUTANTS += [  # issue 62, steps 3b-4a: block ranges held as a leaf; shards over 
            "        if True:",
            [T_ROBUST + "test_a_syncer_merging_with_the_median_is_not_moved_by_one_far_push_"
             "and_says_so"]),
+    Mutant("one odd round makes a learner suspect", "faults",
+           "diloco_jax/learners/rounds.py",
+           "    return len(window) >= SUSPECT_AFTER and 2 * sum(window) > len(window)",
+           "    return any(window)",
+           [T_DISTRUST + "test_a_learner_that_is_an_outlier_in_most_rounds_is_suspect_in_tape_"
+            "page_and_metrics"]),
+    Mutant("a restarted syncer forgets whom the operator removed", "checkpoint",
+           "diloco_jax/learners/keeping.py", "        self.removed |= self._removed_before",
+           "        self.removed |= set()",
+           [T_DISTRUST + "test_a_learner_the_operator_removes_is_refused_from_then_on_and_not_"
+            "waited_for"]),
+    Mutant("the first round waits for a removed learner", "faults",
+           "diloco_jax/learners/syncer.py",
+           "                    self.expected |= set(range(self.learners)) - self.removed",
+           "                    self.expected |= set(range(self.learners))",
+           [T_DISTRUST + "test_a_learner_the_operator_removes_is_refused_from_then_on_and_not_"
+            "waited_for"]),
 ]  # fmt: skip

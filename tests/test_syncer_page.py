@@ -390,9 +390,9 @@ def _points(dom: str, chart: str) -> dict[str, int]:
 def test_the_page_in_a_browser_shows_the_learners_and_charts_the_rounds(served, tmp_path):
     """Chromium opens the one-time link the syncer would log, lands on the page with its
     session, and draws: a row per learner as the syncer holds it (status, generation, pushes,
-    late, refused, its last loss), the facts of the rounds, and charts of every round's points
-    (learner 1's push of round 2 said no loss; the losses span a decade: a log axis). The
-    link is then spent."""
+    late, refused, capped, its last loss; no robust merge: no norm), the facts of the
+    rounds, and charts of every round's points (learner 1's push of round 2 said no loss; the
+    losses span a decade: a log axis). The link is then spent."""
     clock = _Clock()
     syncer, page = served(learners=2, clock=clock)
     syncer.join(1, wire.describe(X), KEYS, wire.named(X))
@@ -406,10 +406,11 @@ def test_the_page_in_a_browser_shows_the_learners_and_charts_the_rounds(served, 
             re.findall(r'<tr class="(\w+)">((?:<td>[^<]*</td>)+)</tr>', dom)]  # fmt: skip
     assert rows == [
         (m["status"], [str(i), m["status"], str(m["generation"]), str(m["joined_round"]),
-                       str(m["pushes"]), str(m["late"]), str(m["refused"]), f"{m['loss']:.4g}"])
+                       str(m["pushes"]), str(m["late"]), str(m["refused"]), str(m["capped"]),
+                       f"{m['loss']:.4g}", "-", "-", "-"])
         for i, m in st["members"].items()
     ]  # fmt: skip
-    assert [cells[-1] for _, cells in rows] == ["0.1875", "1.188"]  # the last loss of each
+    assert [cells[8] for _, cells in rows] == ["0.1875", "1.188"]  # the last loss of each
     assert [cells[4:7] for _, cells in rows] == [["5", "0", "0"], ["5", "0", "1"]]
     assert "<b>rounds closed</b>5<" in dom and "<b>refused pushes</b>1<" in dom
     assert _points(dom, "loss") == {"learner 0": 5, "learner 1": 4}

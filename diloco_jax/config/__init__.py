@@ -42,7 +42,7 @@ from diloco_jax.config.schema import (
     TaskConfig,
     TrainConfig,
 )
-from diloco_jax.config.validation import validate
+from diloco_jax.config.validation import removed_learners, validate
 
 __all__ = [
     "CompressConfig",
@@ -74,6 +74,7 @@ __all__ = [
     "load_preset",
     "override",
     "parse_value",
+    "removed_learners",
     "replace",
     "to_dict",
     "validate",

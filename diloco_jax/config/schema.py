@@ -246,6 +246,8 @@ class SyncerConfig:
                       "it")  # fmt: skip
     learner: int = _key(0, "this learner's index in [0, syncer.learners): its data shards")
     learners: int = _key(1, "the learners declared: the data is split into this many parts")
+    drop: str = _key("", "learner indices removed from the run (comma-separated): refused from "
+                     "then on, even without this key")  # fmt: skip
     timeout: float = _key(60.0, "seconds a round waits after its first push for the others; "
                           "then it closes without them")  # fmt: skip
     dead_after: float = _key(30.0, "seconds of silence after which a learner is dropped")

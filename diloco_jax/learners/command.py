@@ -75,7 +75,7 @@ def make_syncer(cfg: config_lib.Config, workdir: pathlib.Path, cls=Syncer, **ext
                   weigh_rounds=sy.weigh_rounds, late_weight=sy.late_weight,
                   answer_mean=cfg.outer.mode == "eager",
                   compress_answers=cfg.compress.answers,
-                  decides=sy.shard == 0)  # fmt: skip
+                  decides=sy.shard == 0, removed=config_lib.removed_learners(sy))  # fmt: skip
 
 
 def serve(cfg: config_lib.Config, workdir: pathlib.Path):
@@ -131,8 +131,8 @@ def run_over(syncer: Syncer, total_steps: int, log_every: int) -> bool:
     one that finished: that one finds no syncer when it resumes.)"""
     total = -(-total_steps // log_every) * log_every  # as the learners' loop rounds it up
     with syncer.lock:
-        left = all(i in syncer.members and syncer.members[i].status == "left"
-                   for i in range(syncer.learners))  # fmt: skip
+        left = all(i in syncer.removed or (i in syncer.members and syncer.members[i].status
+                                            == "left") for i in range(syncer.learners))  # fmt: skip
         return left and (syncer.finished or syncer.round >= total // syncer.algorithm.plan.period)
 
 

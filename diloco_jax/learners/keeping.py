@@ -33,13 +33,16 @@ from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.learners import answers
 from diloco_jax.learners.ledger import Ledger
 from diloco_jax.learners.rounds import (
+    SUSPECT_WINDOW,
     Decision,
     Member,
     Push,
     charted,
     merge,
+    outliers,
     robust_merge,
     sha256,
+    suspect,
 )
 from diloco_jax.learners.store import Store
 
@@ -68,8 +71,12 @@ class Keeper:
                  examples: float = 0.0, outer_scale: float = 1.0, codec=None,
                  weigh_rounds: bool = False, late_weight: float = 1.0,
                  answer_mean: bool = False, compress_answers: bool = False,
-                 clock=time.monotonic, decides: bool = True):  # fmt: skip
+                 clock=time.monotonic, decides: bool = True,
+                 removed: tuple[int, ...] = ()):  # fmt: skip
         self.algorithm, self.keys, self.learners = algorithm, keys, learners
+        # issue 63: learners the operator removed from the run (``syncer.drop``, and those of
+        # the checkpoint: a learner removed once stays removed), refused from then on
+        self.removed: set[int] = set(removed)
         rule = getattr(algorithm, "merge", None)
         if rule is not None and rule.rule == "centered_clip":
             raise ValueError("merge.rule = 'centered_clip' is not served by a syncer yet (its "
@@ -107,6 +114,9 @@ class Keeper:
         self.lock = threading.Condition()
         self.members: dict[int, Member] = {}
         self.capacity: dict[int, float] = {}  # the most a learner's push may weigh (its join's)
+        # issue 63: under a robust merge, whether each learner was an outlier in its last
+        # merged rounds (:func:`.rounds.outliers`), by learner
+        self.outlying: dict[int, deque[bool]] = {}
         self.pending: dict[int, Push] = {}
         self.round = 0
         self.names: list[str] = []  # the anchor's leaves, by name (empty: no anchor yet)
@@ -139,7 +149,10 @@ class Keeper:
         # (not the anchor's: an answer on its way may still be reading it)
         # (``anyone`` static: XLA drops the guard's select, and the copies it would hold)
         self._step = jax.jit(self._outer_step, donate_argnums=(0, 2), static_argnames="anyone")
+        self._removed_before: set[int] = set()  # those the checkpoint says were removed
         self._restore()
+        for i in sorted(self.removed - self._removed_before):
+            self.event("removed", learner=i, by="syncer.drop")
 
     background = True  # a round is closed in a thread of its own (the replay's: inline)
 
@@ -167,9 +180,17 @@ class Keeper:
         for i, generation in meta.get("members", {}).items():
             self.members[int(i)] = Member(int(generation), step, self.clock())
         self.capacity = {int(i): float(c) for i, c in meta.get("capacity", {}).items()}
+        self.outlying = {int(i): deque(map(bool, w), maxlen=SUSPECT_WINDOW)
+                         for i, w in meta.get("outlying", {}).items()}  # fmt: skip
+        for i, member in self.members.items():
+            member.suspect = suspect(self.outlying.get(i, ()))
+        self._removed_before = {int(i) for i in meta.get("removed", [])}
+        self.removed |= self._removed_before
         self.past.extend(meta.get("past_rounds", []))  # none in a checkpoint of before issue 61
         # how the recent rounds closed: a restarted deciding shard answers its followers
         self.decisions = {d.round: d for d in map(Decision.from_json, meta.get("decisions", []))}
+        for i in self.removed & set(self.members):
+            self.members[i].status = "removed"
         self.event("restored", anchor=self.anchor_sha[:16], members=sorted(self.members))
 
     def _like(self, meta: dict) -> dict:
@@ -229,6 +250,8 @@ class Keeper:
         meta = {"leaves": described, "keys": self.keys, "round": rnd, "members": members,
                 "merged": self.merged, "pushes": self.ledger.to_meta(),
                 "capacity": {str(i): c for i, c in sorted(self.capacity.items())},
+                "outlying": {str(i): list(w) for i, w in sorted(self.outlying.items())},
+                "removed": sorted(self.removed),
                 "past_rounds": list(self.past),
                 "decisions": [d.to_json() for _, d in sorted(self.decisions.items())]}  # fmt: skip
         if self.fragments > 1:
@@ -265,7 +288,8 @@ class Keeper:
         learner's largest push so far; one not seen yet counts as the mean of those seen."""
         seen = list(self.full_push.values())
         typical = sum(seen) / len(seen) if seen else 1.0
-        return sum(self.full_push.get(i, typical) for i in range(self.learners))
+        return sum(self.full_push.get(i, typical) for i in range(self.learners)
+                   if i not in self.removed)  # fmt: skip
 
     def _outer_step(self, mean, anchor, outer_state, anyone):
         mean = [m.astype(a.dtype) for m, a in zip(mean, anchor, strict=True)]
@@ -345,6 +369,8 @@ class Keeper:
             mean, total_w, stats = robust_merge(weighed, rule, finish)
             merged_order = [i for i, p in zip(order, weighed, strict=True)
                             if p.finite and p.weight > 0]  # fmt: skip
+            if stats:
+                stats["outlier"] = outliers(stats, rule)
             diagnosed = {"rule": rule.rule, **{k: dict(zip(map(str, merged_order), v,
                                                            strict=True))
                                               for k, v in stats.items()}}  # fmt: skip
@@ -368,6 +394,8 @@ class Keeper:
                                closed - self.max_late - 1)  # fmt: skip
             self.merged += examples
             self.past.append(shown)
+            if diagnosed:
+                diagnosed["suspects"] = self._suspected(diagnosed)
             meta = self._meta(closed + 1, anchor)
         try:
             self._save(closed + 1, anchor, outer, meta,  # before anyone sees the new anchor
@@ -395,6 +423,29 @@ class Keeper:
                        **({"merge": diagnosed} if diagnosed else {}))  # fmt: skip
             self._closing = None
             self.lock.notify_all()
+
+    def _suspected(self, diagnosed: dict) -> list[int]:
+        """Takes a robust merge's view of each push (``diagnosed``: the tape's, by learner)
+        into its learner's membership and outlier window; returns the learners now suspect (an
+        outlier in most of their last merged rounds: :func:`.rounds.suspect`), each newly
+        flagged one said in a ``suspect`` line of the tape and the log."""
+        for key in diagnosed.get("norm", {}):
+            i = int(key)
+            shown = {k: diagnosed[k][key] for k in ("norm", "distance", "clipped", "trimmed",
+                                                    "outlier")}  # fmt: skip
+            window = self.outlying.setdefault(i, deque(maxlen=SUSPECT_WINDOW))
+            window.append(bool(shown["outlier"]))
+            member = self.members.get(i)
+            if member is None:
+                continue
+            was, member.merge = member.suspect, shown
+            member.suspect = suspect(window)
+            if member.suspect and not was:
+                self.event("suspect", learner=i, outliers=sum(window), rounds=len(window))
+                log.warning("syncer: learner %d was an outlier of the merge in %d of its last %d "
+                            "rounds: suspect (syncer.drop removes it from the run)",
+                            i, sum(window), len(window))  # fmt: skip
+        return sorted(i for i, m in self.members.items() if m.suspect)
 
     def _fragment_step(self, rnd: int, mean: list, anyone: bool) -> tuple[list, Any]:
         """``(anchor, outer state)`` after round ``rnd``'s outer step on its merged ``mean``:

@@ -23,6 +23,11 @@ class Member:
     late: int = 0  # pushes merged into a later round than the one they were computed for
     refused: int = 0  # pushes refused (stale, a conflict, a weight or loss out of range, ...)
     loss: float | None = None  # the training loss its last push carried (None: none yet)
+    capped: int = 0  # pushes whose weight was above its capacity, capped to it (issue 63)
+    # a robust merge's view of its last merged push (issue 63: norm, distance, clipped,
+    # trimmed, outlier) and whether it was an outlier in most of its last rounds
+    merge: dict[str, Any] | None = None
+    suspect: bool = False
 
 
 @dataclasses.dataclass
@@ -98,6 +103,37 @@ def charted(rnd: int, order: list[int], pushes: list[Push], waited: float, bytes
         "losses": {str(i): p.loss for i, p in zip(order, pushes, strict=True)
                    if p.loss is not None},
     }  # fmt: skip
+
+
+SUSPECT_WINDOW = 8  # merged rounds a learner's suspicion looks back over
+SUSPECT_AFTER = 3  # the fewest of them it needs (one odd round is no pattern)
+FAR = 3.0  # a push this many times the round's median distance from the merge is an outlier
+
+
+def outliers(stats: dict[str, list], rule) -> list[bool]:
+    """Which of a robust merge's pushes (``stats``: :func:`robust_merge`'s, in the merge's
+    order) it treated as outliers: clipped (``merge.clip``), trimmed on more of its coordinates
+    than halfway from an honest push's expected share (``2 f / n``) to all of them, or (3 or
+    more pushes) farther from the merged update than :data:`FAR` x the round's median
+    distance (what shows an outlier under the median, whose rule marks nothing)."""
+    n = len(stats["norm"])
+    distance = np.asarray(stats["distance"], np.float64)
+    far = n >= 3 and float(np.median(distance)) > 0
+    f = min(rule.trim, (n - 1) // 2) if rule.rule == "trimmed_mean" else 0
+    half = (1 + 2 * f / n) / 2
+    limit = FAR * float(np.median(distance)) if far else np.inf
+    return [
+        bool(c) or (f > 0 and t > half) or bool(d > limit)
+        for c, t, d in zip(stats["clipped"], stats["trimmed"], distance, strict=True)
+    ]
+
+
+def suspect(window) -> bool:
+    """A learner whose last merged rounds (``window``: one bool per round, True where it was
+    an outlier: :func:`outliers`) are outliers in most of them, once it has
+    :data:`SUSPECT_AFTER` or more."""
+    window = list(window)
+    return len(window) >= SUSPECT_AFTER and 2 * sum(window) > len(window)
 
 
 def sha256(leaves: list) -> str:

@@ -115,6 +115,8 @@ class Syncer(Keeper):
         :class:`Refused`."""
         if not 0 <= learner < self.learners:
             raise Refused(f"learner {learner} is not in [0, {self.learners}) (syncer.learners)")
+        if learner in self.removed:
+            raise Refused(self._removed_why(learner))
         for key, value in self.keys.items():
             if keys.get(key) != value:
                 raise Refused(f"{key} is {keys.get(key)!r} on learner {learner} but {value!r} "
@@ -209,8 +211,8 @@ class Syncer(Keeper):
         """The first half of a push, before its data: refuses one that cannot enter the open
         round (stale, dropped, old generation, a conflict, or arrays ``leaves`` ``[[name,
         shape, dtype], ...]`` that do not fit the anchor and codec, or a ``weight`` that is not
-        finite, is negative or is more than the learner can train in a round: its capacity,
-        from its join, or a training ``loss`` that is not finite or beyond
+        finite or is negative (one above the learner's capacity is capped in :meth:`enter`),
+        or a training ``loss`` that is not finite or beyond
         :data:`~.guard.MAX_LOSS`), and recognises a copy of a
         push already in (kind ``"again"``); a new push holds its learner's slot until
         :meth:`enter` or :meth:`release`. Each refusal of a member's push is counted on it."""
@@ -245,21 +247,31 @@ class Syncer(Keeper):
             return ticket
 
     def _check_weight(self, learner: int, weight: float) -> None:
-        """Refuses a push weighing what its learner cannot have trained: NaN, infinite,
-        negative, or more than its capacity (0 passes: none of its replicas' pseudo-gradients
-        was finite, and the merge leaves it out)."""
-        cap = self.capacity.get(learner)
-        if not math.isfinite(weight) or weight < 0:
-            why = f"its weight {weight} is not a finite number >= 0"
-        elif cap is not None and weight > cap * (1 + 1e-6):
-            why = (
-                f"its weight {weight:g} is more than learner {learner} can train in a round "
-                f"({cap:g} examples: its replicas x rows per round, from its join)"
-            )
-        else:
+        """Refuses a push whose weight is no number of examples: NaN, infinite or negative (0
+        passes: none of its replicas' pseudo-gradients was finite, and the merge leaves it
+        out). A weight above what the learner can train is capped as it enters
+        (:meth:`_capped`)."""
+        if math.isfinite(weight) and weight >= 0:
             return
         self._refused(learner, reason="weight", weight=str(weight))
-        raise Refused(f"a push of learner {learner} refused: {why}")
+        raise Refused(f"a push of learner {learner} refused: its weight {weight} is not a "
+                      "finite number >= 0")  # fmt: skip
+
+    def _capped(self, learner: int, weight: float, push_id: str) -> float:
+        """``weight``, or the learner's capacity where it declares more (its join's replicas x
+        rows per round: more than it can have trained, issue 63), said in a ``capped`` line
+        of the tape and counted on its membership."""
+        cap = self.capacity.get(learner)
+        if cap is None or weight <= cap * (1 + 1e-6):
+            return weight
+        member = self.members.get(learner)
+        if member is not None:
+            member.capped += 1
+        self.event("capped", learner=learner, declared=weight, capacity=cap, push=push_id)
+        log.warning("syncer: learner %d declared a weight of %g, more than it can train in a "
+                    "round (%g examples: its replicas x rows per round); capped to %g",
+                    learner, weight, cap, cap)  # fmt: skip
+        return cap
 
     def _check_loss(self, learner: int, loss: float | None) -> None:
         """Refuses a push whose training loss (None: not said) is not a finite number within
@@ -321,13 +333,15 @@ class Syncer(Keeper):
             if self.finished:
                 return 0
             late = self._check_late(learner, ticket.base)
+            weight = self._capped(learner, float(weight), ticket.id)
             if not finite:
                 self.event("not_finite", learner=learner)
             if not self.pending:  # the round opens: it waits for the learners present now
                 self._opened, self.deadline = now, now + self.timeout
                 self.expected = set(self.present())
                 if not self.quorum and self.round == 0:  # a synchronous run starts together:
-                    self.expected |= set(range(self.learners))  # every declared learner
+                    # every declared learner, but those the operator removed
+                    self.expected |= set(range(self.learners)) - self.removed
             self.pending[learner] = Push(generation, float(weight), leaves, finite, late,
                                          ticket.id, ticket.base, ticket.loss)  # fmt: skip
             if ticket.loss is not None:
@@ -489,6 +503,8 @@ class Syncer(Keeper):
         """``learner``'s membership, for a call of its ``generation``; a push (against
         ``base_round``) of a learner dropped for silence under a quorum, at most
         ``syncer.max_late`` rounds late, admits it again (a partition that healed)."""
+        if learner in self.removed:
+            raise Refused(self._removed_why(learner))
         member = self.members.get(learner)
         if member is None or member.generation != generation:
             raise Refused(f"learner {learner} generation {generation} is not a member (an old "
@@ -501,6 +517,10 @@ class Syncer(Keeper):
         if member.status != "present":
             raise Refused(f"learner {learner} was {member.status}: join again")
         return member
+
+    def _removed_why(self, learner: int) -> str:
+        return (f"learner {learner} was removed from the run by its operator (syncer.drop): "
+                "its joins and pushes are refused")  # fmt: skip
 
     def grace_in_force(self) -> float:
         """The grace window a round gets once it has its quorum (see the module's docstring)."""
@@ -551,6 +571,9 @@ class Syncer(Keeper):
                     self.pending)), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "waited_seconds": round(self.waited, 3),
                 "closing": bool(self._closing),
+                "merge_rule": getattr(getattr(self.algorithm, "merge", None), "rule", "mean"),
+                "removed": sorted(self.removed),
+                "suspects": sorted(i for i, m in self.members.items() if m.suspect),
             }  # fmt: skip
 
     def past_rounds(self) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from diloco_jax.learners.syncer import Syncer
 
-STATUSES = ("present", "dropped", "left")
+STATUSES = ("present", "dropped", "left", "removed")
 HTML = "text/html; charset=utf-8"
 JS = "text/javascript; charset=utf-8"
 # the page's files by path: (package, file under its folder, content type); none holds a secret
@@ -70,19 +70,45 @@ def summary(st: dict) -> str:
         "deadline": f"{st['timeout']} s after a round's first push",
         "dropped after": f"{st['dead_after']} s of silence",
     }  # fmt: skip
+    if st.get("merge_rule", "mean") != "mean":
+        facts["merge"] = st["merge_rule"]
+    if st.get("removed"):
+        facts["removed by the operator"] = ", ".join(map(str, st["removed"]))
     shown = "".join(f"<div><b>{k}</b>{html.escape(str(v))}</div>" for k, v in facts.items())
     rows = "".join(
-        f'<tr class="{html.escape(m["status"])}"><td>{i}</td><td>{html.escape(m["status"])}</td>'
+        f'<tr class="{_row_class(m)}"><td>{i}</td><td>{html.escape(_status(m))}</td>'
         f"<td>{m['generation']}</td><td>{m['joined_round']}</td><td>{m['pushes']}</td>"
-        f"<td>{m['late']}</td><td>{m['refused']}</td><td>{_loss(m['loss'])}</td></tr>"
+        f"<td>{m['late']}</td><td>{m['refused']}</td><td>{m.get('capped', 0)}</td>"
+        f"<td>{_loss(m['loss'])}</td>{_merged(m.get('merge'))}</tr>"
         for i, m in st["members"].items()
     )
     return (
         f'<div class="facts" id="facts">{shown}</div>'
         '<table id="learners"><thead><tr><th>learner</th><th>status</th><th>generation</th>'
         "<th>joined at round</th><th>pushes</th><th>late</th><th>refused</th>"
-        f"<th>training loss</th></tr></thead><tbody>{rows}</tbody></table>"
+        "<th>weight capped</th><th>training loss</th><th>push norm</th>"
+        "<th>distance to merge</th><th>clipped / trimmed</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
     )
+
+
+def _status(m: dict) -> str:
+    return m["status"] + (", suspect" if m.get("suspect") else "")
+
+
+def _row_class(m: dict) -> str:
+    return html.escape(m["status"]) + (" suspect" if m.get("suspect") else "")
+
+
+def _merged(shown: dict | None) -> str:
+    """A learner's last merged push as a robust merge saw it (issue 63; None: no robust merge
+    yet): three cells, its norm, its distance to the merged update, and clipped / the share
+    of its coordinates trimmed."""
+    if not shown:
+        return "<td>-</td><td>-</td><td>-</td>"
+    touched = "clipped" if shown["clipped"] else f"{100 * shown['trimmed']:.0f}% trimmed"
+    return (f"<td>{shown['norm']:.4g}</td><td>{shown['distance']:.4g}</td>"
+            f"<td>{html.escape(touched)}</td>")  # fmt: skip
 
 
 def registry(syncer: Syncer) -> tuple[CollectorRegistry, Callable[[], dict]]:
@@ -106,6 +132,25 @@ def registry(syncer: Syncer) -> tuple[CollectorRegistry, Callable[[], dict]]:
         "late": gauge("late_pushes", "pushes merged into a later round"),
         "refused": gauge("refused_pushes", "pushes refused (stale, conflict, out of range)"),
         "loss": gauge("learner_loss", "a learner's last push's training loss", "learner"),
+        "capped": gauge(
+            "learner_capped_pushes", "a learner's pushes whose weight was capped", "learner"
+        ),  # fmt: skip
+        "norm": gauge(
+            "learner_push_norm", "a robust merge: a learner's last push's norm", "learner"
+        ),  # fmt: skip
+        "distance": gauge(
+            "learner_push_distance",
+            "a robust merge: a learner's last push's distance to the merged update",
+            "learner",
+        ),  # fmt: skip
+        "outlier": gauge(
+            "learner_outlier",
+            "a robust merge: 1 where a learner's last push was clipped, trimmed or far",
+            "learner",
+        ),  # fmt: skip
+        "suspect": gauge(
+            "learner_suspect", "1: an outlier of the merge in most of its last rounds", "learner"
+        ),  # fmt: skip
     }
 
     def update() -> dict:
@@ -126,6 +171,13 @@ def registry(syncer: Syncer) -> tuple[CollectorRegistry, Callable[[], dict]]:
         for i, m in st["members"].items():
             if m["loss"] is not None:
                 gauges["loss"].labels(str(i)).set(m["loss"])
+            gauges["capped"].labels(str(i)).set(m.get("capped", 0))
+            gauges["suspect"].labels(str(i)).set(float(bool(m.get("suspect"))))
+            shown = m.get("merge")
+            if shown:
+                gauges["norm"].labels(str(i)).set(shown["norm"])
+                gauges["distance"].labels(str(i)).set(shown["distance"])
+                gauges["outlier"].labels(str(i)).set(float(bool(shown["outlier"])))
         return st
 
     return registry, update
