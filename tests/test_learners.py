@@ -858,7 +858,9 @@ def test_a_streaming_learner_in_this_process_trains_what_one_streaming_replica_t
     model = comms.payload_bytes(want["state"].anchor)
     sent = [e["bytes_sent"] for e in rounds]
     assert sent[0] + sent[1] == pytest.approx(model, abs=4096)  # the framing aside
-    assert max(sent) < 0.75 * model and sent[:2] == sent[2:]
+    # each fragment's push the same size every time it syncs, but for its header's few bytes
+    # (the round's training loss is printed in as many digits as it takes)
+    assert max(sent) < 0.75 * model and sent[:2] == pytest.approx(sent[2:], abs=32)
 
 
 @pytest.mark.parametrize("mode", ["sync", "delayed", "eager"])
