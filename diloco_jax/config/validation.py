@@ -122,8 +122,11 @@ def validate(cfg: Config) -> None:
 def removed_learners(sy) -> tuple[int, ...]:
     """``syncer.drop``'s learner indices (comma-separated; empty: none), as integers; an item
     that is not one is left for :func:`validate` to name."""
-    items = [x.strip() for x in sy.drop.split(",") if x.strip()]
-    return tuple(sorted({int(x) for x in items if x.isdigit()}))
+    return tuple(sorted({int(x) for x in _drop_items(sy) if x.isdigit()}))
+
+
+def _drop_items(sy) -> list[str]:
+    return [x.strip() for x in sy.drop.split(",") if x.strip()]
 
 
 def _validate_syncer(cfg: Config) -> None:
@@ -158,9 +161,9 @@ def _validate_syncer(cfg: Config) -> None:
          "median, go through shards)"),
 
         ("syncer.learners", sy.learners >= 1, "must be an integer >= 1"),
-        *[("syncer.drop", x.strip().isdigit() and int(x) < sy.learners,
-           f"holds {x.strip()!r}: each item must be a learner index in [0, syncer.learners = "
-           f"{sy.learners})") for x in sy.drop.split(",") if x.strip()],
+        *[("syncer.drop", x.isdigit() and int(x) < sy.learners,
+           f"holds {x!r}: each item must be a learner index in [0, syncer.learners = "
+           f"{sy.learners})") for x in _drop_items(sy)],
         ("syncer.status_port", 0 <= sy.status_port <= 65535, "must be in [0, 65535] (0: off)"),
         ("syncer.learner", 0 <= sy.learner < sy.learners,
          f"must be in [0, syncer.learners = {sy.learners})"),

@@ -441,7 +441,8 @@ class Keeper:
             was, member.merge = member.suspect, shown
             member.suspect = suspect(window)
             if member.suspect and not was:
-                self.event("suspect", learner=i, outliers=sum(window), rounds=len(window))
+                self.store.taped("suspect", self.round, learner=i, outliers=sum(window),
+                                 rounds=len(window))  # fmt: skip
                 log.warning("syncer: learner %d was an outlier of the merge in %d of its last %d "
                             "rounds: suspect (syncer.drop removes it from the run)",
                             i, sum(window), len(window))  # fmt: skip

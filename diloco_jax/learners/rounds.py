@@ -118,10 +118,10 @@ def outliers(stats: dict[str, list], rule) -> list[bool]:
     distance (what shows an outlier under the median, whose rule marks nothing)."""
     n = len(stats["norm"])
     distance = np.asarray(stats["distance"], np.float64)
-    far = n >= 3 and float(np.median(distance)) > 0
+    middle = float(np.median(distance))
+    limit = FAR * middle if n >= 3 and middle > 0 else np.inf
     f = min(rule.trim, (n - 1) // 2) if rule.rule == "trimmed_mean" else 0
     half = (1 + 2 * f / n) / 2
-    limit = FAR * float(np.median(distance)) if far else np.inf
     return [
         bool(c) or (f > 0 and t > half) or bool(d > limit)
         for c, t, d in zip(stats["clipped"], stats["trimmed"], distance, strict=True)

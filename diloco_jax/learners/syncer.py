@@ -267,7 +267,8 @@ class Syncer(Keeper):
         member = self.members.get(learner)
         if member is not None:
             member.capped += 1
-        self.event("capped", learner=learner, declared=weight, capacity=cap, push=push_id)
+        self.store.taped("capped", self.round, learner=learner, declared=weight, capacity=cap,
+                         push=push_id)  # fmt: skip
         log.warning("syncer: learner %d declared a weight of %g, more than it can train in a "
                     "round (%g examples: its replicas x rows per round); capped to %g",
                     learner, weight, cap, cap)  # fmt: skip
