@@ -991,4 +991,16 @@ MUTANTS += [  # issue 62, steps 3b-4a: block ranges held as a leaf; shards over 
            "                    self.expected |= set(range(self.learners))",
            [T_DISTRUST + "test_a_learner_the_operator_removes_is_refused_from_then_on_and_not_"
             "waited_for"]),
+    Mutant("a restarted syncer clips around zeros, not its last merge", "checkpoint",
+           "diloco_jax/learners/keeping.py",
+           '            self.center = [np.asarray(c, np.float32) for c in saved["center"]]',
+           "            self.center = None",
+           [T_ROBUST + "test_a_syncer_clips_around_its_last_merge_as_the_simulator_does_"
+            "across_a_restart"]),
+    Mutant("a streaming syncer clips every fragment around the first leaves' center", "faults",
+           "diloco_jax/learners/keeping.py",
+           "            part = None if center is None else [center[i] for i in idx]",
+           "            part = None if center is None else center[:len(idx)]",
+           ["tests/test_learners.py::test_streaming_learners_through_a_syncer_equal_the_cores_"
+            "streaming_replicas"]),
 ]  # fmt: skip

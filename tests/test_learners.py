@@ -202,9 +202,11 @@ def _fragment_of(params, count: int) -> list[int]:  # leaf i in fragment i mod F
     return [i % count for i in range(len(jax.tree.leaves(params)))]
 
 
-@pytest.mark.parametrize(("fragments", "overlap"), [(2, 0), (4, 0), (2, 1)])
+@pytest.mark.parametrize(("fragments", "overlap", "rule"),
+                         [(2, 0, "mean"), (4, 0, "mean"), (2, 1, "mean"),
+                          (2, 0, "centered_clip")])  # fmt: skip
 def test_streaming_learners_through_a_syncer_equal_the_cores_streaming_replicas(
-        tmp_path, fragments, overlap):  # fmt: skip
+        tmp_path, fragments, overlap, rule):  # fmt: skip
     """Streaming DiLoCo between learners: each of four learners (one replica each) syncs every
     ``sync_every / F`` steps, pushing the fragment the core's plan starts there (its leaves
     alone: over F rounds every leaf is pushed, and answered, once); the syncer takes that
@@ -215,12 +217,21 @@ def test_streaming_learners_through_a_syncer_equal_the_cores_streaming_replicas(
     bitwise: the same float32 operations on the same values (the syncer's merge of four equal
     weights is the core's mean, as in the plain rounds). With an overlap tau the answer lands
     tau steps after its sync, while the learner trains on (``Learner.land``), as the core's
-    landing does."""
+    landing does. Merged by centered clipping (issue 63), each fragment's center is its own
+    last merge at the syncer, as in the core's exchange state: equal to float32 rounding (the
+    core's merge is compiled into its step, the syncer's is not)."""
+    from functools import partial
+
+    from diloco_jax.algorithm import fragments as fragments_lib
+    from diloco_jax.algorithm.robust import Merge
     from diloco_jax.learners.learner import _sync_parts
 
     algorithm = diloco(optax.adamw(0.05), optax.sgd(0.7, momentum=0.9, nesterov=True),
                        sync_every=4, streaming=(fragments, overlap, 0.25),
-                       fragment_of=_fragment_of)  # fmt: skip
+                       fragment_of=_fragment_of,
+                       merge=Merge(rule, radius=1.0, iterations=2))  # fmt: skip
+    same = (chex.assert_trees_all_equal if rule == "mean"
+            else partial(chex.assert_trees_all_close, rtol=1e-5, atol=1e-6))  # fmt: skip
     x0 = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2)), "c": jnp.zeros(4), "d": jnp.zeros(5)}
     rng = np.random.default_rng(0)
     targets_R = jax.tree.map(lambda x: np.asarray(rng.normal(size=(4, *x.shape)), np.float32), x0)
@@ -272,12 +283,18 @@ def test_streaming_learners_through_a_syncer_equal_the_cores_streaming_replicas(
             else:
                 states = [parts[f][1](s, [answer[n] for n in mine]) for s in states]
         for i, state in enumerate(states):
-            chex.assert_trees_all_equal(state.anchor, want.anchor)
-            for field in ("params", "inner_state", "exchange_state"):
-                chex.assert_trees_all_equal(
-                    jax.tree.map(lambda x: x[0], getattr(state, field)),
-                    jax.tree.map(lambda x, i=i: x[i], getattr(want, field)))  # fmt: skip
-        chex.assert_trees_all_equal(syncer.outer_state, want.outer_state)
+            same(state.anchor, want.anchor)
+            fields = ("params", "inner_state") + ("exchange_state",) * (rule == "mean")
+            for field in fields:
+                same(jax.tree.map(lambda x: x[0], getattr(state, field)),
+                     jax.tree.map(lambda x, i=i: x[i], getattr(want, field)))  # fmt: skip
+        same(syncer.outer_state, want.outer_state)
+        if rule != "mean":  # the syncer's centers: each fragment's, the core's exchange state
+            for f, idx in enumerate(fragments_lib.groups(assignment, fragments)):
+                same(
+                    [syncer.center[j] for j in idx],
+                    jax.tree.map(lambda x: x[0], want.exchange_state[f][0]),
+                )
     finally:
         syncer.close()
     assert sum(sent[:fragments]) == model and max(sent) < model / fragments * 1.5
@@ -285,6 +302,8 @@ def test_streaming_learners_through_a_syncer_equal_the_cores_streaming_replicas(
     try:
         assert again.round == syncs and again.assignment == assignment
         chex.assert_trees_all_equal(again.outer_state, syncer.outer_state)
+        if rule != "mean":
+            chex.assert_trees_all_equal(again.center, syncer.center)
     finally:
         again.close()
 

@@ -339,6 +339,8 @@ SYNCER_RULES = {
     "median": Merge("median"),
     "clipped_mean": Merge("mean", clip=1.0),
     "clipped_median": Merge("median", clip=1.5),
+    "centered_clip": Merge("centered_clip", radius=1.0, iterations=3),
+    "clipped_centered_clip": Merge("centered_clip", clip=1.5, radius=0.5, iterations=2),
 }
 
 
@@ -347,19 +349,35 @@ def test_the_syncers_merge_with_each_rule_is_the_simulators_for_the_same_pushes(
     """Five learners' pushes (one of them NaN, said not finite; one 200 x the others): the
     syncer's merge (leaf by leaf, the NaN push never read) against the simulator's exchange
     under vmap, each replica one of the pushes. The same jnp code on the same values; the
-    exchange's is compiled into one program, so they agree to float32 rounding."""
+    exchange's is compiled into one program, so they agree to float32 rounding. Centered
+    clipping starts from the same center (the last merge) in both, and returns the merge as
+    the next one's."""
     from diloco_jax.learners.rounds import robust_merge
 
-    pushes, leaves, w_R, finite_R = _pushes(np.random.default_rng(4), n=5)
-    mean, total_w, stats = robust_merge(pushes, merge)
+    rng = np.random.default_rng(4)
+    pushes, leaves, w_R, finite_R = _pushes(rng, n=5)
+    center = [rng.normal(size=x.shape[1:]).astype(np.float32) for x in leaves]
+    mean, total_w, stats, following = robust_merge(pushes, merge, center=center)
     ex = robust.exchange("replica", merge)
     state = jax.vmap(ex.init)([jnp.asarray(x) for x in leaves])
+    if merge.rule == "centered_clip":
+        stacked = [
+            jnp.broadcast_to(jnp.asarray(c), x.shape) for c, x in zip(center, leaves, strict=True)
+        ]
+        state = (stacked, state[1])
     w_sim = jnp.where(jnp.asarray(finite_R), jnp.asarray(w_R), 0.0)
     sim, _, _ = jax.jit(jax.vmap(ex.mean, axis_name="replica"))(
         [jnp.asarray(x) for x in leaves], w_sim, jnp.asarray(finite_R), state
     )
     for got, want in zip(mean, sim, strict=True):
         np.testing.assert_allclose(got, np.asarray(want[0]), rtol=1e-6, atol=1e-7)
+    if merge.rule == "centered_clip":
+        for got, want in zip(following, mean, strict=True):
+            np.testing.assert_array_equal(got, want)
+        far = robust_merge(pushes, merge, center=[c + 100.0 for c in center])[0]
+        assert not np.allclose(far[0], mean[0])  # the center is read
+    else:
+        assert following is None
     assert total_w == 7.0
     assert len(stats["norm"]) == 4 and stats["norm"][3] > 50 * stats["norm"][0]
     if merge.clip:
@@ -399,10 +417,73 @@ def test_a_syncer_merging_with_the_median_is_not_moved_by_one_far_push_and_says_
         syncer.close()
 
 
-def test_a_syncer_refuses_centered_clipping_in_one_line(tmp_path):
+def _centered_pushes(rounds: int) -> list[list[np.ndarray]]:
+    """Three learners' pushes of 6 values for each of ``rounds`` rounds, learner 2's far from
+    the others (centered clipping's case)."""
+    rng = np.random.default_rng(63)
+    out = []
+    for _ in range(rounds):
+        values = rng.normal(size=(3, 6)).astype(np.float32)
+        values[2] *= 40.0
+        out.append([values[i] for i in range(3)])
+    return out
+
+
+def _centered_syncer_run(workdir, algorithm, pushed, restart_after=None) -> list[np.ndarray]:
+    """A syncer of three learners over a model ``{"a": [2], "b": [4]}`` merging ``pushed`` (by
+    round, by learner: 6 values split into the leaves), closed and started again from its
+    checkpoint after round ``restart_after``; the anchor after each round, flat."""
+    from diloco_jax.learners import wire
     from tests.test_learners import _syncer
 
-    algorithm = diloco(optax.adamw(0.05), optax.sgd(1.0), sync_every=3,
-                       merge=Merge("centered_clip"))  # fmt: skip
-    with pytest.raises(ValueError, match="centered_clip' is not served by a syncer yet"):
-        _syncer(tmp_path, algorithm, learners=3)
+    x = {"a": np.zeros(2, np.float32), "b": np.zeros(4, np.float32)}
+    syncer = _syncer(workdir, algorithm, learners=3)
+    anchors = []
+    try:
+        for i in range(3):
+            syncer.join(i, wire.describe(x), {"outer.sync_every": 3}, wire.named(x))
+        for rnd, values in enumerate(pushed):
+            for i, v in enumerate(values):
+                syncer.push(i, 1, rnd, 1.0, {"['a']": v[:2], "['b']": v[2:]})
+            anchors.append(np.concatenate([np.asarray(a) for a in syncer.anchor]))
+            if rnd == restart_after:
+                syncer.close()
+                syncer = _syncer(workdir, algorithm, learners=3)
+    finally:
+        syncer.close()
+    return anchors
+
+
+def test_a_syncer_clips_around_its_last_merge_as_the_simulator_does_across_a_restart(tmp_path):
+    """Centered clipping at the syncer (issue 63): three learners, one far off, four rounds.
+    Each round's anchor (outer SGD at lr 1: minus the sum of the merges) is the simulator's
+    exchange's over the same pushes, whose center is its last merge; a syncer restarted after
+    round 1 restores the center from its checkpoint and goes on with the same bits as one that
+    was not restarted. With the center not carried (zeros each round) round 1 would differ."""
+    merge = Merge("centered_clip", radius=1.0, iterations=2)
+    algorithm = diloco(optax.adamw(0.05), optax.sgd(1.0), sync_every=3, merge=merge)
+    pushed = _centered_pushes(4)
+    straight = _centered_syncer_run(tmp_path / "a", algorithm, pushed)
+    restarted = _centered_syncer_run(tmp_path / "b", algorithm, pushed, restart_after=1)
+    for a, b in zip(straight, restarted, strict=True):
+        np.testing.assert_array_equal(a, b)
+    ex = robust.exchange("replica", merge)
+    step = jax.jit(jax.vmap(ex.mean, axis_name="replica"))
+
+    def leaves(values):
+        return [jnp.asarray(np.stack([v[:2] for v in values])),
+                jnp.asarray(np.stack([v[2:] for v in values]))]  # fmt: skip
+
+    def merged_of(values, state):
+        out, state, _ = step(leaves(values), jnp.ones(3), jnp.ones(3, bool), state)
+        return np.concatenate([np.asarray(m[0]) for m in out]), state
+
+    state = jax.vmap(ex.init)(leaves(pushed[0]))
+    anchor = np.zeros(6, np.float32)
+    for rnd, values in enumerate(pushed):
+        merged, state = merged_of(values, state)
+        anchor = anchor - merged
+        np.testing.assert_allclose(straight[rnd], anchor, rtol=1e-5, atol=1e-6)
+    fresh = jax.vmap(ex.init)(leaves(pushed[1]))  # round 1 clipped around zeros instead
+    forgot = straight[0] - merged_of(pushed[1], fresh)[0]
+    assert np.abs(straight[1] - forgot).max() > 1e-3

@@ -78,10 +78,11 @@ class Keeper:
         # the checkpoint: a learner removed once stays removed), refused from then on
         self.removed: set[int] = set(removed)
         rule = getattr(algorithm, "merge", None)
-        if rule is not None and rule.rule == "centered_clip":
-            raise ValueError("merge.rule = 'centered_clip' is not served by a syncer yet (its "
-                             "center, the last merge, is not in the checkpoint): choose "
-                             "trimmed_mean, median, or mean with merge.clip")  # fmt: skip
+        # merge.rule = centered_clip (issue 63): each leaf's center, its last merge (float32,
+        # in the checkpoint; None: zeros, before any merge), as the simulator's exchange keeps
+        # it per fragment
+        self.centered = rule is not None and rule.rule == "centered_clip"
+        self.center: list[np.ndarray] | None = None
         # a shard that does not decide (issue 62) closes a round only as the deciding shard's
         # decision says (:meth:`Syncer.follow`); the recent decisions, by round
         self.decides = decides
@@ -175,6 +176,8 @@ class Keeper:
         self.round, self.merged = step, float(meta.get("merged", 0.0))
         if self.compress_answers and "sent" in saved:  # else the anchor: :meth:`_sent`
             self.sent = answers.first(list(saved["sent"]), step)
+        if self.centered and "center" in saved:  # else zeros: no round merged yet
+            self.center = [np.asarray(c, np.float32) for c in saved["center"]]
         self.ledger = Ledger.from_meta(meta.get("pushes", {}))
         # the members of the last round, present again: their pushes need no new join
         for i, generation in meta.get("members", {}).items():
@@ -198,7 +201,11 @@ class Keeper:
         anchor = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for _, s, d in meta["leaves"]]
         outer = self._outer_shape(anchor, self._assigned(meta))
         like = {"anchor": anchor, "outer": jax.tree.leaves(outer)}
-        return {**like, "sent": anchor} if meta.get("sent") else like
+        if meta.get("sent"):
+            like["sent"] = anchor
+        if meta.get("center"):
+            like["center"] = [jax.ShapeDtypeStruct(a.shape, np.float32) for a in anchor]
+        return like
 
     def _outer_shape(self, anchor: list, assignment: list[int]):
         return jax.eval_shape(lambda leaves: self.outer_init(leaves, assignment), anchor)
@@ -223,11 +230,14 @@ class Keeper:
         fragment = self.algorithm.plan.round_fragment(rnd)
         return [i for i, f in enumerate(self.assignment) if f == fragment]
 
-    def _save(self, rnd: int, anchor: list, outer_state, meta: dict,
-              sent: list | None = None) -> None:  # fmt: skip
+    def _save(self, rnd: int, anchor: list, outer_state, meta: dict, sent: list | None = None,
+              center: list | None = None) -> None:  # fmt: skip
+        groups = {}
         if sent is not None:  # compress.answers: the learners' anchor, restored with the rest
-            meta = {**meta, "sent": True}
-        self.store.save(rnd, anchor, outer_state, meta, sent)
+            meta, groups["sent"] = {**meta, "sent": True}, sent
+        if center is not None:  # centered clipping's center
+            meta, groups["center"] = {**meta, "center": True}, center
+        self.store.save(rnd, anchor, outer_state, meta, groups)
 
     def _sent(self) -> answers.Sent | None:
         """``sent`` (compress.answers; None: off): what the learners hold of the anchor, the
@@ -362,11 +372,19 @@ class Keeper:
         weights = decision.merge_weights(self.late_weight)
         weighed = [dataclasses.replace(p, weight=w, finite=ok)
                    for p, w, ok in zip(pushes, weights, decision.finite, strict=True)]  # fmt: skip
-        rule, diagnosed = getattr(self.algorithm, "merge", None), {}
+        rule, diagnosed, center = getattr(self.algorithm, "merge", None), {}, None
         if rule is None or rule.plain:
             mean, total_w = merge(weighed, finish)
         else:  # issue 63: the simulator's rule; what it did to each push goes in the tape
-            mean, total_w, stats = robust_merge(weighed, rule, finish)
+            idx = self.carried(self.round)
+            if self.centered:  # the round's leaves' center: their last merge
+                center = self.center or [np.zeros(a.shape, np.float32) for a in self.anchor or []]
+            part = None if center is None else [center[i] for i in idx]
+            mean, total_w, stats, part = robust_merge(weighed, rule, finish, part)
+            if center is not None and part is not None:
+                center = list(center)
+                for i, c in zip(idx, part, strict=True):
+                    center[i] = c
             merged_order = [i for i, p in zip(order, weighed, strict=True)
                             if p.finite and p.weight > 0]  # fmt: skip
             if stats:
@@ -390,6 +408,8 @@ class Keeper:
         with contextlib.nullcontext() if locked else self.lock:
             self.anchor, self.outer_state, self.anchor_sha = anchor, outer, anchor_sha
             self.sent = sent
+            if center is not None:
+                self.center = center
             self.ledger.merged(dict(zip(order, pushes, strict=True)), closed,
                                closed - self.max_late - 1)  # fmt: skip
             self.merged += examples
@@ -399,7 +419,7 @@ class Keeper:
             meta = self._meta(closed + 1, anchor)
         try:
             self._save(closed + 1, anchor, outer, meta,  # before anyone sees the new anchor
-                       None if sent is None else sent.leaves)  # fmt: skip
+                       None if sent is None else sent.leaves, center)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the round goes on; a restart would lose it
             log.exception("syncer: the checkpoint of round %d was not written", closed + 1)
             self.event("checkpoint_failed", error=f"{type(e).__name__}: {str(e)[:200]}")

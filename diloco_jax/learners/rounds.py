@@ -178,28 +178,38 @@ def merge(pushes: list[Push], finish=None) -> tuple[list, float]:
     return total, total_w
 
 
-def robust_merge(pushes: list[Push], rule, finish=None) -> tuple[list, float, dict]:
+def robust_merge(pushes: list[Push], rule, finish=None,
+                 center: list | None = None) -> tuple[list, float, dict, list | None]:  # fmt: skip
     """:func:`merge` with a robust rule (a :class:`~diloco_jax.algorithm.robust.Merge` that is
     not the plain mean): the same :func:`~diloco_jax.algorithm.robust.combine` the simulator's
     exchange applies, over the finite pushes of weight > 0 in learner order, each leaf of
     every push stacked when its turn comes (memory: the pushes' largest leaf times their
-    number, and the result). Returns ``(mean, total weight, what the merge did to each push:
-    robust.diagnose's, by the pushes' order among those merged)``."""
+    number, and the result). ``center``: centered clipping's (the last merge of these leaves,
+    float32; None: zeros). Returns ``(mean, total weight, what the merge did to each push:
+    robust.diagnose's, by the pushes' order among those merged, the next center)``: under
+    centered clipping the merge itself, before ``finish`` (the old center where no push
+    counted, as the simulator's exchange keeps it), else None."""
     import jax.numpy as jnp
 
     from diloco_jax.algorithm import robust
 
     finite = [p for p in pushes if p.finite and p.weight > 0]
     finish = finish or (lambda leaf, _: leaf)
+    centered = rule.rule == "centered_clip"
+    if centered and center is None:
+        center = [np.zeros(x.shape, np.float32) for x in pushes[0].leaves()]
     if not finite:
         zeros = [finish(np.zeros(x.shape, np.float32), 0.0) for x in pushes[0].leaves()]
-        return zeros, 0.0, {}
+        return zeros, 0.0, {}, center if centered else None
     w_R = jnp.asarray([p.weight for p in finite], jnp.float32)
     valid_R = jnp.ones(len(finite), bool)
     stacked = robust.Lazy(finite[0].count(), lambda i: jnp.asarray(np.stack(
         [np.asarray(p.leaf(i), np.float32) for p in finite])))  # fmt: skip
-    out = robust.combine(rule, stacked, w_R, valid_R)  # no center: centered_clip is refused
+    start = [jnp.asarray(c, jnp.float32) for c in center or []] if centered else None
+    out = robust.combine(rule, stacked, w_R, valid_R, start)
     stats = robust.diagnose(rule, stacked, w_R, valid_R, out)
     total_w = float(sum(p.weight for p in finite))
-    mean = [finish(np.array(o, np.float32), total_w) for o in out]
-    return mean, total_w, {k: np.asarray(v).tolist() for k, v in stats.items()}
+    merged = [np.array(o, np.float32) for o in out]
+    following = [m.copy() for m in merged] if centered else None  # ``finish`` may scale in place
+    mean = [finish(m, total_w) for m in merged]
+    return mean, total_w, {k: np.asarray(v).tolist() for k, v in stats.items()}, following

@@ -47,12 +47,11 @@ class Store:
             self.tape.flush()
 
     def save(self, rnd: int, anchor: list, outer_state, meta: dict,
-             sent: list | None = None) -> None:  # fmt: skip
-        """Round ``rnd``'s anchor and outer state, with ``meta`` (JSON-able) and, with
-        compressed answers, ``sent`` (the anchor the learners hold: :mod:`.answers`)."""
-        state = {"anchor": anchor, "outer": jax.tree.leaves(outer_state)}
-        if sent is not None:
-            state["sent"] = sent
+             groups: dict[str, list] | None = None) -> None:  # fmt: skip
+        """Round ``rnd``'s anchor and outer state, with ``meta`` (JSON-able) and ``groups``
+        (lists of arrays by name: with compressed answers ``sent``, the anchor the learners
+        hold, :mod:`.answers`; with centered clipping ``center``, the last merge)."""
+        state = {"anchor": anchor, "outer": jax.tree.leaves(outer_state), **(groups or {})}
         with _SAVING:
             checkpoint.save(self.mngr, rnd, state, meta, wait=True)
 
